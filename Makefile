@@ -1,0 +1,67 @@
+# ferry build. `make test` and `make demo` install everything they need.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PREFIX := .ferry
+CRIU := $(PREFIX)/criu/bin/criu
+CRIU_PROTO := $(PREFIX)/criu/share/criu/proto
+INIT := $(PREFIX)/bin/ferry-init
+STUBS := ferry/v1/agent_pb2.py agent/criu_pb/rpc_pb2.py
+PYTEST_ARGS ?=
+
+.PHONY: all deps proto native criu test unit integration demo bench lint doctor clean
+
+all: deps criu proto native
+
+# Python environment: runtime and dev dependencies (torch pinned to the CPU build).
+deps: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]' --config-settings editable_mode=compat
+	touch $@
+
+# CRIU >= 4.0: the system's when it works, else built from Debian's source tarball.
+criu: $(CRIU)
+$(CRIU) $(CRIU_PROTO)/rpc.proto: scripts/install-criu.sh
+	scripts/install-criu.sh $(PREFIX)/criu
+	touch -h $(CRIU)
+
+# Generated stubs: ferry's API and CRIU's RPC/stats protos (never committed).
+proto: $(STUBS)
+ferry/v1/agent_pb2.py: proto/ferry/v1/agent.proto $(VENV)/.installed
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m grpc_tools.protoc -I proto --python_out=. --grpc_python_out=. --mypy_out=. $<
+agent/criu_pb/rpc_pb2.py: $(CRIU_PROTO)/rpc.proto $(VENV)/.installed
+	mkdir -p agent/criu_pb && touch agent/criu_pb/__init__.py
+	$(PY) -m grpc_tools.protoc -I $(CRIU_PROTO) --python_out=agent/criu_pb $(CRIU_PROTO)/rpc.proto $(CRIU_PROTO)/stats.proto
+
+# The job's PID 1.
+native: $(INIT)
+$(INIT): native/ferry-init.c
+	mkdir -p $(dir $@)
+	$(CC) -O2 -Wall -Wextra -Werror -o $@ $<
+
+test: all
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+unit: all
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+integration: all
+	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+
+demo: all
+	$(PY) scripts/demo.py
+
+bench: all
+	$(PY) scripts/bench_migrate.py
+
+lint: deps
+	$(VENV)/bin/ruff check agent tests scripts
+	$(VENV)/bin/ruff format --check agent tests scripts
+
+doctor: all
+	$(VENV)/bin/ferry doctor
+
+clean:
+	rm -rf $(VENV) $(PREFIX) ferry agent/criu_pb build *.egg-info

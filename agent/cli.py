@@ -1,0 +1,376 @@
+"""The `ferry` command line: parse, call the agent, render. No logic of its own."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from agent import __version__, config
+from agent.errors import FerryError
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+
+
+class Usage(Exception):
+    """Bad command-line input: printed as one line, exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise Usage(f"{self.prog}: {message} (see `{self.prog} --help`)")
+
+
+def _agent_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--agent",
+        default=config.default_agent(),
+        metavar="HOST:PORT",
+        help=f"agent to talk to (default: $FERRY_AGENT, else {config.DEFAULT_AGENT})",
+    )
+
+
+def _json_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def build_parser() -> Parser:
+    p = Parser(
+        prog="ferry",
+        description="Live-migrate unmodified training processes between nodes. Every node runs "
+        "`ferry agent`; the other commands talk to an agent over gRPC.",
+    )
+    p.add_argument("--version", action="version", version=f"ferry {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=Parser)
+
+    a = sub.add_parser("agent", help="run the node agent (as root)", description="Run the node agent.")
+    a.add_argument("--listen", required=True, metavar="HOST:PORT", help="address to serve on (port 0: any)")
+    a.add_argument("--state-dir", required=True, type=Path, help="where job records and logs live")
+    a.add_argument(
+        "--node-name", default=config.default_node_name(), help="this node's name (default: hostname)"
+    )
+    a.add_argument("--staging-dir", type=Path, help="where images are staged (default: /dev/shm/ferry/NODE)")
+    a.add_argument("--insecure", action="store_true", help="serve plaintext; allowed only on loopback")
+    a.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    r = sub.add_parser(
+        "run",
+        help="start a job under the agent",
+        description="Start CMD in its own PID namespace under a small init; stdin is /dev/null, "
+        "stdout/stderr go to files the agent owns (see `ferry logs`).",
+    )
+    _agent_arg(r)
+    r.add_argument("--name", required=True, help="the job's name, unique on the node")
+    r.add_argument("--cwd", default=None, help="working directory (default: the current one)")
+    r.add_argument("--env", action="append", default=[], metavar="K=V", help="set an environment variable")
+    _json_arg(r)
+    r.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
+
+    ps = sub.add_parser("ps", help="list jobs", description="List this agent's jobs and their states.")
+    _agent_arg(ps)
+    _json_arg(ps)
+
+    lg = sub.add_parser("logs", help="print a job's output", description="Print a job's stdout and stderr.")
+    _agent_arg(lg)
+    lg.add_argument("name")
+    lg.add_argument("-f", "--follow", action="store_true", help="keep printing while the job runs")
+
+    st = sub.add_parser("stop", help="stop a job", description="SIGTERM the job, SIGKILL after --timeout.")
+    _agent_arg(st)
+    st.add_argument("name")
+    st.add_argument("--timeout", type=float, default=10.0, help="seconds before SIGKILL (default 10)")
+    _json_arg(st)
+
+    ad = sub.add_parser(
+        "adopt",
+        help="take over a running process",
+        description="Track a process ferry did not start. It keeps its host PIDs: a migration "
+        "target must have them free (checked before anything is frozen).",
+    )
+    _agent_arg(ad)
+    ad.add_argument("--pid", type=int, required=True)
+    ad.add_argument("--name", required=True)
+    _json_arg(ad)
+
+    mg = sub.add_parser(
+        "migrate",
+        help="move a running job to another agent",
+        description="Prepare on the target, freeze and dump, stream the image, restore on the "
+        "target, then end the source copy. Any failure before the target runs the job resumes "
+        "it on the source.",
+    )
+    _agent_arg(mg)
+    mg.add_argument("name")
+    mg.add_argument("--to", required=True, metavar="HOST:PORT", help="the target agent")
+    _json_arg(mg)
+
+    ck = sub.add_parser(
+        "checkpoint",
+        help="save a job to a directory",
+        description="Dump a job into DIR (on the agent's node). "
+        "The job ends afterwards unless --leave-running.",
+    )
+    _agent_arg(ck)
+    ck.add_argument("name")
+    ck.add_argument("--out", required=True, type=Path, metavar="DIR", help="a new or empty directory")
+    ck.add_argument("--leave-running", action="store_true", help="keep the job running after the dump")
+    _json_arg(ck)
+
+    rs = sub.add_parser(
+        "restore", help="resume a saved job", description="Resume a job saved by `checkpoint`."
+    )
+    _agent_arg(rs)
+    rs.add_argument("dir", type=Path, metavar="DIR")
+    rs.add_argument("--name", default="", help="run it under another name")
+    _json_arg(rs)
+
+    ins = sub.add_parser(
+        "inspect",
+        help="describe a saved image",
+        description="Show an image's manifest and check its digests.",
+    )
+    ins.add_argument("dir", type=Path, metavar="DIR")
+    ins.add_argument("--no-verify", action="store_true", help="skip the digest check")
+    _json_arg(ins)
+
+    dr = sub.add_parser(
+        "doctor", help="check this host", description="Check whether this host can migrate jobs."
+    )
+    dr.add_argument("--staging-dir", type=Path, default=config.DEFAULT_STAGING_ROOT)
+    _json_arg(dr)
+    return p
+
+
+# -- commands -------------------------------------------------------------------------
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True))
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from agent.server import serve
+
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    staging = args.staging_dir or config.DEFAULT_STAGING_ROOT / args.node_name
+    args.state_dir.mkdir(parents=True, exist_ok=True)
+    serve(args.listen, args.state_dir.resolve(), args.node_name, staging, args.insecure)
+    return EXIT_OK
+
+
+def _job_out(job: Any, as_json: bool, text: str) -> None:
+    from agent.render import job_dict
+
+    _print_json(job_dict(job)) if as_json else print(text)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from agent.rpc import pb
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise Usage("ferry run: no command given (usage: ferry run --name NAME -- CMD [ARGS...])")
+    cwd = os.path.abspath(args.cwd or os.getcwd())
+    req = pb.RunRequest(name=args.name, command=command, cwd=cwd, env=args.env)
+    job = _call(args.agent, "Run", req, 30)
+    _job_out(job, args.json, f"job {job.name} running as pid {job.pid} on {job.node_name}")
+    return EXIT_OK
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    from agent.render import job_dict, jobs_table
+    from agent.rpc import pb
+
+    jobs = list(_call(args.agent, "ListJobs", pb.ListJobsRequest(), 10).jobs)
+    _print_json([job_dict(j) for j in jobs]) if args.json else print(jobs_table(jobs))
+    return EXIT_OK
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from agent.rpc import pb
+
+    req = pb.LogsRequest(name=args.name, follow=args.follow)
+    for chunk in _stream(args.agent, "Logs", req, None if args.follow else 60):
+        out = sys.stdout if chunk.stream == pb.LOG_STREAM_STDOUT else sys.stderr
+        out.buffer.write(chunk.data)
+        out.flush()
+    return EXIT_OK
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from agent.rpc import pb
+
+    job = _call(
+        args.agent, "StopJob", pb.StopJobRequest(name=args.name, timeout_s=args.timeout), args.timeout + 30
+    )
+    _job_out(job, args.json, f"job {job.name} stopped")
+    return EXIT_OK
+
+
+def cmd_adopt(args: argparse.Namespace) -> int:
+    from agent.rpc import pb
+
+    job = _call(args.agent, "Adopt", pb.AdoptRequest(name=args.name, pid=args.pid), 30)
+    _job_out(job, args.json, f"job {job.name} adopted (pid {job.pid})")
+    return EXIT_OK
+
+
+def _follow_progress(events: Iterator[Any], as_json: bool) -> int:
+    from agent.render import ProgressLine, result_dict, summary
+
+    line = ProgressLine()
+    result = None
+    try:
+        for ev in events:
+            if ev.HasField("result"):
+                result = ev.result
+            elif not as_json:
+                line.update(ev)
+    finally:
+        line.close()
+    if result is None:
+        raise FerryError("the agent ended the stream without a result; see `ferry ps`")
+    _print_json(result_dict(result)) if as_json else print(summary(result))
+    return EXIT_OK
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from agent.client import split_address
+    from agent.rpc import pb
+
+    split_address(args.to)
+    events = _stream(args.agent, "Migrate", pb.MigrateRequest(name=args.name, target=args.to), 3600)
+    return _follow_progress(events, args.json)
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from agent.rpc import pb
+
+    req = pb.CheckpointRequest(
+        name=args.name, out_dir=str(args.out.absolute()), leave_running=args.leave_running
+    )
+    return _follow_progress(_stream(args.agent, "Checkpoint", req, 3600), args.json)
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    from agent.rpc import pb
+
+    req = pb.RestoreRequest(image_dir=str(args.dir.absolute()), name=args.name)
+    job = _call(args.agent, "Restore", req, 600)
+    _job_out(job, args.json, f"job {job.name} restored as pid {job.pid} on {job.node_name}")
+    return EXIT_OK
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from agent.image import inspect_data
+    from agent.render import human_bytes, table
+
+    d = inspect_data(args.dir, check=not args.no_verify)
+    if args.json:
+        _print_json(d)
+        return EXIT_OK
+    job = d["job"]
+    print(
+        f"image {d['path']}  (manifest version {d['version']}, "
+        f"{'digests verified' if d['verified'] else 'digests NOT checked'})"
+    )
+    print(f"job {job['name']} ({job['kind']}) from node {d['source_node']}: {' '.join(job['command'])}")
+    print(
+        f"host memory {human_bytes(d['host_bytes'])}, GPU memory {human_bytes(d['gpu_bytes'])}, "
+        f"image {human_bytes(d['image_bytes'])} in {len(d['files'])} files"
+    )
+    print(
+        table(["FILE", "SIZE", "SHA256"], [[f["name"], str(f["size"]), f["sha256"][:16]] for f in d["files"]])
+    )
+    if d["criu_stats"]:
+        print("criu stats: " + ", ".join(f"{k}={v}" for k, v in sorted(d["criu_stats"].items())))
+    if d["timings"]:
+        print("timings: " + ", ".join(f"{k} {v:.3f} s" for k, v in d["timings"].items()))
+    return EXIT_OK
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from agent.doctor import can_migrate, run_checks
+
+    checks = run_checks(args.staging_dir)
+    ok = can_migrate(checks)
+    if args.json:
+        _print_json({"can_migrate": ok, "checks": [c.__dict__ for c in checks]})
+    else:
+        for c in checks:
+            mark = "ok  " if c.ok else ("FAIL" if c.required else "warn")
+            fix = f"  -> {c.fix}" if not c.ok and c.fix else ""
+            print(f"[{mark}] {c.name}: {c.detail}{fix}")
+        print("this host can migrate jobs" if ok else "this host cannot migrate jobs yet (see FAIL above)")
+    return EXIT_OK if ok else EXIT_ERROR
+
+
+# -- plumbing -------------------------------------------------------------------------
+
+
+def _call(address: str, method: str, req: Any, timeout: float) -> Any:
+    import grpc
+
+    from agent.client import from_rpc_error, stub
+
+    try:
+        return getattr(stub(address), method)(req, timeout=timeout)
+    except grpc.RpcError as e:
+        raise from_rpc_error(e, address, method) from e
+
+
+def _stream(address: str, method: str, req: Any, timeout: float | None) -> Iterator[Any]:
+    import grpc
+
+    from agent.client import from_rpc_error, stub
+
+    try:
+        yield from getattr(stub(address), method)(req, timeout=timeout)
+    except grpc.RpcError as e:
+        raise from_rpc_error(e, address, method) from e
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "agent": cmd_agent,
+    "run": cmd_run,
+    "ps": cmd_ps,
+    "logs": cmd_logs,
+    "stop": cmd_stop,
+    "adopt": cmd_adopt,
+    "migrate": cmd_migrate,
+    "checkpoint": cmd_checkpoint,
+    "restore": cmd_restore,
+    "inspect": cmd_inspect,
+    "doctor": cmd_doctor,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return COMMANDS[args.cmd](args)
+    except Usage as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_USAGE
+    except FerryError as e:
+        print(f"ferry: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(
+            "ferry: interrupted (a migration in progress goes on in the agent; see `ferry ps`)",
+            file=sys.stderr,
+        )
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

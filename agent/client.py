@@ -1,0 +1,126 @@
+"""gRPC channels to agents, and the peer view a source agent has of a target.
+
+Until mutual TLS lands, only loopback addresses are reachable (plaintext).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterator
+
+import grpc
+
+from agent.errors import (
+    AlreadyExistsError,
+    FerryError,
+    InvalidArgumentError,
+    NotFoundError,
+    RefusedError,
+    StepTimeoutError,
+    TransferError,
+    UnavailableError,
+)
+from agent.rpc import pb, pb_grpc
+
+#: Deadlines per call, in seconds. Commit covers a CRIU restore of a large image.
+DEADLINES = {"info": 10.0, "prepare": 60.0, "push": 3600.0, "commit": 600.0, "abort": 30.0, "status": 10.0}
+MAX_MESSAGE = 16 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+]
+
+_ERROR_BY_CODE: dict[grpc.StatusCode, type[FerryError]] = {
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.FAILED_PRECONDITION: RefusedError,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExistsError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: StepTimeoutError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.ABORTED: TransferError,
+}
+
+
+def split_address(address: str, listen: bool = False) -> tuple[str, int]:
+    """HOST:PORT (or [V6]:PORT) → (host, port), with a one-line error for anything else.
+
+    Port 0 ("any free port") is valid only for an address to listen on.
+    """
+    host, sep, port = address.rpartition(":")
+    host = host.strip("[]")
+    lowest = 0 if listen else 1
+    if not sep or not host or not port.isdigit() or not lowest <= int(port) < 65536:
+        raise InvalidArgumentError(f"invalid agent address {address!r}: expected HOST:PORT")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def channel(address: str) -> grpc.Channel:
+    host, _ = split_address(address)
+    if not is_loopback(host):
+        raise InvalidArgumentError(
+            f"{address} is not a loopback address; agents speak plaintext only on loopback "
+            "until mutual TLS is available"
+        )
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def stub(address: str) -> pb_grpc.AgentStub:
+    return pb_grpc.AgentStub(channel(address))
+
+
+def from_rpc_error(e: grpc.RpcError, address: str, step: str) -> FerryError:
+    """A remote agent's error as ours: its message already names step, node and cause."""
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    detail = (e.details() if hasattr(e, "details") else "") or str(code)
+    if code is grpc.StatusCode.UNAVAILABLE:
+        detail = f"agent {address} is unreachable ({detail})"
+    elif code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        detail = f"agent {address} did not answer in time"
+    cls = _ERROR_BY_CODE.get(code, FerryError)
+    return cls(
+        detail, step=step if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else ""
+    )
+
+
+class PeerClient:
+    """The target agent, for a source agent's migration (agent.migrate.Peer)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._stub = stub(address)
+
+    def _call(self, step: str, fn: object, req: object) -> object:
+        try:
+            return fn(req, timeout=DEADLINES[step])  # type: ignore[operator]
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, self.address, step) from e
+
+    def info(self) -> pb.NodeInfo:
+        return self._call("info", self._stub.GetInfo, pb.GetInfoRequest())  # type: ignore[return-value]
+
+    def prepare(self, req: pb.PrepareRequest) -> pb.Lease:
+        return self._call("prepare", self._stub.Prepare, req)  # type: ignore[return-value]
+
+    def push(self, chunks: Iterator[pb.ImageChunk]) -> pb.PushImageResponse:
+        return self._call("push", self._stub.PushImage, chunks)  # type: ignore[return-value]
+
+    def commit(self, req: pb.CommitRequest) -> pb.CommitResponse:
+        return self._call("commit", self._stub.Commit, req)  # type: ignore[return-value]
+
+    def abort(self, migration_id: str, reason: str) -> None:
+        self._call("abort", self._stub.Abort, pb.AbortRequest(migration_id=migration_id, reason=reason))
+
+    def status(self, migration_id: str) -> int:
+        resp = self._call(
+            "status", self._stub.GetMigration, pb.GetMigrationRequest(migration_id=migration_id)
+        )
+        return resp.state  # type: ignore[attr-defined]

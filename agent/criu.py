@@ -1,0 +1,280 @@
+"""A thin adapter over CRIU's RPC service (`criu swrk`).
+
+Each operation starts `criu swrk FD` on one end of a SOCK_SEQPACKET socketpair
+and exchanges one protobuf request and response (CRIU's own rpc.proto,
+compiled at build time). Errors come back structured and always name the
+images directory and the CRIU log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import struct
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agent import config
+from agent.errors import CriuError, RefusedError
+
+log = logging.getLogger(__name__)
+
+try:
+    from agent.criu_pb import rpc_pb2, stats_pb2
+except ImportError as e:  # pragma: no cover - only without a build
+    raise SystemExit("ferry: CRIU's protos are not compiled (agent/criu_pb); run `make proto`") from e
+
+DUMP_LOG = "criu-dump.log"
+RESTORE_LOG = "criu-restore.log"
+STATS_DUMP = "stats-dump"
+STATS_RESTORE = "stats-restore"
+#: Unlinked files a job holds open (PyTorch's shared-memory tensors) travel
+#: inside the image; CRIU's 1 MiB default is far too small for training jobs.
+GHOST_LIMIT = 1 << 31
+_MAX_MSG = 1 << 20
+MIN_VERSION = (4, 0)
+
+
+@dataclass(frozen=True)
+class InheritFd:
+    """A file the restored tree gets from us instead of opening by path."""
+
+    path: str  # the path as the job had it open on the source
+    fd: int  # an fd of ours to use in its place
+
+    @property
+    def key(self) -> str:
+        # CRIU keys regular files by their path without the leading slash.
+        return self.path.lstrip("/")
+
+
+@dataclass
+class DumpResult:
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class RestoreResult:
+    pid: int
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+class Criu:
+    """One method per CRIU operation; `binary` defaults to config.criu_binary()."""
+
+    def __init__(self, binary: str | None = None, node: str = "") -> None:
+        self._binary = binary
+        self.node = node
+
+    @property
+    def binary(self) -> str:
+        if self._binary is None:
+            self._binary = config.criu_binary()
+        return self._binary
+
+    def version(self) -> tuple[int, int, int]:
+        out = subprocess.run(
+            [self.binary, "--version"], capture_output=True, text=True, timeout=30, check=False
+        ).stdout
+        m = re.search(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", out)
+        if not m:
+            raise CriuError(
+                "version", f"cannot parse `criu --version` output: {out.strip()!r}", node=self.node
+            )
+        return int(m[1]), int(m[2]), int(m[3] or 0)
+
+    def check(self) -> tuple[bool, str]:
+        """`criu check`: whether this kernel can dump and restore, and what CRIU said."""
+        p = subprocess.run([self.binary, "check"], capture_output=True, text=True, timeout=60, check=False)
+        return p.returncode == 0, (p.stdout + p.stderr).strip()
+
+    def feature(self, name: str) -> bool:
+        p = subprocess.run(
+            [self.binary, "check", "--feature", name], capture_output=True, text=True, timeout=60, check=False
+        )
+        return p.returncode == 0
+
+    def require_usable(self) -> str:
+        """Raise a precise refusal unless CRIU is present and new enough; return its version."""
+        major, minor, patch = self.version()
+        if (major, minor) < MIN_VERSION:
+            raise RefusedError(
+                f"CRIU {major}.{minor}.{patch} at {self.binary} is too old (need >= 4.0)",
+                step="criu check",
+                node=self.node,
+                hint="run `make criu` to build CRIU 4.1.1",
+            )
+        return f"{major}.{minor}.{patch}"
+
+    def dump(
+        self,
+        pid: int,
+        images_dir: Path,
+        *,
+        leave_running: bool = False,
+        leave_stopped: bool = True,
+        shell_job: bool = False,
+        timeout_s: int = 0,
+    ) -> DumpResult:
+        """Dump the tree rooted at `pid` into `images_dir` (log: criu-dump.log there)."""
+        opts = self._opts(images_dir, DUMP_LOG)
+        opts.pid = pid
+        if leave_running:
+            opts.leave_running = True
+        elif leave_stopped:
+            opts.leave_stopped = True
+        opts.shell_job = shell_job
+        opts.tcp_established = True
+        opts.ext_unix_sk = True
+        opts.file_locks = True
+        if timeout_s:
+            opts.timeout = timeout_s
+        self._call("dump", rpc_pb2.DUMP, opts, images_dir, DUMP_LOG)
+        return DumpResult(stats=read_stats(images_dir / STATS_DUMP, "dump"))
+
+    def restore(
+        self,
+        images_dir: Path,
+        *,
+        inherit: list[InheritFd] = (),  # type: ignore[assignment]
+        shell_job: bool = False,
+        log_dir: Path | None = None,
+    ) -> RestoreResult:
+        """Restore the tree as a sibling of CRIU, i.e. as a child of this process."""
+        opts = self._opts(images_dir, RESTORE_LOG)
+        opts.rst_sibling = True
+        opts.shell_job = shell_job
+        opts.tcp_established = True
+        opts.ext_unix_sk = True
+        opts.file_locks = True
+        for item in inherit:
+            opts.inherit_fd.add(key=item.key, fd=item.fd)
+        resp = self._call(
+            "restore",
+            rpc_pb2.RESTORE,
+            opts,
+            images_dir,
+            RESTORE_LOG,
+            pass_fds=[i.fd for i in inherit],
+            log_dir=log_dir,
+        )
+        return RestoreResult(pid=resp.restore.pid, stats=read_stats(images_dir / STATS_RESTORE, "restore"))
+
+    # -- plumbing -------------------------------------------------------------
+
+    def _opts(self, images_dir: Path, log_name: str) -> rpc_pb2.criu_opts:
+        opts = rpc_pb2.criu_opts()
+        opts.log_file = log_name
+        opts.log_level = 4
+        opts.ghost_limit = GHOST_LIMIT
+        return opts
+
+    def _call(
+        self,
+        op: str,
+        req_type: int,
+        opts: rpc_pb2.criu_opts,
+        images_dir: Path,
+        log_name: str,
+        *,
+        pass_fds: list[int] = (),  # type: ignore[assignment]
+        log_dir: Path | None = None,
+    ) -> rpc_pb2.criu_resp:
+        log_path = str((log_dir or images_dir) / log_name)
+        # CRIU opens directories through /proc/<our pid>/fd/N: they stay open here until it answers.
+        dir_fds = []
+        try:
+            opts.images_dir_fd = _open_dir(images_dir, op, self.node)
+            dir_fds.append(opts.images_dir_fd)
+            if log_dir is not None:
+                # Saved images may be read-only: CRIU then writes its log in work_dir.
+                opts.work_dir_fd = _open_dir(log_dir, op, self.node)
+                dir_fds.append(opts.work_dir_fd)
+            return self._exchange(op, req_type, opts, log_path, pass_fds)
+        finally:
+            for fd in dir_fds:
+                os.close(fd)
+
+    def _exchange(
+        self, op: str, req_type: int, opts: rpc_pb2.criu_opts, log_path: str, pass_fds: list[int]
+    ) -> rpc_pb2.criu_resp:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            proc = subprocess.Popen(
+                [self.binary, "swrk", str(theirs.fileno())],
+                pass_fds=[theirs.fileno(), *pass_fds],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+        except OSError as e:
+            ours.close()
+            raise CriuError(op, f"cannot start {self.binary}: {e}", node=self.node) from e
+        finally:
+            theirs.close()
+        try:
+            req = rpc_pb2.criu_req(type=req_type, opts=opts)
+            ours.send(req.SerializeToString())
+            data = ours.recv(_MAX_MSG)
+        except OSError as e:
+            raise CriuError(
+                op, f"lost the RPC connection to criu swrk: {e}", log_path=log_path, node=self.node
+            ) from e
+        finally:
+            ours.close()
+            _, err = proc.communicate(timeout=120)
+        if not data:
+            detail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no response"]
+            raise CriuError(
+                op, f"criu swrk exited ({proc.returncode}): {detail[0]}", log_path=log_path, node=self.node
+            )
+        resp = rpc_pb2.criu_resp()
+        resp.ParseFromString(data)
+        if not resp.success:
+            cause = resp.cr_errmsg or _last_error(Path(log_path)) or "CRIU reported failure"
+            raise CriuError(op, cause, log_path=log_path, errno=resp.cr_errno, node=self.node)
+        log.debug("criu %s ok (log %s)", op, log_path)
+        return resp
+
+
+def _open_dir(path: Path, op: str, node: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise CriuError(op, f"cannot open directory {path}: {e.strerror}", node=node) from e
+
+
+def _last_error(log_path: Path) -> str:
+    """The last line CRIU marked as an error, for a one-line message."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    errors = [ln for ln in lines if "Error (" in ln]
+    return errors[-1].strip() if errors else ""
+
+
+# CRIU image files begin with one or two magic numbers, then length-prefixed entries.
+_IMG_COMMON_MAGIC = 0x54564319
+_IMG_SERVICE_MAGIC = 0x55105940
+
+
+def read_stats(path: Path, which: str) -> dict[str, int]:
+    """Parse CRIU's stats-dump / stats-restore image into a flat dict (empty if absent)."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return {}
+    off = 4
+    if len(raw) < 12:
+        return {}
+    if struct.unpack_from("<I", raw, 0)[0] in (_IMG_COMMON_MAGIC, _IMG_SERVICE_MAGIC):
+        off = 8
+    (size,) = struct.unpack_from("<I", raw, off)
+    entry = stats_pb2.stats_entry()
+    entry.ParseFromString(raw[off + 4 : off + 4 + size])
+    part = entry.dump if which == "dump" else entry.restore
+    return {f.name: int(v) for f, v in part.ListFields()}

@@ -1,0 +1,111 @@
+"""`ferry doctor`: can this host migrate jobs, and what is missing?"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent import config
+from agent.criu import Criu
+from agent.errors import FerryError
+
+MIN_STAGING_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    required: bool = True
+
+
+def run_checks(staging_root: Path) -> list[Check]:
+    checks: list[Check] = []
+    checks.append(Check("root", os.geteuid() == 0, f"euid {os.geteuid()}", "run the agent as root"))
+    try:
+        init = config.init_binary()
+        checks.append(Check("ferry-init", True, init))
+    except FerryError as e:
+        checks.append(Check("ferry-init", False, e.cause, "run `make native`"))
+    checks.extend(_criu_checks())
+    probe = staging_root if staging_root.exists() else staging_root.parent
+    try:
+        free = shutil.disk_usage(probe).free
+        checks.append(
+            Check(
+                "staging space",
+                free >= MIN_STAGING_BYTES,
+                f"{free >> 20} MiB free in {probe}",
+                "point --staging-dir at a tmpfs with room for a job's memory",
+            )
+        )
+    except OSError as e:
+        checks.append(Check("staging space", False, f"{probe}: {e.strerror}", "create it or pick another"))
+    checks.extend(_gpu_checks())
+    return checks
+
+
+def _criu_checks() -> list[Check]:
+    try:
+        criu = Criu()
+        version = criu.require_usable()
+    except FerryError as e:
+        return [Check("criu", False, e.cause, e.hint or "run `make criu`")]
+    ok, said = criu.check()
+    return [
+        Check("criu", True, f"CRIU {version} at {criu.binary}"),
+        Check(
+            "criu check", ok, said.splitlines()[-1] if said else "", "see `criu check` output; run as root"
+        ),
+        Check(
+            "userfaultfd (lazy pages)",
+            criu.feature("uffd-noncoop"),
+            "post-copy migration",
+            "enable CONFIG_USERFAULTFD",
+            required=False,
+        ),
+        Check(
+            "soft-dirty (pre-copy)",
+            criu.feature("mem_dirty_track"),
+            "iterative pre-copy",
+            "a kernel with CONFIG_MEM_SOFT_DIRTY",
+            required=False,
+        ),
+    ]
+
+
+def _gpu_checks() -> list[Check]:
+    """NVIDIA driver and CUDA checkpoint support: optional, CPU jobs migrate without them."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            driver = pynvml.nvmlSystemGetDriverVersion()
+            count = pynvml.nvmlDeviceGetCount()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as e:
+        return [
+            Check("nvidia driver", False, f"not found ({type(e).__name__})", "CPU jobs only", required=False)
+        ]
+    checks = [Check("nvidia driver", True, f"driver {driver}, {count} GPU(s)", required=False)]
+    major = int(str(driver).split(".")[0]) if str(driver)[:1].isdigit() else 0
+    checks.append(
+        Check(
+            "cuda checkpoint",
+            major >= 570,
+            f"driver branch r{major} (checkpoint API needs r570, GPU remap r580)",
+            "upgrade the NVIDIA driver to r580 or newer",
+            required=False,
+        )
+    )
+    return checks
+
+
+def can_migrate(checks: list[Check]) -> bool:
+    return all(c.ok for c in checks if c.required)

@@ -1,0 +1,97 @@
+"""One exception tree for ferry; mapped to gRPC status codes only in the servicer.
+
+Every error names the step that failed, the node it failed on, the cause and,
+where one exists, what to do next. ``str(err)`` is the one line a user sees.
+"""
+
+from __future__ import annotations
+
+
+class FerryError(Exception):
+    """Base of every error ferry raises on purpose."""
+
+    #: gRPC status code name used by the servicer (see server.STATUS_BY_KIND).
+    kind = "internal"
+
+    def __init__(self, cause: str, *, step: str = "", node: str = "", hint: str = "") -> None:
+        super().__init__(cause)
+        self.cause = cause
+        self.step = step
+        self.node = node
+        self.hint = hint
+
+    def __str__(self) -> str:
+        where = " ".join(p for p in (self.step, f"on {self.node}" if self.node else "") if p)
+        text = f"{where}: {self.cause}" if where else self.cause
+        return f"{text}; {self.hint}" if self.hint else text
+
+    def at(self, *, step: str = "", node: str = "") -> FerryError:
+        """Fill in the step and node where the raiser did not know them."""
+        self.step = self.step or step
+        self.node = self.node or node
+        return self
+
+
+class NotFoundError(FerryError):
+    kind = "not_found"
+
+
+class InvalidArgumentError(FerryError):
+    kind = "invalid_argument"
+
+
+class RefusedError(FerryError):
+    """A precondition does not hold; nothing was changed."""
+
+    kind = "failed_precondition"
+
+
+class AlreadyExistsError(FerryError):
+    kind = "already_exists"
+
+
+class StepTimeoutError(FerryError):
+    kind = "deadline_exceeded"
+
+
+class UnavailableError(FerryError):
+    """A peer agent could not be reached."""
+
+    kind = "unavailable"
+
+
+class CriuError(FerryError):
+    """CRIU failed; the log path says where to read why."""
+
+    def __init__(
+        self,
+        op: str,
+        cause: str,
+        *,
+        log_path: str = "",
+        errno: int = 0,
+        node: str = "",
+        hint: str = "",
+    ) -> None:
+        if log_path:
+            cause = f"{cause} (CRIU log: {log_path})"
+        super().__init__(cause, step=f"criu {op}", node=node, hint=hint)
+        self.op = op
+        self.errno = errno
+        self.log_path = log_path
+
+
+class ImageError(FerryError):
+    """An image is missing, malformed or does not match its manifest."""
+
+    kind = "invalid_argument"
+
+
+class TransferError(FerryError):
+    kind = "aborted"
+
+
+class MigrationAbortedError(FerryError):
+    """A migration failed and was rolled back: the job still runs on the source."""
+
+    kind = "aborted"

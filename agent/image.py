@@ -1,0 +1,179 @@
+"""The on-disk image: CRIU's files, the job's logs and a manifest, in one flat directory.
+
+One format serves local checkpoints and migrations. An image is untrusted
+input until every file matches the digest its manifest lists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agent.errors import ImageError
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+STDOUT_LOG = "ferry-stdout.log"
+STDERR_LOG = "ferry-stderr.log"
+#: CRIU writes the process memory into these; they are the "host bytes".
+PAGES_PREFIX = "pages-"
+#: Files CRIU writes for people, not for restore: they never travel.
+LOCAL_ONLY = frozenset({"criu-dump.log", "criu-restore.log", "stats-restore"})
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}$")
+_CHUNK = 1 << 20
+
+
+def check_name(name: str) -> str:
+    """An image file name: a plain name, no separators, no `..`, nothing hidden."""
+    if not _SAFE_NAME.match(name) or ".." in name:
+        raise ImageError(f"unsafe file name in image: {name!r}", step="image intake")
+    return name
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    name: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What the job is, independent of where it runs."""
+
+    name: str
+    kind: str  # "launched" | "adopted"
+    command: list[str]
+    cwd: str
+    env: list[str]
+    stdout_path: str  # the job's log paths on the node it was dumped on (keys for inherit-fd)
+    stderr_path: str
+    pid: int
+    migrations: int = 0
+    shell_job: bool = False  # dumped with an external session; restore must say so too
+
+
+@dataclass
+class Manifest:
+    job: JobSpec
+    source_node: str
+    files: list[FileEntry]
+    created_at: float = field(default_factory=time.time)
+    host_bytes: int = 0
+    gpu_bytes: int = 0
+    criu_stats: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    version: int = MANIFEST_VERSION
+
+    @property
+    def image_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_json(self) -> bytes:
+        d = asdict(self)
+        d["image_bytes"] = self.image_bytes
+        return json.dumps(d, indent=2, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, where: str = "manifest") -> Manifest:
+        try:
+            d: dict[str, Any] = json.loads(raw)
+            if d.get("version") != MANIFEST_VERSION:
+                raise ImageError(f"{where}: manifest version {d.get('version')!r} is not {MANIFEST_VERSION}")
+            return cls(
+                job=JobSpec(**d["job"]),
+                source_node=str(d["source_node"]),
+                files=[FileEntry(**f) for f in d["files"]],
+                created_at=float(d["created_at"]),
+                host_bytes=int(d["host_bytes"]),
+                gpu_bytes=int(d["gpu_bytes"]),
+                criu_stats={str(k): int(v) for k, v in d.get("criu_stats", {}).items()},
+                timings={str(k): float(v) for k, v in d.get("timings", {}).items()},
+            )
+        except ImageError:
+            raise
+        except (ValueError, KeyError, TypeError) as e:
+            raise ImageError(f"{where}: malformed manifest ({e})", step="image intake") from e
+
+
+def image_files(image_dir: Path) -> list[Path]:
+    """The files of an image that travel, in a stable order (largest last)."""
+    out = []
+    for p in sorted(image_dir.iterdir()):
+        if p.name == MANIFEST or p.name in LOCAL_ONLY:
+            continue
+        if not p.is_file() or p.is_symlink():
+            raise ImageError(f"{p} is not a regular file", step="image")
+        out.append(p)
+    return sorted(out, key=lambda p: (p.name.startswith(PAGES_PREFIX), p.name))
+
+
+def host_bytes(entries: list[FileEntry]) -> int:
+    return sum(e.size for e in entries if e.name.startswith(PAGES_PREFIX))
+
+
+def write_manifest(image_dir: Path, manifest: Manifest) -> None:
+    tmp = image_dir / (MANIFEST + ".tmp")
+    tmp.write_bytes(manifest.to_json())
+    os.replace(tmp, image_dir / MANIFEST)
+
+
+def build_manifest(image_dir: Path, job: JobSpec, source_node: str, **extra: Any) -> Manifest:
+    """Digest every file of a finished image directory and write its manifest."""
+    entries = [FileEntry(p.name, p.stat().st_size, sha256_file(p)) for p in image_files(image_dir)]
+    m = Manifest(job=job, source_node=source_node, files=entries, host_bytes=host_bytes(entries), **extra)
+    write_manifest(image_dir, m)
+    return m
+
+
+def read_manifest(image_dir: Path) -> Manifest:
+    path = image_dir / MANIFEST
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError as e:
+        raise ImageError(f"{image_dir} is not a ferry image (no {MANIFEST})", step="image") from e
+    except OSError as e:
+        raise ImageError(f"cannot read {path}: {e.strerror}", step="image") from e
+    return Manifest.from_json(raw, where=str(path))
+
+
+def verify(image_dir: Path, manifest: Manifest | None = None) -> Manifest:
+    """Check that the directory holds exactly the manifest's files, each with its digest."""
+    m = manifest or read_manifest(image_dir)
+    listed = {check_name(f.name): f for f in m.files}
+    present = {p.name for p in image_files(image_dir)}
+    if missing := sorted(set(listed) - present):
+        raise ImageError(f"{image_dir}: files listed in the manifest are missing: {', '.join(missing)}")
+    if extra := sorted(present - set(listed)):
+        raise ImageError(f"{image_dir}: files not in the manifest: {', '.join(extra)}")
+    for name, entry in listed.items():
+        path = image_dir / name
+        if path.stat().st_size != entry.size:
+            raise ImageError(f"{path}: size {path.stat().st_size} does not match the manifest's {entry.size}")
+        if sha256_file(path) != entry.sha256:
+            raise ImageError(f"{path}: digest does not match the manifest (corrupt or altered image)")
+    return m
+
+
+def inspect_data(image_dir: Path, *, check: bool = True) -> dict[str, Any]:
+    """Everything `ferry inspect` shows, as plain data (the JSON renderer prints it as is)."""
+    m = verify(image_dir) if check else read_manifest(image_dir)
+    d = json.loads(m.to_json())
+    d["path"] = str(image_dir)
+    d["verified"] = check
+    return d

@@ -1,0 +1,413 @@
+"""The job registry: launch, adopt, track, stop; records persist in the state dir.
+
+A job is a process tree. A launched job runs under ferry-init as PID 1 of its
+own PID namespace; an adopted one keeps its host PIDs. Every record lives in
+``<state>/jobs/<name>/job.json`` beside the job's stdout and stderr files, so
+it survives an agent restart.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+import psutil
+
+from agent import config, procs
+from agent.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, RefusedError
+from agent.image import JobSpec
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class JobState(StrEnum):
+    """RUNNING → MIGRATING → MOVED | RUNNING (aborted); RUNNING → EXITED | STOPPED | CHECKPOINTED.
+
+    LOST: the process vanished while the agent was down. Every state but
+    RUNNING and MIGRATING is final for this node; a final job's name may be reused.
+    """
+
+    RUNNING = "running"
+    MIGRATING = "migrating"
+    EXITED = "exited"
+    STOPPED = "stopped"
+    MOVED = "moved"
+    CHECKPOINTED = "checkpointed"
+    LOST = "lost"
+
+    @property
+    def active(self) -> bool:
+        return self in (JobState.RUNNING, JobState.MIGRATING)
+
+
+class JobKind(StrEnum):
+    LAUNCHED = "launched"
+    ADOPTED = "adopted"
+
+
+@dataclass
+class JobRecord:
+    name: str
+    kind: JobKind
+    state: JobState
+    pid: int
+    command: list[str]
+    cwd: str
+    env: list[str] = field(default_factory=list)
+    stdout_path: str = ""
+    stderr_path: str = ""
+    started_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+    pid_started: float = 0.0  # create time of pid, to tell it from a reused PID
+    exit_code: int | None = None
+    moved_to: str = ""
+    moved_to_node: str = ""
+    migration_id: str = ""
+    checkpoint_dir: str = ""
+    note: str = ""
+    migrations: int = 0
+
+    def spec(self) -> JobSpec:
+        return JobSpec(
+            name=self.name,
+            kind=self.kind.value,
+            command=list(self.command),
+            cwd=self.cwd,
+            env=list(self.env),
+            stdout_path=self.stdout_path,
+            stderr_path=self.stderr_path,
+            pid=self.pid,
+            migrations=self.migrations,
+        )
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["kind"], d["state"] = self.kind.value, self.state.value
+        return json.dumps(d, indent=2)
+
+    @classmethod
+    def from_json(cls, raw: str) -> JobRecord:
+        d = json.loads(raw)
+        d["kind"], d["state"] = JobKind(d["kind"]), JobState(d["state"])
+        return cls(**d)
+
+
+def check_job_name(name: str) -> str:
+    if not _NAME.match(name or ""):
+        raise InvalidArgumentError(
+            f"invalid job name {name!r}: use 1-63 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+class JobRegistry:
+    """All jobs of this node. Thread-safe; every change is written through to disk."""
+
+    def __init__(self, state_dir: Path, node: str, init_binary: str | None = None) -> None:
+        self.root = state_dir / "jobs"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.node = node
+        self._init_binary = init_binary
+        self._lock = threading.RLock()
+        self._jobs: dict[str, JobRecord] = {}
+        self._load()
+
+    # -- queries ----------------------------------------------------------------
+
+    def get(self, name: str) -> JobRecord:
+        with self._lock:
+            rec = self._jobs.get(name)
+            if rec is None:
+                raise NotFoundError(
+                    f"no job named {name!r} on this node", node=self.node, hint="see `ferry ps`"
+                )
+            return rec
+
+    def list(self) -> list[JobRecord]:
+        with self._lock:
+            return sorted(self._jobs.values(), key=lambda r: r.started_at)
+
+    def job_dir(self, name: str) -> Path:
+        return self.root / check_job_name(name)
+
+    # -- changes ----------------------------------------------------------------
+
+    def save(self, rec: JobRecord) -> None:
+        with self._lock:
+            rec.updated_at = time.time()
+            self._jobs[rec.name] = rec
+            d = self.job_dir(rec.name)
+            d.mkdir(parents=True, exist_ok=True)
+            tmp = d / "job.json.tmp"
+            tmp.write_text(rec.to_json())
+            os.replace(tmp, d / "job.json")
+
+    def update(self, name: str, **changes: object) -> JobRecord:
+        with self._lock:
+            rec = self.get(name)
+            for k, v in changes.items():
+                setattr(rec, k, v)
+            self.save(rec)
+            return rec
+
+    def reserve_name(self, name: str) -> None:
+        """Refuse a name an active job holds; a final job's name may be reused."""
+        check_job_name(name)
+        with self._lock:
+            rec = self._jobs.get(name)
+            if rec is not None and rec.state.active:
+                raise AlreadyExistsError(
+                    f"job {name!r} already exists here and is {rec.state.value}",
+                    node=self.node,
+                    hint="pick another --name, or stop it first",
+                )
+
+    def launch(self, name: str, command: list[str], cwd: str, env: list[str]) -> JobRecord:
+        if not command:
+            raise InvalidArgumentError(
+                "no command given", hint="usage: ferry run --name NAME -- CMD [ARGS...]"
+            )
+        if not os.path.isdir(cwd):
+            raise InvalidArgumentError(f"working directory {cwd!r} does not exist on {self.node}")
+        job_env = dict(os.environ)
+        for item in env:
+            key, sep, value = item.partition("=")
+            if not sep or not _ENV_KEY.match(key):
+                raise InvalidArgumentError(f"invalid --env {item!r}: expected KEY=VALUE")
+            job_env[key] = value
+        init = self._init_binary or config.init_binary()
+        with self._lock:
+            self.reserve_name(name)
+            d = self.job_dir(name)
+            d.mkdir(parents=True, exist_ok=True)
+            out_path, err_path = d / "stdout.log", d / "stderr.log"
+            with open(out_path, "wb") as out, open(err_path, "wb") as err:
+                try:
+                    outer = subprocess.Popen(
+                        [init, *command],
+                        cwd=cwd,
+                        env=job_env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=err,
+                        start_new_session=True,
+                    )
+                except OSError as e:
+                    raise RefusedError(
+                        f"cannot start {init}: {e.strerror}", step="run", node=self.node
+                    ) from e
+            pid1 = _wait_for_child(outer)
+            if pid1 is None:
+                code = outer.wait()
+                raise RefusedError(
+                    f"job {name!r} failed to start (exit {code}): {_tail(err_path)}",
+                    step="run",
+                    node=self.node,
+                )
+            rec = JobRecord(
+                name=name,
+                kind=JobKind.LAUNCHED,
+                state=JobState.RUNNING,
+                pid=pid1,
+                pid_started=procs.create_time(pid1),
+                command=list(command),
+                cwd=cwd,
+                env=list(env),
+                stdout_path=str(out_path),
+                stderr_path=str(err_path),
+            )
+            self.save(rec)
+        log.info("job %s: launched pid %d: %s", name, pid1, " ".join(command))
+        self._watch(rec, lambda: outer.wait())
+        return rec
+
+    def adopt(self, name: str, pid: int) -> JobRecord:
+        if pid <= 1:
+            raise InvalidArgumentError(f"invalid --pid {pid}: must be a process other than init")
+        if pid == os.getpid() or pid in {p.pid for p in psutil.Process().parents()}:
+            raise InvalidArgumentError(f"--pid {pid} is this agent or one of its parents")
+        try:
+            proc = psutil.Process(pid)
+            cmdline, cwd = proc.cmdline(), proc.cwd()
+        except psutil.NoSuchProcess as e:
+            raise NotFoundError(f"no process with pid {pid} on this node", node=self.node) from e
+        except psutil.AccessDenied as e:
+            raise RefusedError(f"cannot inspect pid {pid}: permission denied", node=self.node) from e
+        with self._lock:
+            self.reserve_name(name)
+            for other in self._jobs.values():
+                if other.state.active and pid in procs.tree_pids(other.pid):
+                    raise AlreadyExistsError(
+                        f"pid {pid} already belongs to job {other.name!r}", node=self.node
+                    )
+            rec = JobRecord(
+                name=name,
+                kind=JobKind.ADOPTED,
+                state=JobState.RUNNING,
+                pid=pid,
+                pid_started=proc.create_time(),
+                command=cmdline,
+                cwd=cwd,
+                stdout_path=_fd_path(pid, 1),
+                stderr_path=_fd_path(pid, 2),
+            )
+            self.save(rec)
+        log.info("job %s: adopted pid %d", name, pid)
+        self._watch(rec, None)
+        return rec
+
+    def register_restored(
+        self, spec: JobSpec, pid: int, stdout: str, stderr: str, **extra: object
+    ) -> JobRecord:
+        """Record a tree CRIU just restored as our child (rst_sibling)."""
+        rec = JobRecord(
+            name=spec.name,
+            kind=JobKind(spec.kind),
+            state=JobState.RUNNING,
+            pid=pid,
+            pid_started=procs.create_time(pid),
+            command=spec.command,
+            cwd=spec.cwd,
+            env=spec.env,
+            stdout_path=stdout,
+            stderr_path=stderr,
+            migrations=spec.migrations,
+        )
+        for k, v in extra.items():
+            setattr(rec, k, v)
+        self.save(rec)
+        self._watch(rec, lambda: os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+        return rec
+
+    def begin_move(self, name: str, migration_id: str, what: str) -> JobRecord:
+        """Single flight: only a RUNNING job may start moving."""
+        with self._lock:
+            rec = self.get(name)
+            if rec.state is JobState.MIGRATING:
+                raise RefusedError(
+                    f"job {name!r} is already being moved (migration {rec.migration_id})",
+                    step=what,
+                    node=self.node,
+                    hint="wait for it to finish",
+                )
+            if rec.state is not JobState.RUNNING:
+                raise RefusedError(
+                    f"job {name!r} is {rec.state.value}, not running", step=what, node=self.node
+                )
+            rec.state, rec.migration_id, rec.note = JobState.MIGRATING, migration_id, f"{what} in progress"
+            self.save(rec)
+            return rec
+
+    def stop(self, name: str, timeout_s: float = 10.0) -> JobRecord:
+        with self._lock:
+            rec = self.get(name)
+            if rec.state is JobState.MIGRATING:
+                raise RefusedError(f"job {name!r} is being moved; stop it after the move", node=self.node)
+            if rec.state is not JobState.RUNNING:
+                raise RefusedError(f"job {name!r} is {rec.state.value}, not running", node=self.node)
+            rec.state, rec.note = JobState.STOPPED, "stopped by `ferry stop`"
+            self.save(rec)
+        pids = procs.tree_pids(rec.pid)
+        # A launched job's PID 1 forwards SIGTERM to the command; an adopted tree gets it everywhere.
+        procs.signal_all(pids[:1] if rec.kind is JobKind.LAUNCHED else pids, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and procs.alive(rec.pid, rec.pid_started):
+            time.sleep(0.05)
+        if procs.alive(rec.pid, rec.pid_started):
+            procs.signal_all(procs.tree_pids(rec.pid), signal.SIGKILL)
+        log.info("job %s: stopped", name)
+        return rec
+
+    def kill_tree(self, rec: JobRecord, pids: list[int]) -> None:
+        """SIGKILL a (frozen) tree: PID 1 takes a launched job's namespace with it."""
+        procs.signal_all(pids[:1] if rec.kind is JobKind.LAUNCHED else pids, signal.SIGKILL)
+
+    # -- internals --------------------------------------------------------------
+
+    def _load(self) -> None:
+        for path in sorted(self.root.glob("*/job.json")):
+            try:
+                rec = JobRecord.from_json(path.read_text())
+            except (OSError, ValueError, TypeError, KeyError) as e:
+                log.warning("skipping unreadable job record %s: %s", path, e)
+                continue
+            self._jobs[rec.name] = rec
+            if rec.state.active:
+                if procs.alive(rec.pid, rec.pid_started):
+                    log.info("job %s: pid %d still runs; watching it again", rec.name, rec.pid)
+                    self._watch(rec, None)
+                else:
+                    rec.state, rec.note = JobState.LOST, "its process ended while the agent was down"
+                    self.save(rec)
+
+    def _watch(self, rec: JobRecord, wait: object) -> None:
+        """Record the job's end: by waiting on our child, or by polling a process we did not start."""
+        name, pid, started = rec.name, rec.pid, rec.pid_started
+
+        def run() -> None:
+            code: int | None = None
+            if callable(wait):
+                code = wait()
+            else:
+                while procs.alive(pid, started):
+                    time.sleep(0.5)
+            self._ended(name, pid, code)
+
+        threading.Thread(target=run, name=f"watch-{name}", daemon=True).start()
+
+    def _ended(self, name: str, pid: int, code: int | None) -> None:
+        with self._lock:
+            rec = self._jobs.get(name)
+            if rec is None or rec.pid != pid:
+                return  # the name now belongs to a newer job
+            rec.exit_code = code
+            if rec.state is JobState.RUNNING:
+                rec.state = JobState.EXITED
+                rec.note = "" if code is None else f"exited with status {code}"
+                log.info("job %s: exited (%s)", name, code)
+            self.save(rec)
+
+
+def _wait_for_child(outer: subprocess.Popen[bytes], timeout_s: float = 5.0) -> int | None:
+    """PID 1 of the new namespace is ferry-init's only child."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            kids = psutil.Process(outer.pid).children()
+        except psutil.NoSuchProcess:
+            return None
+        if kids:
+            return kids[0].pid
+        if outer.poll() is not None:
+            return None
+        time.sleep(0.005)
+    return None
+
+
+def _fd_path(pid: int, fd: int) -> str:
+    try:
+        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return ""
+    return target if target.startswith("/") and os.path.isfile(target) else ""
+
+
+def _tail(path: Path, limit: int = 300) -> str:
+    try:
+        text = path.read_text(errors="replace").strip()
+    except OSError:
+        return "no output"
+    return text[-limit:].replace("\n", " | ") or "no output"

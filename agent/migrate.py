@@ -1,0 +1,637 @@
+"""Moving jobs: the source and target sides of a migration, and local save / resume.
+
+Protocol (DESIGN.md): prepare (target grants a lease, nothing frozen) → dump
+(tree left stopped) → transfer (digested stream) → commit (target restores and
+reports RUNNING; only then the source kills its frozen copy). Any failure
+before the target runs the job aborts: the source resumes its frozen copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Protocol
+
+import psutil
+
+from agent import faults, procs
+from agent.criu import Criu, InheritFd
+from agent.errors import (
+    FerryError,
+    ImageError,
+    InvalidArgumentError,
+    MigrationAbortedError,
+    NotFoundError,
+    RefusedError,
+    StepTimeoutError,
+    TransferError,
+    UnavailableError,
+)
+from agent.image import (
+    STDERR_LOG,
+    STDOUT_LOG,
+    FileEntry,
+    JobSpec,
+    Manifest,
+    build_manifest,
+    host_bytes,
+    verify,
+)
+from agent.jobs import JobKind, JobRecord, JobRegistry, JobState
+from agent.rpc import pb
+from agent.transfer import Intake, SendStats, send_image
+
+log = logging.getLogger(__name__)
+
+#: How long a target waits after restore for the job's first output (for the downtime figure).
+PROGRESS_WAIT_S = 3.0
+LEASE_S = 600.0
+MAX_INCOMING = 2
+
+
+class MigrationState(StrEnum):
+    """PREPARING → DUMPING → TRANSFERRING → RESTORING → COMMITTED.
+
+    Any failure before the target reports RUNNING: → ABORTING → ABORTED, with
+    the source's frozen copy resumed. UNRESOLVED: the target stopped answering
+    during commit, so whether it runs the job is unknown; the frozen copy is
+    kept (never resumed blindly) and the job's note says so.
+    """
+
+    PREPARING = "preparing"
+    DUMPING = "dumping"
+    TRANSFERRING = "transferring"
+    RESTORING = "restoring"
+    COMMITTED = "committed"
+    ABORTING = "aborting"
+    ABORTED = "aborted"
+    UNRESOLVED = "unresolved"
+
+
+@dataclass(frozen=True)
+class Progress:
+    phase: str  # prepare | dump | transfer | restore | commit | abort | done
+    message: str
+    bytes_done: int = 0
+    bytes_total: int = 0
+
+
+@dataclass(frozen=True)
+class MigrationSpec:
+    job: str
+    target: str
+    migration_id: str
+
+
+@dataclass
+class MigrationResult:
+    migration_id: str
+    job: str
+    source_node: str
+    target_node: str = ""
+    target: str = ""
+    phases: dict[str, float] = field(default_factory=dict)
+    host_bytes: int = 0
+    image_bytes: int = 0
+    gpu_bytes: int = 0
+    frozen_s: float = 0.0
+    downtime_s: float = -1.0
+    total_s: float = 0.0
+    transfer_gbps: float = 0.0
+    image_dir: str = ""
+
+
+class Peer(Protocol):
+    """The target agent as the source sees it. UnavailableError / StepTimeoutError
+    mean "no answer"; any other FerryError is the target's definite answer."""
+
+    address: str
+
+    def info(self) -> pb.NodeInfo: ...
+    def prepare(self, req: pb.PrepareRequest) -> pb.Lease: ...
+    def push(self, chunks: Iterator[pb.ImageChunk]) -> pb.PushImageResponse: ...
+    def commit(self, req: pb.CommitRequest) -> pb.CommitResponse: ...
+    def abort(self, migration_id: str, reason: str) -> None: ...
+    def status(self, migration_id: str) -> int: ...
+
+
+Emit = Callable[[Progress], None]
+
+
+class _Phases:
+    """Per-phase wall time."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    def run(self, name: str, fn: Callable[[], object]) -> object:
+        t = time.monotonic()
+        try:
+            return fn()
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.monotonic() - t
+
+
+def _log_mtime(rec: JobRecord) -> float:
+    times = [os.stat(p).st_mtime for p in (rec.stdout_path, rec.stderr_path) if p and os.path.exists(p)]
+    return max(times, default=0.0)
+
+
+def _copy_logs(rec: JobRecord, image_dir: Path) -> None:
+    """Agent-owned logs travel with the image; the job's fds to them are re-pointed on restore."""
+    if rec.kind is not JobKind.LAUNCHED:
+        return
+    shutil.copyfile(rec.stdout_path, image_dir / STDOUT_LOG)
+    shutil.copyfile(rec.stderr_path, image_dir / STDERR_LOG)
+
+
+def _needs_shell_job(rec: JobRecord, pids: list[int]) -> bool:
+    """An adopted process whose session leader is outside its tree needs CRIU's --shell-job."""
+    return rec.kind is JobKind.ADOPTED and procs.session_id(rec.pid) not in pids
+
+
+class SourceMigration:
+    """One outgoing migration, driven start to end by `run()` on its own thread."""
+
+    def __init__(
+        self,
+        spec: MigrationSpec,
+        registry: JobRegistry,
+        criu: Criu,
+        peer: Peer,
+        staging_root: Path,
+        node: str,
+        agent_id: str,
+        emit: Emit = lambda p: None,
+    ) -> None:
+        self.spec = spec
+        self.registry = registry
+        self.criu = criu
+        self.peer = peer
+        self.staging = staging_root / f"out-{spec.migration_id}"
+        self.node = node
+        self.agent_id = agent_id
+        self.emit = emit
+        self.state = MigrationState.PREPARING
+        self.phases = _Phases()
+        self.result = MigrationResult(spec.migration_id, spec.job, node, target=spec.target)
+
+    def _set(self, state: MigrationState, phase: str, message: str) -> None:
+        self.state = state
+        log.info("migration %s (job %s): %s", self.spec.migration_id, self.spec.job, message)
+        self.emit(Progress(phase, message))
+
+    def run(self) -> MigrationResult:
+        t_start = time.monotonic()
+        rec = self.registry.begin_move(self.spec.job, self.spec.migration_id, "migration")
+        try:
+            self._set(MigrationState.PREPARING, "prepare", f"asking {self.spec.target} for a lease")
+            self.phases.run("prepare", lambda: self._prepare(rec))
+        except FerryError as e:
+            self.registry.update(
+                rec.name, state=JobState.RUNNING, migration_id="", note=f"migration refused: {e}"
+            )
+            self.state = MigrationState.ABORTED
+            e.at(step="prepare", node=self.node)
+            raise
+
+        pids: list[int] = []
+        frozen_at = 0.0
+        try:
+            self._set(MigrationState.DUMPING, "dump", "freezing and dumping the job")
+            faults.check("dump", self.node)
+            self.staging.mkdir(parents=True)
+            frozen_at = time.monotonic()
+            shell_job = _needs_shell_job(rec, procs.tree_pids(rec.pid))
+            dump = self.phases.run("dump", lambda: self.criu.dump(rec.pid, self.staging, shell_job=shell_job))
+            pids = procs.tree_pids(rec.pid)  # the stopped tree
+            last_progress = _log_mtime(rec)
+            _copy_logs(rec, self.staging)
+
+            self._set(MigrationState.TRANSFERRING, "transfer", "streaming the image")
+            faults.check("transfer", self.node)
+            job = rec.spec()
+            job = JobSpec(**{**job.__dict__, "migrations": rec.migrations + 1, "shell_job": shell_job})
+            sent = SendStats()
+            total = sum(p.stat().st_size for p in self.staging.iterdir())
+
+            def manifest(entries: list[FileEntry]) -> Manifest:
+                return Manifest(
+                    job=job,
+                    source_node=self.node,
+                    files=entries,
+                    host_bytes=host_bytes(entries),
+                    criu_stats=dump.stats,  # type: ignore[attr-defined]
+                    timings=dict(self.phases.times),
+                )
+
+            def progress(n: int) -> None:
+                if n % (64 << 20) < (1 << 20) or n == total:
+                    self.emit(Progress("transfer", "streaming the image", n, total))
+
+            chunks = send_image(self.spec.migration_id, self.staging, manifest, sent, progress)
+            self.phases.run("transfer", lambda: self.peer.push(chunks))
+            self.result.image_bytes = sent.bytes
+            self.result.host_bytes = host_bytes(sent.entries)
+
+            self._set(MigrationState.RESTORING, "restore", f"target {self.result.target_node} restoring")
+            faults.check("commit", self.node)
+            resp = self.phases.run("commit", lambda: self._commit(last_progress))
+        except FerryError as e:
+            self._abort(rec, pids, e)
+            raise AssertionError("unreachable") from e  # _abort always raises
+
+        # Committed: the target runs the job. Only now the frozen copy goes.
+        self.registry.kill_tree(rec, pids)
+        self.result.frozen_s = time.monotonic() - frozen_at
+        assert isinstance(resp, pb.CommitResponse)
+        for t in resp.phases:
+            self.phases.times[f"target {t.phase}"] = t.seconds
+        if resp.first_progress_at and last_progress:
+            self.result.downtime_s = resp.first_progress_at - last_progress
+        self.registry.update(
+            rec.name,
+            state=JobState.MOVED,
+            moved_to=self.spec.target,
+            moved_to_node=self.result.target_node,
+            note=f"moved to {self.result.target_node} ({self.spec.target})",
+        )
+        shutil.rmtree(self.staging, ignore_errors=True)
+        self.state = MigrationState.COMMITTED
+        self.result.phases = dict(self.phases.times)
+        self.result.total_s = time.monotonic() - t_start
+        xfer = self.phases.times.get("transfer", 0.0)
+        self.result.transfer_gbps = self.result.image_bytes / xfer / 1e9 if xfer > 0 else 0.0
+        self._set(MigrationState.COMMITTED, "done", f"job {rec.name} runs on {self.result.target_node}")
+        return self.result
+
+    def _prepare(self, rec: JobRecord) -> None:
+        try:
+            info = self.peer.info()
+        except FerryError as e:
+            raise RefusedError(
+                f"target agent {self.spec.target} is unreachable: {e.cause}",
+                hint="check the address and that `ferry agent` runs there",
+            ) from e
+        if info.agent_id == self.agent_id:
+            raise InvalidArgumentError(f"{self.spec.target} is this agent; migrate to another node")
+        self.result.target_node = info.node_name
+        faults.check("prepare", self.node)
+        pids = procs.tree_pids(rec.pid)
+        if not pids:
+            raise NotFoundError(f"job {rec.name!r} has no running process (pid {rec.pid})")
+        own = {rec.stdout_path, rec.stderr_path} if rec.kind is JobKind.LAUNCHED else set()
+        req = pb.PrepareRequest(
+            migration_id=self.spec.migration_id,
+            job=rec.name,
+            source_node=self.node,
+            kind=pb.JOB_KIND_ADOPTED if rec.kind is JobKind.ADOPTED else pb.JOB_KIND_LAUNCHED,
+            estimated_bytes=procs.tree_rss(rec.pid),
+            paths=sorted(procs.open_paths(rec.pid) - own),
+            pids=pids if rec.kind is JobKind.ADOPTED else [],
+            cwd=rec.cwd,
+        )
+        self.peer.prepare(req)
+
+    def _commit(self, last_progress: float) -> pb.CommitResponse:
+        req = pb.CommitRequest(migration_id=self.spec.migration_id, last_progress_at=last_progress)
+        try:
+            return self.peer.commit(req)
+        except (UnavailableError, StepTimeoutError) as e:
+            # No answer: the target may or may not run the job. Ask before anything else.
+            state = self._ask_target()
+            if state == pb.TARGET_STATE_RUNNING:
+                log.warning(
+                    "migration %s: commit answer lost, but the target runs the job", self.spec.migration_id
+                )
+                return pb.CommitResponse(node_name=self.result.target_node)
+            if state in (None, pb.TARGET_STATE_RESTORING):
+                raise _Unresolved(str(e)) from e
+            raise TransferError(f"target lost the migration during commit: {e.cause}") from e
+
+    def _ask_target(self) -> int | None:
+        for _ in range(5):
+            try:
+                return self.peer.status(self.spec.migration_id)
+            except (UnavailableError, StepTimeoutError):
+                time.sleep(1.0)
+        return None
+
+    def _abort(self, rec: JobRecord, pids: list[int], err: FerryError) -> None:
+        phase = self.state.value
+        if isinstance(err, _Unresolved):
+            self.state = MigrationState.UNRESOLVED
+            note = (
+                f"target {self.spec.target} stopped answering while restoring; the job is kept frozen here "
+                "so that two copies never run. Check `ferry ps --agent "
+                f"{self.spec.target}`: if the job is not running there, stop the target's attempt and "
+                "resume it here by restarting this agent"
+            )
+            self.registry.update(rec.name, note=note)
+            raise FerryError(note, step="commit", node=self.node) from err
+        self._set(MigrationState.ABORTING, "abort", f"aborting: {err}")
+        try:
+            self.peer.abort(self.spec.migration_id, str(err))
+        except FerryError as e:
+            log.warning("migration %s: target abort failed: %s", self.spec.migration_id, e)
+        procs.resume(pids)
+        running = procs.alive(rec.pid, rec.pid_started)
+        self.registry.update(
+            rec.name,
+            state=JobState.RUNNING if running else JobState.EXITED,
+            migration_id="",
+            note=f"migration to {self.spec.target} aborted while {phase}: {err.cause}",
+        )
+        shutil.rmtree(self.staging, ignore_errors=True)
+        self.state = MigrationState.ABORTED
+        raise MigrationAbortedError(
+            f"{err}; migration aborted, the job keeps running on {self.node}",
+            step=err.step or phase,
+            node=err.node or self.node,
+        ) from err
+
+
+class _Unresolved(FerryError):
+    kind = "unavailable"
+
+
+# -- target side ----------------------------------------------------------------
+
+
+@dataclass
+class Incoming:
+    migration_id: str
+    job: str
+    source_node: str
+    staging: Path
+    max_bytes: int
+    expires_at: float
+    state: int = pb.TARGET_STATE_PREPARED
+    manifest: Manifest | None = None
+
+
+class TargetMigrations:
+    """Incoming migrations on this node: leases, intake into staging, restore on commit."""
+
+    def __init__(self, registry: JobRegistry, criu: Criu, staging_root: Path, node: str) -> None:
+        self.registry = registry
+        self.criu = criu
+        self.staging_root = staging_root
+        self.node = node
+        self._lock = threading.Lock()
+        self._incoming: dict[str, Incoming] = {}
+
+    def _get(self, mid: str) -> Incoming:
+        with self._lock:
+            inc = self._incoming.get(mid)
+        if inc is None:
+            raise NotFoundError(f"no migration {mid!r} on this node", node=self.node)
+        return inc
+
+    def _refuse(self, cause: str, hint: str = "") -> RefusedError:
+        return RefusedError(cause, step="prepare", node=self.node, hint=hint)
+
+    def prepare(self, req: pb.PrepareRequest) -> pb.Lease:
+        if not req.migration_id or not req.job:
+            raise InvalidArgumentError("prepare needs a migration id and a job name", node=self.node)
+        faults.check("target-prepare", self.node)
+        self.registry.reserve_name(req.job)
+        self.criu.require_usable()
+        with self._lock:
+            busy = [i for i in self._incoming.values() if i.state in _IN_FLIGHT]
+        if len(busy) >= MAX_INCOMING:
+            raise self._refuse(f"{len(busy)} migrations are already coming in", "retry when they finish")
+        self.staging_root.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.staging_root).free
+        need = int(req.estimated_bytes * 1.2)
+        if free < need:
+            raise self._refuse(
+                f"staging {self.staging_root} has {free >> 20} MiB free, "
+                f"the image needs about {need >> 20} MiB",
+                "free space or point --staging-dir at a larger tmpfs",
+            )
+        if req.cwd and not os.path.isdir(req.cwd):
+            raise self._refuse(f"the job's working directory {req.cwd} does not exist here")
+        if missing := [p for p in req.paths if not os.path.exists(p)]:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise self._refuse(f"files the job uses are missing here: {shown}", "put them on shared storage")
+        if taken := [p for p in req.pids if psutil.pid_exists(p)]:
+            raise self._refuse(
+                f"the adopted job keeps host PIDs, and PIDs {taken[:5]} are in use here",
+                "choose a target where they are free, or run jobs with `ferry run` (own PID namespace)",
+            )
+        staging = self.staging_root / f"in-{_safe_id(req.migration_id)}"
+        staging.mkdir(parents=True)
+        max_bytes = max(2 * req.estimated_bytes, 1 << 30)
+        inc = Incoming(req.migration_id, req.job, req.source_node, staging, max_bytes, time.time() + LEASE_S)
+        with self._lock:
+            if req.migration_id in self._incoming:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise self._refuse(f"migration {req.migration_id} is already known here")
+            self._incoming[req.migration_id] = inc
+        log.info("migration %s: lease granted for job %s from %s", req.migration_id, req.job, req.source_node)
+        return pb.Lease(
+            migration_id=req.migration_id, node_name=self.node, max_bytes=max_bytes, expires_at=inc.expires_at
+        )
+
+    def push(self, chunks: Iterator[pb.ImageChunk]) -> pb.PushImageResponse:
+        first = next(chunks, None)
+        if first is None:
+            raise InvalidArgumentError("empty image stream", step="transfer", node=self.node)
+        inc = self._get(first.migration_id)
+        if inc.state != pb.TARGET_STATE_PREPARED or time.time() > inc.expires_at:
+            raise RefusedError(f"migration {inc.migration_id} is not ready for an image", node=self.node)
+        inc.state = pb.TARGET_STATE_RECEIVING
+        intake = Intake(inc.staging, inc.max_bytes, self.node)
+        try:
+            intake.feed(first)
+            for chunk in chunks:
+                intake.feed(chunk)
+            faults.check("target-transfer", self.node)
+            manifest = intake.finish()
+            if manifest.job.name != inc.job:
+                raise ImageError(f"image is of job {manifest.job.name!r}, the lease is for {inc.job!r}")
+        except BaseException:
+            intake.close()
+            self._drop(inc)
+            raise
+        inc.manifest = manifest
+        inc.state = pb.TARGET_STATE_VERIFIED
+        return pb.PushImageResponse(bytes=intake.bytes, files=len(intake.received))
+
+    def commit(self, req: pb.CommitRequest) -> pb.CommitResponse:
+        inc = self._get(req.migration_id)
+        if inc.manifest is None or inc.state != pb.TARGET_STATE_VERIFIED:
+            raise RefusedError(
+                f"migration {inc.migration_id} has no verified image to restore", node=self.node
+            )
+        inc.state = pb.TARGET_STATE_RESTORING
+        t = time.monotonic()
+        try:
+            faults.check("target-restore", self.node)
+            rec = restore_tree(
+                self.registry,
+                self.criu,
+                inc.staging,
+                inc.manifest,
+                inc.job,
+                note=f"moved here from {inc.source_node}",
+            )
+        except BaseException:
+            self._drop(inc)
+            raise
+        restore_s = time.monotonic() - t
+        inc.state = pb.TARGET_STATE_RUNNING
+        shutil.rmtree(inc.staging, ignore_errors=True)
+        first = wait_for_output(rec, PROGRESS_WAIT_S)
+        log.info("migration %s: job %s runs here as pid %d", inc.migration_id, inc.job, rec.pid)
+        return pb.CommitResponse(
+            node_name=self.node,
+            pid=rec.pid,
+            phases=[pb.PhaseTiming(phase="restore", seconds=restore_s)],
+            first_progress_at=first,
+        )
+
+    def abort(self, mid: str, reason: str) -> None:
+        inc = self._get(mid)
+        if inc.state == pb.TARGET_STATE_RUNNING:
+            raise RefusedError(
+                f"migration {mid} already runs the job here; it cannot be aborted", node=self.node
+            )
+        log.info("migration %s: aborted by the source: %s", mid, reason)
+        self._drop(inc)
+
+    def status(self, mid: str) -> int:
+        with self._lock:
+            inc = self._incoming.get(mid)
+        return pb.TARGET_STATE_UNKNOWN if inc is None else inc.state
+
+    def _drop(self, inc: Incoming) -> None:
+        inc.state = pb.TARGET_STATE_ABORTED
+        shutil.rmtree(inc.staging, ignore_errors=True)
+
+
+_IN_FLIGHT = (
+    pb.TARGET_STATE_PREPARED,
+    pb.TARGET_STATE_RECEIVING,
+    pb.TARGET_STATE_VERIFIED,
+    pb.TARGET_STATE_RESTORING,
+)
+
+
+def _safe_id(mid: str) -> str:
+    if not mid.replace("-", "").isalnum() or len(mid) > 64:
+        raise InvalidArgumentError(f"invalid migration id {mid!r}")
+    return mid
+
+
+def restore_tree(
+    registry: JobRegistry, criu: Criu, image_dir: Path, manifest: Manifest, name: str, note: str
+) -> JobRecord:
+    """Restore a verified image as job `name` on this node, its logs re-pointed to our job dir."""
+    spec = manifest.job
+    registry.reserve_name(name)
+    job_dir = registry.job_dir(name)
+    job_dir.mkdir(parents=True, exist_ok=True)
+    out, err = job_dir / "stdout.log", job_dir / "stderr.log"
+    inherit: list[InheritFd] = []
+    fds: list[int] = []
+    try:
+        if spec.kind == JobKind.LAUNCHED.value:
+            for src, dst, key in ((STDOUT_LOG, out, spec.stdout_path), (STDERR_LOG, err, spec.stderr_path)):
+                shutil.copyfile(image_dir / src, dst)
+                fds.append(os.open(dst, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC))
+                inherit.append(InheritFd(key, fds[-1]))
+            paths = (str(out), str(err))
+        else:
+            paths = (spec.stdout_path, spec.stderr_path)
+        res = criu.restore(image_dir, inherit=inherit, shell_job=spec.shell_job, log_dir=job_dir)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    spec_here = JobSpec(**{**spec.__dict__, "name": name})
+    return registry.register_restored(spec_here, res.pid, paths[0], paths[1], note=note)
+
+
+def wait_for_output(rec: JobRecord, timeout_s: float) -> float:
+    """Unix time of the job's first new output after restore (0 if none came in time)."""
+    paths = [p for p in (rec.stdout_path, rec.stderr_path) if p]
+    sizes = {p: os.path.getsize(p) for p in paths if os.path.exists(p)}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for p, size in sizes.items():
+            if os.path.getsize(p) > size:
+                return os.stat(p).st_mtime
+        time.sleep(0.002)
+    return 0.0
+
+
+# -- local save and resume --------------------------------------------------------
+
+
+def checkpoint(
+    registry: JobRegistry,
+    criu: Criu,
+    name: str,
+    out_dir: Path,
+    node: str,
+    leave_running: bool,
+    emit: Emit = lambda p: None,
+) -> MigrationResult:
+    """Save a job to `out_dir`; unless leave_running, it then ends here (state CHECKPOINTED)."""
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise InvalidArgumentError(f"{out_dir} is not empty; choose a new directory for the image", node=node)
+    rec = registry.begin_move(name, f"checkpoint-{int(time.time())}", "checkpoint")
+    phases = _Phases()
+    pids: list[int] = []
+    t0 = time.monotonic()
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        emit(Progress("dump", f"dumping job {name} to {out_dir}"))
+        shell_job = _needs_shell_job(rec, procs.tree_pids(rec.pid))
+        # Stopped, not killed, so the logs copied below end exactly where the dump did.
+        dump = phases.run("dump", lambda: criu.dump(rec.pid, out_dir, shell_job=shell_job))
+        pids = procs.tree_pids(rec.pid)
+        _copy_logs(rec, out_dir)
+        emit(Progress("transfer", "writing the manifest and digests"))
+        job = JobSpec(**{**rec.spec().__dict__, "shell_job": shell_job})
+        m = phases.run(
+            "digest",
+            lambda: build_manifest(out_dir, job, node, criu_stats=dump.stats, timings=dict(phases.times)),  # type: ignore[attr-defined]
+        )
+    except FerryError as e:
+        procs.resume(pids)
+        registry.update(name, state=JobState.RUNNING, migration_id="", note=f"checkpoint failed: {e.cause}")
+        e.at(step="checkpoint", node=node)
+        raise
+    assert isinstance(m, Manifest)
+    if leave_running:
+        procs.resume(pids)
+        registry.update(name, state=JobState.RUNNING, migration_id="", note=f"checkpointed to {out_dir}")
+    else:
+        registry.kill_tree(rec, pids)
+        registry.update(
+            name, state=JobState.CHECKPOINTED, checkpoint_dir=str(out_dir), note=f"saved to {out_dir}"
+        )
+    res = MigrationResult("", name, node, phases=phases.times, image_dir=str(out_dir))
+    res.host_bytes, res.image_bytes = m.host_bytes, m.image_bytes
+    res.total_s = time.monotonic() - t0
+    emit(Progress("done", f"job {name} saved to {out_dir}"))
+    return res
+
+
+def restore_image(registry: JobRegistry, criu: Criu, image_dir: Path, name: str, node: str) -> JobRecord:
+    """Resume a saved image on this node, after checking every digest."""
+    if not image_dir.is_dir():
+        raise NotFoundError(f"no image directory {image_dir} on this node", node=node)
+    m = verify(image_dir)
+    rec = restore_tree(registry, criu, image_dir, m, name or m.job.name, note=f"restored from {image_dir}")
+    log.info("job %s: restored from %s as pid %d", rec.name, image_dir, rec.pid)
+    return rec

@@ -1,0 +1,74 @@
+"""Process-tree helpers: find, freeze-aware signalling and liveness of a job's tree."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+
+import psutil
+
+
+def tree_pids(root: int) -> list[int]:
+    """The root and all its descendants (host PIDs), root first."""
+    try:
+        proc = psutil.Process(root)
+        return [root, *(c.pid for c in proc.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def resume(pids: list[int]) -> None:
+    """Undo CRIU's --leave-stopped: every task of the tree continues."""
+    signal_all(pids, signal.SIGCONT)
+
+
+def create_time(pid: int) -> float:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return 0.0
+
+
+def alive(pid: int, started: float = 0.0) -> bool:
+    """Whether pid runs and (when `started` is known) is the same process, not a reused PID."""
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return not started or abs(proc.create_time() - started) < 0.05
+    except psutil.NoSuchProcess:
+        return False
+
+
+def tree_rss(root: int) -> int:
+    total = 0
+    for pid in tree_pids(root):
+        with contextlib.suppress(psutil.Error):
+            total += psutil.Process(pid).memory_info().rss
+    return total
+
+
+def open_paths(root: int) -> set[str]:
+    """Regular files the tree holds open, plus each process's cwd and executable."""
+    paths: set[str] = set()
+    for pid in tree_pids(root):
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            paths.update(f.path for f in p.open_files())
+            paths.add(p.cwd())
+            paths.add(p.exe())
+    return {p for p in paths if p.startswith("/") and not p.endswith(" (deleted)")}
+
+
+def session_id(pid: int) -> int:
+    try:
+        return os.getsid(pid)
+    except ProcessLookupError:
+        return -1

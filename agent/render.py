@@ -1,0 +1,149 @@
+"""Text renderings for the CLI: tables, migration summaries, a live progress line."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+from agent.rpc import pb
+
+_STATE = {v: k.removeprefix("JOB_STATE_").lower() for k, v in pb.JobState.items()}
+_PHASE = {v: k.removeprefix("PHASE_").lower() for k, v in pb.Phase.items()}
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()  # noqa: E731
+    return "\n".join([line(headers), *(line(r) for r in rows)])
+
+
+def job_state(job: pb.Job) -> str:
+    return _STATE.get(job.state, "?")
+
+
+def jobs_table(jobs: list[pb.Job]) -> str:
+    rows = []
+    for j in jobs:
+        state = job_state(j)
+        if j.state == pb.JOB_STATE_EXITED and j.has_exit_code:
+            state += f" ({j.exit_code})"
+        where = f"-> {j.moved_to_node} ({j.moved_to})" if j.state == pb.JOB_STATE_MOVED else j.note
+        rows.append(
+            [
+                j.name,
+                state,
+                str(j.pid or "-"),
+                j.kind and pb.JobKind.Name(j.kind).removeprefix("JOB_KIND_").lower(),
+                " ".join(j.command)[:48],
+                where,
+            ]
+        )
+    return table(["NAME", "STATE", "PID", "KIND", "COMMAND", "NOTE"], rows) if rows else "no jobs"
+
+
+def job_dict(job: pb.Job) -> dict[str, Any]:
+    return {
+        "name": job.name,
+        "state": job_state(job),
+        "kind": pb.JobKind.Name(job.kind).removeprefix("JOB_KIND_").lower(),
+        "pid": job.pid,
+        "command": list(job.command),
+        "cwd": job.cwd,
+        "exit_code": job.exit_code if job.has_exit_code else None,
+        "started_at": job.started_at,
+        "updated_at": job.updated_at,
+        "moved_to": job.moved_to,
+        "moved_to_node": job.moved_to_node,
+        "migration_id": job.migration_id,
+        "checkpoint_dir": job.checkpoint_dir,
+        "stdout_path": job.stdout_path,
+        "stderr_path": job.stderr_path,
+        "node": job.node_name,
+        "note": job.note,
+        "migrations": job.migrations,
+    }
+
+
+def result_dict(r: pb.MigrationResult) -> dict[str, Any]:
+    return {
+        "migration_id": r.migration_id,
+        "job": r.job,
+        "source_node": r.source_node,
+        "target_node": r.target_node,
+        "target": r.target,
+        "phases_s": {p.phase: round(p.seconds, 4) for p in r.phases},
+        "host_bytes": r.host_bytes,
+        "image_bytes": r.image_bytes,
+        "gpu_bytes": r.gpu_bytes,
+        "frozen_s": round(r.frozen_s, 4),
+        "downtime_s": round(r.downtime_s, 4) if r.downtime_s >= 0 else None,
+        "total_s": round(r.total_s, 4),
+        "transfer_gbps": round(r.transfer_gbps, 3),
+        "image_dir": r.image_dir,
+    }
+
+
+def summary(r: pb.MigrationResult) -> str:
+    lines = []
+    if r.target_node:
+        lines.append(
+            f"job {r.job} moved {r.source_node} -> {r.target_node} ({r.target}) in {r.total_s:.2f} s"
+        )
+    else:
+        lines.append(f"job {r.job} saved to {r.image_dir} in {r.total_s:.2f} s")
+    rows = [[p.phase, f"{p.seconds:.3f} s"] for p in r.phases]
+    lines.append(table(["PHASE", "TIME"], rows))
+    lines.append(
+        f"image: {human_bytes(r.image_bytes)} ({human_bytes(r.host_bytes)} host memory, "
+        f"{human_bytes(r.gpu_bytes)} GPU memory)"
+    )
+    if r.transfer_gbps:
+        lines.append(f"transfer rate: {r.transfer_gbps:.2f} GB/s")
+    if r.target_node:
+        lines.append(f"frozen: {r.frozen_s:.3f} s (dump start -> running on the target)")
+        down = (
+            f"{r.downtime_s:.3f} s" if r.downtime_s >= 0 else "not measured (no output within 3 s of restore)"
+        )
+        lines.append(f"downtime: {down} (last output on the source -> first output on the target)")
+    return "\n".join(lines)
+
+
+class ProgressLine:
+    """One self-rewriting line on a terminal; plain lines per phase otherwise."""
+
+    def __init__(self, out: TextIO = sys.stderr) -> None:
+        self.out = out
+        self.tty = out.isatty()
+        self._last_phase = -1
+        self._t0 = time.monotonic()
+
+    def update(self, ev: pb.ProgressEvent) -> None:
+        phase = _PHASE.get(ev.phase, "?")
+        text = f"[{ev.elapsed_s:6.2f}s] {phase:<9} {ev.message}"
+        if ev.bytes_total:
+            pct = 100.0 * ev.bytes_done / ev.bytes_total
+            rate = ev.bytes_done / max(ev.elapsed_s, 1e-6)
+            text += (
+                f"  {human_bytes(ev.bytes_done)} / {human_bytes(ev.bytes_total)} ({pct:.0f}%, "
+                f"{human_bytes(rate)}/s)"
+            )
+        if self.tty:
+            self.out.write("\r\033[K" + text)
+            self.out.flush()
+        elif ev.phase != self._last_phase:
+            self.out.write(text + "\n")
+        self._last_phase = ev.phase
+
+    def close(self) -> None:
+        if self.tty:
+            self.out.write("\r\033[K")
+            self.out.flush()

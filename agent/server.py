@@ -1,0 +1,395 @@
+"""The agent's gRPC service. No logic here: it calls jobs/migrate and maps errors to status codes."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import queue
+import shutil
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from agent import __version__, client
+from agent.criu import Criu
+from agent.errors import FerryError, InvalidArgumentError
+from agent.jobs import JobRecord, JobRegistry, JobState, check_job_name
+from agent.migrate import (
+    MigrationResult,
+    MigrationSpec,
+    Progress,
+    SourceMigration,
+    TargetMigrations,
+    checkpoint,
+    restore_image,
+)
+from agent.rpc import pb, pb_grpc
+
+log = logging.getLogger(__name__)
+
+STATUS_BY_KIND = {
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
+    "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
+    "already_exists": grpc.StatusCode.ALREADY_EXISTS,
+    "deadline_exceeded": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "aborted": grpc.StatusCode.ABORTED,
+    "internal": grpc.StatusCode.INTERNAL,
+}
+
+_PHASES = {
+    "prepare": pb.PHASE_PREPARE,
+    "dump": pb.PHASE_DUMP,
+    "transfer": pb.PHASE_TRANSFER,
+    "restore": pb.PHASE_RESTORE,
+    "commit": pb.PHASE_COMMIT,
+    "abort": pb.PHASE_ABORT,
+    "done": pb.PHASE_DONE,
+}
+_STATES = {s: getattr(pb, f"JOB_STATE_{s.name}") for s in JobState}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def status_for(err: BaseException) -> tuple[grpc.StatusCode, str]:
+    """Every error a user can see, as a status code and one line; never UNKNOWN."""
+    if isinstance(err, FerryError):
+        return STATUS_BY_KIND.get(err.kind, grpc.StatusCode.INTERNAL), str(err)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}; see the agent's log"
+
+
+def _abort_with(context: grpc.ServicerContext, err: BaseException, node: str) -> None:
+    if isinstance(err, FerryError):
+        err.at(node=node)
+    else:
+        log.exception("unexpected error")
+    code, msg = status_for(err)
+    context.abort(code, msg)
+
+
+def rpc(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapper(self: AgentService, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(self, request, context)
+        except Exception as e:
+            _abort_with(context, e, self.node)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def stream_rpc(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapper(self: AgentService, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            yield from fn(self, request, context)
+        except Exception as e:
+            _abort_with(context, e, self.node)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def job_pb(rec: JobRecord, node: str) -> pb.Job:
+    return pb.Job(
+        name=rec.name,
+        state=_STATES[rec.state],
+        kind=pb.JOB_KIND_ADOPTED if rec.kind.value == "adopted" else pb.JOB_KIND_LAUNCHED,
+        pid=rec.pid,
+        command=rec.command,
+        cwd=rec.cwd,
+        exit_code=rec.exit_code or 0,
+        has_exit_code=rec.exit_code is not None,
+        started_at=rec.started_at,
+        updated_at=rec.updated_at,
+        moved_to=rec.moved_to,
+        moved_to_node=rec.moved_to_node,
+        migration_id=rec.migration_id,
+        checkpoint_dir=rec.checkpoint_dir,
+        stdout_path=rec.stdout_path,
+        stderr_path=rec.stderr_path,
+        node_name=node,
+        note=rec.note,
+        env=rec.env,
+        migrations=rec.migrations,
+    )
+
+
+def result_pb(r: MigrationResult) -> pb.MigrationResult:
+    return pb.MigrationResult(
+        migration_id=r.migration_id,
+        job=r.job,
+        source_node=r.source_node,
+        target_node=r.target_node,
+        target=r.target,
+        phases=[pb.PhaseTiming(phase=k, seconds=v) for k, v in r.phases.items()],
+        host_bytes=r.host_bytes,
+        image_bytes=r.image_bytes,
+        gpu_bytes=r.gpu_bytes,
+        frozen_s=r.frozen_s,
+        downtime_s=r.downtime_s,
+        total_s=r.total_s,
+        transfer_gbps=r.transfer_gbps,
+        image_dir=r.image_dir,
+    )
+
+
+class AgentService(pb_grpc.AgentServicer):
+    def __init__(self, state_dir: Path, node: str, staging_root: Path, criu: Criu | None = None) -> None:
+        self.node = node
+        self.agent_id = uuid.uuid4().hex
+        self.staging_root = staging_root
+        self.criu = criu or Criu(node=node)
+        self.registry = JobRegistry(state_dir, node)
+        self.targets = TargetMigrations(self.registry, self.criu, staging_root, node)
+        self._moves = 0
+        self._moves_lock = threading.Condition()
+
+    # -- bookkeeping for graceful stop -------------------------------------------------
+
+    def _in_flight(self, delta: int) -> None:
+        with self._moves_lock:
+            self._moves += delta
+            self._moves_lock.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        with self._moves_lock:
+            return self._moves_lock.wait_for(lambda: self._moves == 0, timeout=timeout_s)
+
+    def _background(
+        self, work: Callable[[Callable[[Progress], None]], MigrationResult]
+    ) -> Iterator[pb.ProgressEvent]:
+        """Run a move on its own thread so a client that goes away cannot cut it in half."""
+        events: queue.Queue[object] = queue.Queue()
+        t0 = time.monotonic()
+
+        def run() -> None:
+            try:
+                events.put(work(events.put))
+            except BaseException as e:
+                events.put(e)
+            finally:
+                self._in_flight(-1)
+
+        self._in_flight(+1)
+        threading.Thread(target=run, name="move", daemon=True).start()
+        while True:
+            item = events.get()
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, MigrationResult):
+                yield pb.ProgressEvent(
+                    phase=pb.PHASE_DONE, elapsed_s=time.monotonic() - t0, result=result_pb(item)
+                )
+                return
+            assert isinstance(item, Progress)
+            yield pb.ProgressEvent(
+                phase=_PHASES.get(item.phase, pb.PHASE_UNSPECIFIED),
+                message=item.message,
+                bytes_done=item.bytes_done,
+                bytes_total=item.bytes_total,
+                elapsed_s=time.monotonic() - t0,
+            )
+
+    # -- node --------------------------------------------------------------------------
+
+    @rpc
+    def GetInfo(self, request: pb.GetInfoRequest, context: grpc.ServicerContext) -> pb.NodeInfo:
+        try:
+            criu_version = self.criu.require_usable()
+        except FerryError as e:
+            criu_version = f"unusable: {e.cause}"
+        self.staging_root.mkdir(parents=True, exist_ok=True)
+        return pb.NodeInfo(
+            node_name=self.node,
+            version=__version__,
+            criu_version=criu_version,
+            staging_dir=str(self.staging_root),
+            staging_free_bytes=shutil.disk_usage(self.staging_root).free,
+            agent_id=self.agent_id,
+        )
+
+    # -- jobs --------------------------------------------------------------------------
+
+    @rpc
+    def Run(self, request: pb.RunRequest, context: grpc.ServicerContext) -> pb.Job:
+        check_job_name(request.name)
+        rec = self.registry.launch(request.name, list(request.command), request.cwd or "/", list(request.env))
+        return job_pb(rec, self.node)
+
+    @rpc
+    def Adopt(self, request: pb.AdoptRequest, context: grpc.ServicerContext) -> pb.Job:
+        check_job_name(request.name)
+        return job_pb(self.registry.adopt(request.name, request.pid), self.node)
+
+    @rpc
+    def ListJobs(self, request: pb.ListJobsRequest, context: grpc.ServicerContext) -> pb.ListJobsResponse:
+        return pb.ListJobsResponse(jobs=[job_pb(r, self.node) for r in self.registry.list()])
+
+    @rpc
+    def StopJob(self, request: pb.StopJobRequest, context: grpc.ServicerContext) -> pb.Job:
+        return job_pb(self.registry.stop(request.name, request.timeout_s or 10.0), self.node)
+
+    @stream_rpc
+    def Logs(self, request: pb.LogsRequest, context: grpc.ServicerContext) -> Iterator[pb.LogChunk]:
+        rec = self.registry.get(request.name)
+        streams = [(pb.LOG_STREAM_STDOUT, rec.stdout_path), (pb.LOG_STREAM_STDERR, rec.stderr_path)]
+        if request.stream:
+            streams = [s for s in streams if s[0] == request.stream]
+        streams = [(k, p) for k, p in streams if p]
+        if not streams:
+            raise InvalidArgumentError(f"job {rec.name!r} has no log files this agent can read")
+        files = [(kind, open(path, "rb")) for kind, path in streams]  # noqa: SIM115 - closed below
+        try:
+            while context.is_active():
+                sent = False
+                for kind, f in files:
+                    if data := f.read(1 << 16):
+                        sent = True
+                        yield pb.LogChunk(stream=kind, data=data)
+                if sent:
+                    continue
+                if not request.follow or not self.registry.get(rec.name).state.active:
+                    return
+                time.sleep(0.1)
+        finally:
+            for _, f in files:
+                f.close()
+
+    # -- moves -------------------------------------------------------------------------
+
+    @stream_rpc
+    def Migrate(
+        self, request: pb.MigrateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.ProgressEvent]:
+        client.split_address(request.target)
+        self.registry.get(request.name)  # NOT_FOUND before anything starts
+        spec = MigrationSpec(request.name, request.target, uuid.uuid4().hex[:16])
+        peer = client.PeerClient(request.target)
+
+        def work(emit: Callable[[Progress], None]) -> MigrationResult:
+            m = SourceMigration(
+                spec, self.registry, self.criu, peer, self.staging_root, self.node, self.agent_id, emit
+            )
+            return m.run()
+
+        yield from self._background(work)
+
+    @stream_rpc
+    def Checkpoint(
+        self, request: pb.CheckpointRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.ProgressEvent]:
+        if not request.out_dir or not os.path.isabs(request.out_dir):
+            raise InvalidArgumentError(f"--out must be an absolute directory path, got {request.out_dir!r}")
+        self.registry.get(request.name)
+        out = Path(request.out_dir)
+
+        def work(emit: Callable[[Progress], None]) -> MigrationResult:
+            return checkpoint(
+                self.registry, self.criu, request.name, out, self.node, request.leave_running, emit
+            )
+
+        yield from self._background(work)
+
+    @rpc
+    def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> pb.Job:
+        if not os.path.isabs(request.image_dir):
+            raise InvalidArgumentError(f"image directory must be an absolute path, got {request.image_dir!r}")
+        if request.name:
+            check_job_name(request.name)
+        rec = restore_image(self.registry, self.criu, Path(request.image_dir), request.name, self.node)
+        return job_pb(rec, self.node)
+
+    # -- peer protocol -----------------------------------------------------------------
+
+    @rpc
+    def Prepare(self, request: pb.PrepareRequest, context: grpc.ServicerContext) -> pb.Lease:
+        return self.targets.prepare(request)
+
+    @rpc
+    def PushImage(
+        self, request_iterator: Iterator[pb.ImageChunk], context: grpc.ServicerContext
+    ) -> pb.PushImageResponse:
+        return self.targets.push(request_iterator)
+
+    @rpc
+    def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
+        return self.targets.commit(request)
+
+    @rpc
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+        self.targets.abort(request.migration_id, request.reason)
+        return pb.AbortResponse()
+
+    @rpc
+    def GetMigration(
+        self, request: pb.GetMigrationRequest, context: grpc.ServicerContext
+    ) -> pb.MigrationStatus:
+        return pb.MigrationStatus(
+            migration_id=request.migration_id, state=self.targets.status(request.migration_id)
+        )
+
+
+def check_listen(address: str, insecure: bool) -> None:
+    host, _ = client.split_address(address, listen=True)
+    if not insecure:
+        raise InvalidArgumentError(
+            "mutual TLS is not available yet; plaintext needs --insecure and a loopback --listen address"
+        )
+    if not client.is_loopback(host):
+        raise InvalidArgumentError(f"--insecure serves plaintext only on loopback, not on {host}")
+
+
+def create_server(address: str, service: AgentService, max_workers: int = 32) -> tuple[grpc.Server, int]:
+    """Bind the agent, health and reflection services; port 0 picks a free port."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+        options=client.CHANNEL_OPTIONS,
+    )
+    pb_grpc.add_AgentServicer_to_server(service, server)
+    health_servicer = health.HealthServicer()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("ferry.v1.Agent", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (
+        pb.DESCRIPTOR.services_by_name["Agent"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise InvalidArgumentError(f"cannot listen on {address} (in use or not a local address)")
+    return server, port
+
+
+def serve(address: str, state_dir: Path, node: str, staging_root: Path, insecure: bool) -> None:
+    """Run until SIGTERM/SIGINT; in-flight moves finish (or abort) before the agent exits."""
+    check_listen(address, insecure)
+    service = AgentService(state_dir, node, staging_root)
+    server, port = create_server(address, service)
+    server.start()
+    host, _ = client.split_address(address, listen=True)
+    log.info(
+        "ferry agent %s (node %s) listening on %s:%d, state in %s", __version__, node, host, port, state_dir
+    )
+    print(f"ferry agent: node {node} listening on {host}:{port}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("stopping: waiting for in-flight migrations")
+    if not service.wait_idle(timeout_s=600):
+        log.warning("in-flight migrations did not finish in 600 s; stopping anyway")
+    server.stop(grace=10).wait()
+    log.info("stopped")

@@ -1,0 +1,145 @@
+"""Streaming an image between agents: chunking with digests, and a bounded, checked intake."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agent.errors import ImageError, TransferError
+from agent.image import MANIFEST, FileEntry, Manifest, check_name, image_files
+from agent.rpc import pb
+
+CHUNK_BYTES = 1 << 20
+
+
+@dataclass
+class SendStats:
+    bytes: int = 0
+    entries: list[FileEntry] = field(default_factory=list)
+
+
+def send_image(
+    migration_id: str,
+    image_dir: Path,
+    make_manifest: Callable[[list[FileEntry]], Manifest],
+    stats: SendStats,
+    progress: Callable[[int], None] = lambda n: None,
+) -> Iterator[pb.ImageChunk]:
+    """Yield the image as chunks, digesting each file on the way; the manifest goes last.
+
+    Digesting while sending reads every byte once; the manifest is built from
+    those digests, so it can only be sent after the files it describes.
+    """
+    first = True
+    for path in image_files(image_dir):
+        h = hashlib.sha256()
+        size = 0
+        with open(path, "rb") as f:
+            data = f.read(CHUNK_BYTES)
+            while True:
+                nxt = f.read(CHUNK_BYTES) if data else b""
+                h.update(data)
+                size += len(data)
+                last = not nxt
+                yield pb.ImageChunk(
+                    migration_id=migration_id if first else "",
+                    file=path.name,
+                    data=data,
+                    last=last,
+                    sha256=h.hexdigest() if last else "",
+                )
+                first = False
+                stats.bytes += len(data)
+                progress(stats.bytes)
+                if last:
+                    break
+                data = nxt
+        stats.entries.append(FileEntry(path.name, size, h.hexdigest()))
+    raw = make_manifest(stats.entries).to_json()
+    yield pb.ImageChunk(
+        migration_id=migration_id if first else "",
+        file=MANIFEST,
+        data=raw,
+        last=True,
+        sha256=hashlib.sha256(raw).hexdigest(),
+    )
+
+
+class Intake:
+    """Writes one incoming image into its staging dir, refusing anything unsafe.
+
+    Names are plain (no separators, no `..`), files are created exclusively
+    (never through a link), the total is capped by the lease, and each file's
+    digest is checked as it completes. `finish()` checks the manifest against
+    what arrived; nothing is restored from an image that has not passed it.
+    """
+
+    def __init__(self, staging: Path, max_bytes: int, node: str = "") -> None:
+        self.staging = staging
+        self.max_bytes = max_bytes
+        self.node = node
+        self.bytes = 0
+        self.received: dict[str, FileEntry] = {}
+        self._name = ""
+        self._fd = -1
+        self._hash = hashlib.sha256()
+        self._size = 0
+
+    def _fail(self, cause: str) -> TransferError:
+        return TransferError(cause, step="transfer intake", node=self.node)
+
+    def feed(self, chunk: pb.ImageChunk) -> None:
+        if chunk.file and chunk.file != self._name:
+            if self._fd >= 0:
+                raise self._fail(f"file {self._name!r} ended without its last chunk")
+            self._open(chunk.file)
+        elif self._fd < 0:
+            raise self._fail("a chunk arrived without a file name")
+        self.bytes += len(chunk.data)
+        if self.bytes > self.max_bytes:
+            raise self._fail(f"image exceeds the lease's cap of {self.max_bytes} bytes")
+        os.write(self._fd, chunk.data)
+        self._hash.update(chunk.data)
+        self._size += len(chunk.data)
+        if chunk.last:
+            os.close(self._fd)
+            self._fd = -1
+            digest = self._hash.hexdigest()
+            if chunk.sha256 != digest:
+                raise self._fail(f"digest mismatch for {self._name!r}: the file was corrupted in transit")
+            self.received[self._name] = FileEntry(self._name, self._size, digest)
+
+    def _open(self, name: str) -> None:
+        try:
+            check_name(name)
+        except ImageError as e:
+            raise self._fail(e.cause) from e
+        if name in self.received:
+            raise self._fail(f"file {name!r} was sent twice")
+        self._name, self._hash, self._size = name, hashlib.sha256(), 0
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        self._fd = os.open(self.staging / name, flags, 0o600)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def finish(self) -> Manifest:
+        """The image is complete and every file matches the manifest's digest."""
+        self.close()
+        if MANIFEST not in self.received:
+            raise self._fail("the stream ended before the manifest arrived (truncated image)")
+        try:
+            m = Manifest.from_json((self.staging / MANIFEST).read_bytes(), where="received manifest")
+            listed = {f.name: f for f in m.files}
+            got = {k: v for k, v in self.received.items() if k != MANIFEST}
+            if listed != got:
+                missing = sorted(set(listed) - set(got))
+                raise ImageError(f"received files do not match the manifest (missing: {missing or 'none'})")
+            return m
+        except ImageError as e:
+            raise self._fail(e.cause) from e

@@ -1,0 +1,85 @@
+"""Helpers for integration tests: run the training workload under agents and check its output."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from agent.localcluster import LocalAgent
+
+REPO = Path(__file__).resolve().parents[2]
+WORKLOAD = REPO / "scripts" / "workloads" / "train_mlp.py"
+
+_REFERENCE: dict[tuple[str, ...], str] = {}
+
+
+def train_args(steps: int, workers: int = 0, step_time: float = 0.1) -> list[str]:
+    return ["--steps", str(steps), "--step-time", str(step_time), "--workers", str(workers)]
+
+
+def reference_digest(steps: int, workers: int = 0) -> str:
+    """The final digest of the same training run, uninterrupted (cached per arguments)."""
+    key = (str(steps), str(workers))
+    if key not in _REFERENCE:
+        out = subprocess.run(
+            [sys.executable, str(WORKLOAD), *train_args(steps, workers, step_time=0)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        ).stdout
+        _REFERENCE[key] = final_digest(out)
+    return _REFERENCE[key]
+
+
+def steps_in(log: str) -> list[int]:
+    return [int(m[1]) for m in re.finditer(r"^step (\d+) ", log, re.M)]
+
+
+def final_digest(log: str) -> str:
+    m = re.search(r"^final digest (\w+)$", log, re.M)
+    assert m, f"no final digest in output:\n{log[-500:]}"
+    return m[1]
+
+
+def run_training(agent: LocalAgent, name: str, steps: int, workers: int = 0) -> None:
+    agent.cli("run", "--name", name, "--", sys.executable, str(WORKLOAD), *train_args(steps, workers))
+
+
+def wait_steps(agent: LocalAgent, name: str, n: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if len(steps_in(agent.cli("logs", name).stdout)) >= n:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"job {name} did not reach step {n} on {agent.node}")
+
+
+def job(agent: LocalAgent, name: str) -> dict:
+    jobs = {j["name"]: j for j in json.loads(agent.cli("ps", "--json").stdout)}
+    assert name in jobs, f"{name} not in `ferry ps` of {agent.node}: {sorted(jobs)}"
+    return jobs[name]
+
+
+def wait_state(agent: LocalAgent, name: str, state: str, timeout_s: float = 180) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        j = job(agent, name)
+        if j["state"] == state:
+            return j
+        time.sleep(0.2)
+    raise AssertionError(f"job {name} on {agent.node} is {job(agent, name)['state']}, expected {state}")
+
+
+def assert_completed_exactly_once(agent: LocalAgent, name: str, steps: int, workers: int = 0) -> None:
+    """Finished with status 0, every step logged once and in order, digest as if never interrupted."""
+    j = wait_state(agent, name, "exited")
+    log = agent.cli("logs", name).stdout
+    assert j["exit_code"] == 0, f"exit {j['exit_code']}; stderr:\n{agent.cli('logs', name).stderr[-2000:]}"
+    assert steps_in(log) == list(range(steps))
+    assert final_digest(log) == reference_digest(steps, workers)

@@ -1,0 +1,127 @@
+"""Local save and resume, adoption, and agent restarts, with real CRIU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from tests.integration.jobtools import (
+    WORKLOAD,
+    assert_completed_exactly_once,
+    final_digest,
+    job,
+    reference_digest,
+    run_training,
+    steps_in,
+    train_args,
+    wait_state,
+    wait_steps,
+)
+
+
+def test_checkpoint_then_restore(agents, tmp_path):
+    a = agents("node-a")
+    run_training(a, "save", steps=30)
+    wait_steps(a, "save", 5)
+    image = tmp_path / "image"
+
+    a.cli("checkpoint", "save", "--out", str(image))
+
+    assert job(a, "save")["state"] == "checkpointed"
+    info = json.loads(a.cli("inspect", str(image), "--json").stdout)
+    assert info["verified"] and info["version"] == 1 and info["job"]["name"] == "save"
+    assert info["host_bytes"] > 0 and any(f["name"].startswith("pages-") for f in info["files"])
+    a.cli("restore", str(image))
+    assert_completed_exactly_once(a, "save", steps=30)
+
+
+def test_restore_refuses_a_tampered_image(agents, tmp_path):
+    a = agents("node-a")
+    run_training(a, "tamper", steps=200)
+    wait_steps(a, "tamper", 2)
+    image = tmp_path / "image"
+    a.cli("checkpoint", "tamper", "--out", str(image))
+    pages = next(image.glob("pages-*.img"))
+    data = bytearray(pages.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    pages.write_bytes(bytes(data))
+
+    p = a.cli("restore", str(image), check=False)
+
+    assert p.returncode == 1 and "digest does not match" in p.stderr
+    assert a.cli("inspect", str(image), check=False).returncode == 1
+
+
+def test_adopted_process_migrates_to_a_node_with_its_pids_free(agents, tmp_path):
+    a = agents("node-a")
+    # The second "node" runs in its own PID namespace, so the adopted job's host PIDs are free there.
+    b = agents("node-b", prefix=["unshare", "--pid", "--fork", "--mount-proc"])
+    out = tmp_path / "adopted.log"
+    with open(out, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, str(WORKLOAD), *train_args(30)],
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    try:
+        a.cli("adopt", "--pid", str(proc.pid), "--name", "adoptee")
+        deadline = time.monotonic() + 60
+        while len(steps_in(out.read_text())) < 5:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        a.cli("migrate", "adoptee", "--to", b.address)
+
+        assert job(a, "adoptee")["state"] == "moved"
+        proc.wait(timeout=30)  # the frozen source copy is gone
+        wait_state(b, "adoptee", "exited")
+        log = out.read_text()
+        assert steps_in(log) == list(range(30))
+        assert final_digest(log) == reference_digest(30)
+    finally:
+        proc.kill()
+
+
+def test_adopt_refuses_target_where_pids_are_taken(agents, tmp_path):
+    a, b = agents("node-a"), agents("node-b")  # same PID namespace: the PIDs are in use
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        a.cli("adopt", "--pid", str(proc.pid), "--name", "pinned")
+        p = a.cli("migrate", "pinned", "--to", b.address, check=False)
+        assert p.returncode == 1 and "PIDs" in p.stderr and "in use" in p.stderr
+        assert job(a, "pinned")["state"] == "running" and proc.poll() is None
+    finally:
+        proc.kill()
+
+
+def test_jobs_survive_an_agent_restart(agents):
+    a = agents("node-a")
+    run_training(a, "durable", steps=40)
+    wait_steps(a, "durable", 3)
+
+    a.stop()
+    a.start()
+
+    assert job(a, "durable")["state"] == "running"
+    wait_state(a, "durable", "exited")
+    log = a.cli("logs", "durable").stdout
+    assert steps_in(log) == list(range(40)) and final_digest(log) == reference_digest(40)
+
+
+def test_stop_ends_a_job(agents):
+    a = agents("node-a")
+    a.cli("run", "--name", "long", "--", sys.executable, str(WORKLOAD), *train_args(1000))
+    wait_steps(a, "long", 1)
+    a.cli("stop", "long")
+    assert job(a, "long")["state"] == "stopped"
+    p = a.cli("migrate", "long", "--to", "127.0.0.1:9", check=False)
+    assert p.returncode == 1 and "not running" in p.stderr
+
+
+def test_finished_job_after_completion(agents):
+    a = agents("node-a")
+    run_training(a, "short", steps=3)
+    assert_completed_exactly_once(a, "short", steps=3)
