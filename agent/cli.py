@@ -245,9 +245,13 @@ def _follow_progress(events: Iterator[Any], as_json: bool) -> int:
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     from agent.client import split_address
+    from agent.errors import InvalidArgumentError
     from agent.rpc import pb
 
-    split_address(args.to)
+    try:
+        split_address(args.to)
+    except InvalidArgumentError as e:
+        raise Usage(f"ferry migrate: --to: {e.cause}") from e
     events = _stream(args.agent, "Migrate", pb.MigrateRequest(name=args.name, target=args.to), 3600)
     return _follow_progress(events, args.json)
 

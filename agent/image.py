@@ -32,7 +32,7 @@ _CHUNK = 1 << 20
 
 def check_name(name: str) -> str:
     """An image file name: a plain name, no separators, no `..`, nothing hidden."""
-    if not _SAFE_NAME.match(name) or ".." in name:
+    if not _SAFE_NAME.fullmatch(name) or ".." in name:
         raise ImageError(f"unsafe file name in image: {name!r}", step="image intake")
     return name
 
@@ -93,6 +93,8 @@ class Manifest:
     def from_json(cls, raw: bytes, where: str = "manifest") -> Manifest:
         try:
             d: dict[str, Any] = json.loads(raw)
+            if not isinstance(d, dict):
+                raise ImageError(f"{where}: manifest is not a JSON object", step="image intake")
             if d.get("version") != MANIFEST_VERSION:
                 raise ImageError(f"{where}: manifest version {d.get('version')!r} is not {MANIFEST_VERSION}")
             return cls(
@@ -107,7 +109,7 @@ class Manifest:
             )
         except ImageError:
             raise
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ImageError(f"{where}: malformed manifest ({e})", step="image intake") from e
 
 

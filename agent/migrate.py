@@ -194,13 +194,16 @@ class SourceMigration:
         try:
             self._set(MigrationState.PREPARING, "prepare", f"asking {self.spec.target} for a lease")
             self.phases.run("prepare", lambda: self._prepare(rec))
-        except FerryError as e:
+        except Exception as exc:
+            e = as_ferry_error(exc, "prepare", self.node)
             self.registry.update(
                 rec.name, state=JobState.RUNNING, migration_id="", note=f"migration refused: {e}"
             )
             self.state = MigrationState.ABORTED
             e.at(step="prepare", node=self.node)
-            raise
+            if e is exc:
+                raise
+            raise e from exc
 
         pids: list[int] = []
         frozen_at = 0.0
@@ -244,9 +247,9 @@ class SourceMigration:
             self._set(MigrationState.RESTORING, "restore", f"target {self.result.target_node} restoring")
             faults.check("commit", self.node)
             resp = self.phases.run("commit", lambda: self._commit(last_progress))
-        except FerryError as e:
-            self._abort(rec, pids, e)
-            raise AssertionError("unreachable") from e  # _abort always raises
+        except Exception as exc:
+            self._abort(rec, pids, as_ferry_error(exc, self.state.value, self.node))
+            raise AssertionError("unreachable") from exc  # _abort always raises
 
         # Committed: the target runs the job. Only now the frozen copy goes.
         self.registry.kill_tree(rec, pids)
@@ -329,13 +332,13 @@ class SourceMigration:
         if isinstance(err, _Unresolved):
             self.state = MigrationState.UNRESOLVED
             note = (
-                f"target {self.spec.target} stopped answering while restoring; the job is kept frozen here "
-                "so that two copies never run. Check `ferry ps --agent "
-                f"{self.spec.target}`: if the job is not running there, stop the target's attempt and "
-                "resume it here by restarting this agent"
+                f"target {self.spec.target} stopped answering while restoring; the job is kept frozen "
+                "here so that two copies never run. Check `ferry ps --agent "
+                f"{self.spec.target}`: if the job does not run there, resume this copy with "
+                f"`kill -CONT {' '.join(map(str, pids))}`; if it does, `kill -KILL {pids[0] if pids else ''}`"
             )
             self.registry.update(rec.name, note=note)
-            raise FerryError(note, step="commit", node=self.node) from err
+            raise _Unresolved(note, step="commit", node=self.node) from err
         self._set(MigrationState.ABORTING, "abort", f"aborting: {err}")
         try:
             self.peer.abort(self.spec.migration_id, str(err))
@@ -360,6 +363,16 @@ class SourceMigration:
 
 class _Unresolved(FerryError):
     kind = "unavailable"
+
+
+def as_ferry_error(exc: BaseException, step: str, node: str) -> FerryError:
+    """Ours as is; anything else (an OSError on a full tmpfs, say) named by step and node."""
+    if isinstance(exc, FerryError):
+        return exc
+    cause = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.strerror else repr(exc)
+    err = FerryError(cause, step=step, node=node)
+    err.__cause__ = exc
+    return err
 
 
 # -- target side ----------------------------------------------------------------
@@ -404,10 +417,6 @@ class TargetMigrations:
         faults.check("target-prepare", self.node)
         self.registry.reserve_name(req.job)
         self.criu.require_usable()
-        with self._lock:
-            busy = [i for i in self._incoming.values() if i.state in _IN_FLIGHT]
-        if len(busy) >= MAX_INCOMING:
-            raise self._refuse(f"{len(busy)} migrations are already coming in", "retry when they finish")
         self.staging_root.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(self.staging_root).free
         need = int(req.estimated_bytes * 1.2)
@@ -428,13 +437,18 @@ class TargetMigrations:
                 "choose a target where they are free, or run jobs with `ferry run` (own PID namespace)",
             )
         staging = self.staging_root / f"in-{_safe_id(req.migration_id)}"
-        staging.mkdir(parents=True)
         max_bytes = max(2 * req.estimated_bytes, 1 << 30)
         inc = Incoming(req.migration_id, req.job, req.source_node, staging, max_bytes, time.time() + LEASE_S)
         with self._lock:
+            self._expire()
             if req.migration_id in self._incoming:
-                shutil.rmtree(staging, ignore_errors=True)
                 raise self._refuse(f"migration {req.migration_id} is already known here")
+            busy = [i for i in self._incoming.values() if i.state in _IN_FLIGHT]
+            if any(i.job == req.job for i in busy):
+                raise self._refuse(f"job {req.job!r} is already coming in from another migration")
+            if len(busy) >= MAX_INCOMING:
+                raise self._refuse(f"{len(busy)} migrations are already coming in", "retry when they finish")
+            staging.mkdir(parents=True)
             self._incoming[req.migration_id] = inc
         log.info("migration %s: lease granted for job %s from %s", req.migration_id, req.job, req.source_node)
         return pb.Lease(
@@ -446,9 +460,10 @@ class TargetMigrations:
         if first is None:
             raise InvalidArgumentError("empty image stream", step="transfer", node=self.node)
         inc = self._get(first.migration_id)
-        if inc.state != pb.TARGET_STATE_PREPARED or time.time() > inc.expires_at:
-            raise RefusedError(f"migration {inc.migration_id} is not ready for an image", node=self.node)
-        inc.state = pb.TARGET_STATE_RECEIVING
+        with self._lock:
+            if inc.state != pb.TARGET_STATE_PREPARED or time.time() > inc.expires_at:
+                raise RefusedError(f"migration {inc.migration_id} is not ready for an image", node=self.node)
+            inc.state = pb.TARGET_STATE_RECEIVING
         intake = Intake(inc.staging, inc.max_bytes, self.node)
         try:
             intake.feed(first)
@@ -458,6 +473,12 @@ class TargetMigrations:
             manifest = intake.finish()
             if manifest.job.name != inc.job:
                 raise ImageError(f"image is of job {manifest.job.name!r}, the lease is for {inc.job!r}")
+        except OSError as e:
+            intake.close()
+            self._drop(inc)
+            raise TransferError(
+                f"cannot write the image into {inc.staging}: {e.strerror}", node=self.node
+            ) from e
         except BaseException:
             intake.close()
             self._drop(inc)
@@ -468,11 +489,12 @@ class TargetMigrations:
 
     def commit(self, req: pb.CommitRequest) -> pb.CommitResponse:
         inc = self._get(req.migration_id)
-        if inc.manifest is None or inc.state != pb.TARGET_STATE_VERIFIED:
-            raise RefusedError(
-                f"migration {inc.migration_id} has no verified image to restore", node=self.node
-            )
-        inc.state = pb.TARGET_STATE_RESTORING
+        with self._lock:
+            if inc.manifest is None or inc.state != pb.TARGET_STATE_VERIFIED:
+                raise RefusedError(
+                    f"migration {inc.migration_id} has no verified image to restore", node=self.node
+                )
+            inc.state = pb.TARGET_STATE_RESTORING
         t = time.monotonic()
         try:
             faults.check("target-restore", self.node)
@@ -501,10 +523,13 @@ class TargetMigrations:
 
     def abort(self, mid: str, reason: str) -> None:
         inc = self._get(mid)
-        if inc.state == pb.TARGET_STATE_RUNNING:
-            raise RefusedError(
-                f"migration {mid} already runs the job here; it cannot be aborted", node=self.node
-            )
+        with self._lock:
+            if inc.state in (pb.TARGET_STATE_RESTORING, pb.TARGET_STATE_RUNNING):
+                what = "is restoring" if inc.state == pb.TARGET_STATE_RESTORING else "already runs"
+                raise RefusedError(
+                    f"migration {mid} {what} the job here; it cannot be aborted", node=self.node
+                )
+            inc.state = pb.TARGET_STATE_ABORTED
         log.info("migration %s: aborted by the source: %s", mid, reason)
         self._drop(inc)
 
@@ -516,6 +541,14 @@ class TargetMigrations:
     def _drop(self, inc: Incoming) -> None:
         inc.state = pb.TARGET_STATE_ABORTED
         shutil.rmtree(inc.staging, ignore_errors=True)
+
+    def _expire(self) -> None:
+        """Leases whose source went silent before commit: free their slot and staging (lock held)."""
+        now = time.time()
+        for inc in self._incoming.values():
+            if inc.state in (pb.TARGET_STATE_PREPARED, pb.TARGET_STATE_VERIFIED) and now > inc.expires_at:
+                log.warning("migration %s: lease expired; dropping its staged image", inc.migration_id)
+                self._drop(inc)
 
 
 _IN_FLIGHT = (
@@ -606,11 +639,14 @@ def checkpoint(
             "digest",
             lambda: build_manifest(out_dir, job, node, criu_stats=dump.stats, timings=dict(phases.times)),  # type: ignore[attr-defined]
         )
-    except FerryError as e:
+    except Exception as exc:
+        e = as_ferry_error(exc, "checkpoint", node)
         procs.resume(pids)
         registry.update(name, state=JobState.RUNNING, migration_id="", note=f"checkpoint failed: {e.cause}")
         e.at(step="checkpoint", node=node)
-        raise
+        if e is exc:
+            raise
+        raise e from exc
     assert isinstance(m, Manifest)
     if leave_running:
         procs.resume(pids)

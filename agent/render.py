@@ -42,7 +42,7 @@ def jobs_table(jobs: list[pb.Job]) -> str:
                 j.name,
                 state,
                 str(j.pid or "-"),
-                j.kind and pb.JobKind.Name(j.kind).removeprefix("JOB_KIND_").lower(),
+                "-" if not j.kind else pb.JobKind.Name(j.kind).removeprefix("JOB_KIND_").lower(),
                 " ".join(j.command)[:48],
                 where,
             ]

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
 from tests.integration.jobtools import (
     assert_completed_exactly_once,
@@ -55,3 +59,22 @@ def test_job_moves_there_and_back(agents):
     assert back["migrations"] == 2
     assert job(b, "pingpong")["state"] == "moved"
     assert_completed_exactly_once(a, "pingpong", steps=50)
+
+
+def test_sigterm_lets_an_in_flight_migration_finish(agents):
+    a, b = agents("node-a"), agents("node-b")
+    run_training(a, "graceful", steps=40)
+    wait_steps(a, "graceful", 5)
+    cmd = [sys.executable, "-m", "agent.cli", "migrate", "graceful", "--agent", a.address, "--to", b.address]
+    migrating = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while job(a, "graceful")["state"] != "migrating":
+        assert time.monotonic() < deadline and migrating.poll() is None
+        time.sleep(0.01)
+
+    assert a.stop(signal.SIGTERM) == 0
+
+    out, err = migrating.communicate(timeout=120)
+    assert migrating.returncode == 0, err
+    assert "moved node-a -> node-b" in out
+    assert_completed_exactly_once(b, "graceful", steps=40)

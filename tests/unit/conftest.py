@@ -1,0 +1,68 @@
+"""Fixtures for the unit tests (the fakes themselves are in fakes.py)."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from fakes import SLEEP, FakeCriu
+
+from agent.jobs import JobRegistry
+from agent.server import AgentService, create_server
+
+
+@pytest.fixture
+def sleeper(tmp_path: Path) -> Iterator[Callable[[], tuple[subprocess.Popen[bytes], Path, Path]]]:
+    """Start harmless `sleep 60` children with stdout/stderr in files; killed at teardown."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start() -> tuple[subprocess.Popen[bytes], Path, Path]:
+        n = len(started)
+        out, err = tmp_path / f"sleeper{n}.out", tmp_path / f"sleeper{n}.err"
+        out.write_text("step 1 loss 0.9\n")
+        err.write_text("")
+        with open(out, "ab") as o, open(err, "ab") as e:
+            p = subprocess.Popen(
+                [SLEEP, "60"], stdin=subprocess.DEVNULL, stdout=o, stderr=e, start_new_session=True
+            )
+        started.append(p)
+        return p, out, err
+
+    yield start
+    for p in started:
+        p.kill()
+        p.wait(timeout=10)
+
+
+@pytest.fixture
+def fake_criu() -> Iterator[FakeCriu]:
+    c = FakeCriu(node="test")
+    yield c
+    c.cleanup()
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> JobRegistry:
+    return JobRegistry(tmp_path / "state", "nodea")
+
+
+@pytest.fixture
+def make_agent(tmp_path: Path) -> Iterator[Callable[..., tuple[AgentService, str, FakeCriu]]]:
+    """Start in-process agents on loopback (port 0) with a fake CRIU: (service, address, criu)."""
+    started: list[tuple[grpc.Server, FakeCriu]] = []
+
+    def make(node: str = "nodea") -> tuple[AgentService, str, FakeCriu]:
+        criu = FakeCriu(node)
+        svc = AgentService(tmp_path / node / "state", node, tmp_path / node / "staging", criu=criu)
+        server, port = create_server("127.0.0.1:0", svc, max_workers=8)
+        server.start()
+        started.append((server, criu))
+        return svc, f"127.0.0.1:{port}", criu
+
+    yield make
+    for server, criu in started:
+        server.stop(None).wait()
+        criu.cleanup()

@@ -1,0 +1,259 @@
+"""Fakes and helpers for the unit tests: no root, no CRIU, no process is ever really dumped.
+
+The processes the tests start are plain `sleep` children of the test process.
+FakeCriu stands in for agent.criu.Criu: its dump writes a few image files and
+SIGSTOPs the tree (as CRIU's --leave-stopped would), its restore starts a new
+`sleep` child (as CRIU's rst_sibling restore would). FakePeer stands in for the
+target agent; its push feeds a real transfer.Intake, so digests are checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from agent import procs
+from agent.criu import DumpResult, InheritFd, RestoreResult
+from agent.errors import RefusedError
+from agent.jobs import JobKind, JobRecord, JobState
+from agent.rpc import pb
+from agent.transfer import Intake
+
+SLEEP = "/bin/sleep"
+SH = "/bin/sh"
+
+#: The files FakeCriu.dump writes; pages-1.img is the "host memory".
+PAGES_BYTES = 64 << 10
+
+
+def wait_for(pred: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def proc_status(pid: int) -> str:
+    try:
+        return psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return "gone"
+
+
+def is_stopped(pid: int) -> bool:
+    return proc_status(pid) == psutil.STATUS_STOPPED
+
+
+def wait_stopped(pid: int) -> None:
+    wait_for(lambda: is_stopped(pid), what=f"pid {pid} to stop")
+
+
+def wait_running(pid: int) -> None:
+    wait_for(
+        lambda: proc_status(pid) in (psutil.STATUS_SLEEPING, psutil.STATUS_RUNNING),
+        what=f"pid {pid} to run",
+    )
+
+
+def is_dead(pid: int) -> bool:
+    return proc_status(pid) in ("gone", psutil.STATUS_ZOMBIE)
+
+
+class FakeCriu:
+    """agent.criu.Criu without CRIU: records calls, fails on request."""
+
+    def __init__(self, node: str = "") -> None:
+        self.node = node
+        self.dumps: list[dict[str, Any]] = []
+        self.restores: list[dict[str, Any]] = []
+        self.dump_error: BaseException | None = None
+        self.restore_error: BaseException | None = None
+        self.usable = True
+        #: Called inside restore (before it returns), to act while the target is RESTORING.
+        self.during_restore: Callable[[], None] | None = None
+        #: Pids of the children restore started; the fixture kills them.
+        self.spawned: list[int] = []
+
+    def require_usable(self) -> str:
+        if not self.usable:
+            raise RefusedError("criu not found", step="criu check", node=self.node, hint="run `make criu`")
+        return "4.1.1"
+
+    def dump(
+        self,
+        pid: int,
+        images_dir: Path,
+        *,
+        leave_running: bool = False,
+        leave_stopped: bool = True,
+        shell_job: bool = False,
+        timeout_s: int = 0,
+    ) -> DumpResult:
+        self.dumps.append({"pid": pid, "images_dir": images_dir, "shell_job": shell_job})
+        if self.dump_error is not None:
+            raise self.dump_error
+        (images_dir / "inventory.img").write_bytes(b"inventory")
+        (images_dir / f"core-{pid}.img").write_bytes(b"core" * 100)
+        (images_dir / "pstree.img").write_bytes(b"pstree")
+        (images_dir / "pages-1.img").write_bytes(os.urandom(PAGES_BYTES))
+        (images_dir / "criu-dump.log").write_text("a log for people; it never travels\n")
+        if leave_stopped and not leave_running:
+            os.kill(pid, signal.SIGSTOP)
+            wait_stopped(pid)
+        return DumpResult(stats={"frozen_time": 1234, "pages_written": 16})
+
+    def restore(
+        self,
+        images_dir: Path,
+        *,
+        inherit: list[InheritFd] = (),  # type: ignore[assignment]
+        shell_job: bool = False,
+        log_dir: Path | None = None,
+    ) -> RestoreResult:
+        self.restores.append(
+            {
+                "images_dir": images_dir,
+                "files": sorted(p.name for p in images_dir.iterdir()),
+                "keys": [i.key for i in inherit],
+                "shell_job": shell_job,
+                "log_dir": log_dir,
+            }
+        )
+        if self.during_restore is not None:
+            self.during_restore()
+        if self.restore_error is not None:
+            raise self.restore_error
+        # The "restored job": prints once a little later (its first progress), then sleeps.
+        actions = [(os.POSIX_SPAWN_DUP2, inherit[0].fd, 1)] if inherit else []
+        pid = os.posix_spawn(
+            SH,
+            [SH, "-c", f"sleep 0.3; echo restored; exec {SLEEP} 60"],
+            dict(os.environ),
+            file_actions=actions,
+            setsid=True,
+        )
+        self.spawned.append(pid)
+        return RestoreResult(pid=pid, stats={})
+
+    def cleanup(self) -> None:
+        for pid in self.spawned:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in self.spawned:
+            # The registry's watch thread reaps a restored child; reap it here only if none did.
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.01)
+            else:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+
+
+class FakePeer:
+    """The target agent as a source sees it (agent.migrate.Peer).
+
+    `fail[method]` is an exception that method raises; `status_answers` are
+    returned (or raised) by status() in turn, the last one repeating.
+    """
+
+    def __init__(
+        self,
+        staging: Path,
+        *,
+        address: str = "127.0.0.1:7071",
+        node_name: str = "nodeb",
+        agent_id: str = "target-agent",
+    ) -> None:
+        self.address = address
+        self.node_name = node_name
+        self.agent_id = agent_id
+        self.staging = staging
+        self.calls: list[str] = []
+        self.fail: dict[str, BaseException] = {}
+        self.status_answers: list[int | BaseException] = [pb.TARGET_STATE_UNKNOWN]
+        self.prepare_req: pb.PrepareRequest | None = None
+        self.commit_req: pb.CommitRequest | None = None
+        self.aborts: list[tuple[str, str]] = []
+        self.manifest = None
+        self.received: dict[str, bytes] = {}
+        #: Applied to each chunk before intake, to corrupt it in transit.
+        self.mangle: Callable[[pb.ImageChunk], pb.ImageChunk] = lambda c: c
+
+    def _enter(self, method: str) -> None:
+        self.calls.append(method)
+        if method in self.fail:
+            raise self.fail[method]
+
+    def info(self) -> pb.NodeInfo:
+        self._enter("info")
+        return pb.NodeInfo(node_name=self.node_name, agent_id=self.agent_id, criu_version="4.1.1")
+
+    def prepare(self, req: pb.PrepareRequest) -> pb.Lease:
+        self.prepare_req = req
+        self._enter("prepare")
+        return pb.Lease(migration_id=req.migration_id, node_name=self.node_name, max_bytes=1 << 30)
+
+    def push(self, chunks: Iterator[pb.ImageChunk]) -> pb.PushImageResponse:
+        self._enter("push")
+        self.staging.mkdir(parents=True, exist_ok=True)
+        intake = Intake(self.staging, 1 << 30, self.node_name)
+        try:
+            for chunk in chunks:
+                intake.feed(self.mangle(chunk))
+            self.manifest = intake.finish()
+        finally:
+            intake.close()
+        self.received = {p.name: p.read_bytes() for p in self.staging.iterdir()}
+        return pb.PushImageResponse(bytes=intake.bytes, files=len(intake.received))
+
+    def commit(self, req: pb.CommitRequest) -> pb.CommitResponse:
+        self.commit_req = req
+        self._enter("commit")
+        return pb.CommitResponse(
+            node_name=self.node_name,
+            pid=4242,
+            phases=[pb.PhaseTiming(phase="restore", seconds=0.25)],
+            first_progress_at=time.time(),
+        )
+
+    def abort(self, migration_id: str, reason: str) -> None:
+        self.aborts.append((migration_id, reason))
+        self._enter("abort")
+
+    def status(self, migration_id: str) -> int:
+        self.calls.append("status")
+        answer = self.status_answers.pop(0) if len(self.status_answers) > 1 else self.status_answers[0]
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+
+def launched_record(
+    name: str, proc: subprocess.Popen[bytes], out: Path, err: Path, cwd: str = "/"
+) -> JobRecord:
+    """A record like `ferry run` makes, for a process the test started."""
+    return JobRecord(
+        name=name,
+        kind=JobKind.LAUNCHED,
+        state=JobState.RUNNING,
+        pid=proc.pid,
+        pid_started=procs.create_time(proc.pid),
+        command=[SLEEP, "60"],
+        cwd=cwd,
+        stdout_path=str(out),
+        stderr_path=str(err),
+    )

@@ -1,0 +1,375 @@
+"""The on-disk image (agent.image): manifest, digests, names; and the chunked transfer of it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from agent.errors import ImageError, TransferError
+from agent.image import (
+    MANIFEST,
+    MANIFEST_VERSION,
+    STDOUT_LOG,
+    FileEntry,
+    JobSpec,
+    Manifest,
+    build_manifest,
+    check_name,
+    image_files,
+    inspect_data,
+    read_manifest,
+    verify,
+    write_manifest,
+)
+from agent.rpc import pb
+from agent.transfer import CHUNK_BYTES, Intake, SendStats, send_image
+
+JOB = JobSpec(
+    name="train",
+    kind="launched",
+    command=["python", "train.py", "--epochs", "3"],
+    cwd="/work",
+    env=["SEED=1"],
+    stdout_path="/state/jobs/train/stdout.log",
+    stderr_path="/state/jobs/train/stderr.log",
+    pid=1,
+    migrations=2,
+    shell_job=True,
+)
+
+
+@pytest.fixture
+def image(tmp_path: Path) -> Path:
+    d = tmp_path / "img"
+    d.mkdir()
+    (d / "core-1.img").write_bytes(b"core" * 10)
+    (d / "pages-1.img").write_bytes(os.urandom(5000))
+    (d / "pages-2.img").write_bytes(os.urandom(3000))
+    (d / STDOUT_LOG).write_bytes(b"hello\n")
+    (d / "criu-dump.log").write_text("for people only\n")
+    build_manifest(d, JOB, "nodea", criu_stats={"frozen_time": 7}, timings={"dump": 0.5})
+    return d
+
+
+def _manifest_dict(image: Path) -> dict:
+    return json.loads((image / MANIFEST).read_bytes())
+
+
+# -- manifest --------------------------------------------------------------------------
+
+
+def test_manifest_round_trip(image: Path) -> None:
+    m = read_manifest(image)
+    assert Manifest.from_json(m.to_json()) == m
+    assert m.job == JOB
+    assert m.source_node == "nodea"
+    assert m.version == MANIFEST_VERSION
+    assert m.criu_stats == {"frozen_time": 7}
+    assert m.timings == {"dump": 0.5}
+    assert m.host_bytes == 8000  # pages-* only
+    assert m.image_bytes == 40 + 8000 + 6
+    assert _manifest_dict(image)["image_bytes"] == m.image_bytes
+
+
+def test_manifest_lists_every_travelling_file_with_its_digest(image: Path) -> None:
+    m = read_manifest(image)
+    names = [f.name for f in m.files]
+    assert "criu-dump.log" not in names and MANIFEST not in names
+    assert names[-2:] == ["pages-1.img", "pages-2.img"]  # the big files go last
+    for f in m.files:
+        data = (image / f.name).read_bytes()
+        assert f.size == len(data)
+        assert f.sha256 == hashlib.sha256(data).hexdigest()
+
+
+def test_verify_accepts_an_intact_image(image: Path) -> None:
+    assert verify(image) == read_manifest(image)
+
+
+def test_verify_detects_a_changed_byte(image: Path) -> None:
+    p = image / "pages-1.img"
+    data = bytearray(p.read_bytes())
+    data[1234] ^= 0x40
+    p.write_bytes(bytes(data))
+    with pytest.raises(ImageError, match=r"pages-1\.img: digest does not match"):
+        verify(image)
+
+
+def test_verify_detects_a_changed_size(image: Path) -> None:
+    with open(image / "core-1.img", "ab") as f:
+        f.write(b"!")
+    with pytest.raises(ImageError, match=r"core-1\.img: size 41 does not match the manifest's 40"):
+        verify(image)
+
+
+def test_verify_detects_a_missing_file(image: Path) -> None:
+    (image / "pages-2.img").unlink()
+    with pytest.raises(ImageError, match=r"missing: pages-2\.img"):
+        verify(image)
+
+
+def test_verify_detects_an_extra_file(image: Path) -> None:
+    (image / "pages-3.img").write_bytes(b"smuggled")
+    with pytest.raises(ImageError, match=r"not in the manifest: pages-3\.img"):
+        verify(image)
+
+
+def test_verify_refuses_a_symlink_in_the_image(image: Path, tmp_path: Path) -> None:
+    (tmp_path / "secret").write_bytes(b"x")
+    (image / "link.img").symlink_to(tmp_path / "secret")
+    with pytest.raises(ImageError, match="not a regular file"):
+        verify(image)
+
+
+def test_verify_refuses_a_manifest_with_an_unsafe_name(image: Path) -> None:
+    d = _manifest_dict(image)
+    d["files"][0]["name"] = "../../etc/shadow"
+    (image / MANIFEST).write_text(json.dumps(d))
+    with pytest.raises(ImageError, match="unsafe file name"):
+        verify(image)
+
+
+def test_local_only_files_do_not_count(image: Path) -> None:
+    (image / "criu-restore.log").write_text("written by a restore, later")
+    verify(image)
+
+
+def test_a_directory_without_a_manifest_is_not_an_image(tmp_path: Path) -> None:
+    with pytest.raises(ImageError, match="is not a ferry image"):
+        read_manifest(tmp_path)
+
+
+def test_inspect_data(image: Path) -> None:
+    d = inspect_data(image)
+    assert d["path"] == str(image)
+    assert d["verified"] is True
+    assert d["job"]["name"] == "train"
+    assert d["host_bytes"] == 8000
+    assert inspect_data(image, check=False)["verified"] is False
+
+
+def test_inspect_data_checks_digests_unless_told_not_to(image: Path) -> None:
+    (image / "pages-1.img").write_bytes(b"\0" * 5000)
+    with pytest.raises(ImageError):
+        inspect_data(image)
+    assert inspect_data(image, check=False)["verified"] is False
+
+
+def test_write_manifest_leaves_no_temporary_file(image: Path) -> None:
+    write_manifest(image, read_manifest(image))
+    assert sorted(p.name for p in image.iterdir() if p.name.startswith(MANIFEST)) == [MANIFEST]
+
+
+def test_image_files_refuses_a_subdirectory(image: Path) -> None:
+    (image / "sub").mkdir()
+    with pytest.raises(ImageError, match="not a regular file"):
+        image_files(image)
+
+
+# -- from_json on untrusted input ------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", [0, 2, "1", None])
+def test_from_json_rejects_another_version(image: Path, version: object) -> None:
+    d = _manifest_dict(image)
+    d["version"] = version
+    with pytest.raises(ImageError, match=f"manifest version {version!r} is not {MANIFEST_VERSION}"):
+        Manifest.from_json(json.dumps(d).encode())
+
+
+def test_from_json_rejects_a_missing_version(image: Path) -> None:
+    d = _manifest_dict(image)
+    del d["version"]
+    with pytest.raises(ImageError, match="manifest version None"):
+        Manifest.from_json(json.dumps(d).encode())
+
+
+@pytest.mark.parametrize(
+    "raw", [b"", b"{", b"not json", b"\xff\xfe", b'{"version": 1}', b'{"version": 1, "job": {}}']
+)
+def test_from_json_rejects_malformed_json(raw: bytes) -> None:
+    with pytest.raises(ImageError, match="malformed manifest"):
+        Manifest.from_json(raw, where="test manifest")
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("files", [{"name": "a"}]),  # an entry without size and digest
+        ("files", [1, 2]),
+        ("job", {"name": "train", "unknown_field": 1}),
+        ("created_at", "yesterday"),
+        ("host_bytes", "lots"),
+        ("criu_stats", {"frozen_time": "slow"}),
+    ],
+)
+def test_from_json_rejects_wrong_fields(image: Path, key: str, value: object) -> None:
+    d = _manifest_dict(image)
+    d[key] = value
+    with pytest.raises(ImageError, match="malformed manifest"):
+        Manifest.from_json(json.dumps(d).encode())
+
+
+@pytest.mark.parametrize("mutation", ["list", "null", "criu_stats"])
+def test_from_json_rejects_json_of_the_wrong_shape(image: Path, mutation: str) -> None:
+    if mutation == "criu_stats":
+        d = _manifest_dict(image)
+        d["criu_stats"] = [1, 2]
+        raw = json.dumps(d).encode()
+    else:
+        raw = b"[]" if mutation == "list" else b"null"
+    with pytest.raises(ImageError):
+        Manifest.from_json(raw)
+
+
+# -- names -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name", ["pages-1.img", "core-4242.img", "ferry-stdout.log", "manifest.json", "_x", "a+b", "A" * 128]
+)
+def test_check_name_accepts_plain_names(name: str) -> None:
+    assert check_name(name) == name
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "",
+        ".",
+        "..",
+        "../x",
+        "a/b",
+        "/abs",
+        ".hidden",
+        "x..y",
+        "a\\b",
+        "a b",
+        "a\nb",
+        "a\0b",
+        "A" * 129,
+        "-rf",
+    ],
+)
+def test_check_name_refuses_anything_else(name: str) -> None:
+    with pytest.raises(ImageError, match="unsafe file name"):
+        check_name(name)
+
+
+# -- chunked transfer (agent.transfer) -------------------------------------------------
+
+
+def _send(image: Path, mid: str = "m1") -> tuple[list[pb.ImageChunk], SendStats]:
+    m = read_manifest(image)
+    (image / MANIFEST).unlink()
+    stats = SendStats()
+
+    def manifest(entries: list[FileEntry]) -> Manifest:
+        return Manifest(job=m.job, source_node=m.source_node, files=entries, host_bytes=m.host_bytes)
+
+    return list(send_image(mid, image, manifest, stats)), stats
+
+
+def test_send_image_then_intake_reproduces_the_image(image: Path, tmp_path: Path) -> None:
+    before = read_manifest(image)
+    chunks, stats = _send(image)
+    assert chunks[0].migration_id == "m1"
+    assert all(c.migration_id == "" for c in chunks[1:])
+    assert chunks[-1].file == MANIFEST
+    assert stats.bytes == before.image_bytes
+    assert stats.entries == before.files
+
+    out = tmp_path / "received"
+    out.mkdir()
+    intake = Intake(out, 1 << 20)
+    for c in chunks:
+        intake.feed(c)
+    got = intake.finish()
+    assert got.files == before.files
+    assert verify(out) == got
+
+
+def test_send_image_splits_big_files(tmp_path: Path) -> None:
+    d = tmp_path / "big"
+    d.mkdir()
+    (d / "pages-1.img").write_bytes(os.urandom(2 * CHUNK_BYTES + 10))
+    (d / "empty.img").write_bytes(b"")
+    build_manifest(d, JOB, "nodea")
+    chunks, _ = _send(d)
+    pages = [c for c in chunks if c.file == "pages-1.img"]
+    assert [len(c.data) for c in pages] == [CHUNK_BYTES, CHUNK_BYTES, 10]
+    assert [c.last for c in pages] == [False, False, True]
+    assert pages[-1].sha256 and not pages[0].sha256
+    empty = [c for c in chunks if c.file == "empty.img"]
+    assert len(empty) == 1 and empty[0].last and empty[0].sha256 == hashlib.sha256(b"").hexdigest()
+
+    out = tmp_path / "out"
+    out.mkdir()
+    intake = Intake(out, 1 << 30)
+    for c in chunks:
+        intake.feed(c)
+    intake.finish()
+    assert (out / "pages-1.img").read_bytes() == (d / "pages-1.img").read_bytes()
+
+
+def test_intake_stops_at_the_cap_before_writing(tmp_path: Path) -> None:
+    intake = Intake(tmp_path, max_bytes=100, node="nodeb")
+    intake.feed(pb.ImageChunk(file="pages-1.img", data=b"a" * 60))
+    with pytest.raises(TransferError, match="cap of 100 bytes") as exc:
+        intake.feed(pb.ImageChunk(file="pages-1.img", data=b"b" * 60))
+    intake.close()
+    assert exc.value.node == "nodeb"
+    assert (tmp_path / "pages-1.img").stat().st_size == 60  # nothing beyond the cap was written
+
+
+def test_intake_does_not_write_through_a_planted_symlink(tmp_path: Path) -> None:
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    (staging / "pages-1.img").symlink_to(victim)
+    intake = Intake(staging, 1 << 20)
+    with pytest.raises(OSError):
+        intake.feed(pb.ImageChunk(file="pages-1.img", data=b"overwrite", last=True))
+    assert victim.read_bytes() == b"precious"
+
+
+def test_intake_finish_without_a_manifest(tmp_path: Path) -> None:
+    intake = Intake(tmp_path, 1 << 20)
+    data = b"x"
+    intake.feed(
+        pb.ImageChunk(file="core-1.img", data=data, last=True, sha256=hashlib.sha256(data).hexdigest())
+    )
+    with pytest.raises(TransferError, match="truncated"):
+        intake.finish()
+
+
+def test_intake_finish_with_a_file_the_manifest_omits(image: Path, tmp_path: Path) -> None:
+    chunks, _ = _send(image)
+    extra = b"smuggled"
+    chunks.insert(
+        0,
+        pb.ImageChunk(
+            migration_id="m1",
+            file="extra.img",
+            data=extra,
+            last=True,
+            sha256=hashlib.sha256(extra).hexdigest(),
+        ),
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    intake = Intake(out, 1 << 20)
+    for c in chunks:
+        intake.feed(c)
+    with pytest.raises(TransferError, match="do not match the manifest"):
+        intake.finish()
+
+
+def test_check_name_refuses_a_trailing_newline() -> None:
+    with pytest.raises(ImageError):
+        check_name("pages-1.img\n")

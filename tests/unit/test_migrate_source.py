@@ -1,0 +1,493 @@
+"""The source side of a migration (agent.migrate.SourceMigration), a failure injected at every phase.
+
+The job is a real `sleep` child; FakeCriu freezes it with SIGSTOP as CRIU's
+--leave-stopped would, so "resumed" and "kept frozen" are checked on the
+process itself as well as through the calls that were made.
+"""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+from fakes import PAGES_BYTES, FakeCriu, FakePeer, is_dead, is_stopped, launched_record, wait_running
+
+from agent import migrate, procs
+from agent.errors import (
+    CriuError,
+    FerryError,
+    InvalidArgumentError,
+    MigrationAbortedError,
+    NotFoundError,
+    RefusedError,
+    StepTimeoutError,
+    TransferError,
+    UnavailableError,
+)
+from agent.faults import InjectedFault
+from agent.image import MANIFEST, STDERR_LOG, STDOUT_LOG
+from agent.jobs import JobRecord, JobRegistry, JobState
+from agent.migrate import MigrationSpec, MigrationState, SourceMigration
+from agent.rpc import pb
+
+MID = "0123456789abcdef"
+
+
+class Harness:
+    """A job, its registry, a fake CRIU and a fake target, with every side effect recorded."""
+
+    def __init__(
+        self, tmp_path: Path, registry: JobRegistry, criu: FakeCriu, sleeper, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        self.proc, self.out, self.err = sleeper()
+        self.pid = self.proc.pid
+        self.registry = registry
+        self.criu = criu
+        self.peer = FakePeer(tmp_path / "target-staging")
+        self.staging_root = tmp_path / "staging"
+        self.events: list[migrate.Progress] = []
+        registry.save(launched_record("train", self.proc, self.out, self.err))
+
+        self.resumed: list[list[int]] = []
+        real_resume = procs.resume
+
+        def resume(pids: list[int]) -> None:
+            self.resumed.append(list(pids))
+            real_resume(pids)
+
+        monkeypatch.setattr(procs, "resume", resume)
+
+        self.killed: list[tuple[str, list[int]]] = []
+        real_kill = registry.kill_tree
+
+        def kill_tree(rec: JobRecord, pids: list[int]) -> None:
+            self.killed.append((rec.name, list(pids)))
+            real_kill(rec, pids)
+
+        monkeypatch.setattr(registry, "kill_tree", kill_tree)
+        # _ask_target sleeps 1 s between tries; the tests need not wait for it.
+        self.slept: list[float] = []
+        fake_time = types.SimpleNamespace(
+            monotonic=migrate.time.monotonic, time=migrate.time.time, sleep=self.slept.append
+        )
+        monkeypatch.setattr(migrate, "time", fake_time)
+
+    def migration(self, job: str = "train", agent_id: str = "source-agent") -> SourceMigration:
+        spec = MigrationSpec(job, self.peer.address, MID)
+        return SourceMigration(
+            spec,
+            self.registry,
+            self.criu,
+            self.peer,
+            self.staging_root,
+            "nodea",
+            agent_id,
+            self.events.append,
+        )
+
+    @property
+    def job(self) -> JobRecord:
+        return self.registry.get("train")
+
+    def phases_emitted(self) -> list[str]:
+        out: list[str] = []
+        for e in self.events:
+            if not out or out[-1] != e.phase:
+                out.append(e.phase)
+        return out
+
+    def assert_untouched(self) -> None:
+        """A refusal before the freeze costs the job nothing."""
+        assert self.criu.dumps == []
+        assert self.job.state is JobState.RUNNING
+        assert self.job.migration_id == ""
+        assert not is_stopped(self.pid)
+        assert self.killed == []
+        assert not (self.staging_root / f"out-{MID}").exists()
+
+    def assert_rolled_back(self) -> None:
+        """Aborted after the freeze: the source copy runs again, nothing left behind."""
+        assert self.job.state is JobState.RUNNING
+        assert self.job.migration_id == ""
+        assert "aborted" in self.job.note
+        assert self.killed == []
+        assert [m for m, _ in self.peer.aborts] == [MID]
+        assert not (self.staging_root / f"out-{MID}").exists()
+        wait_running(self.pid)
+
+
+@pytest.fixture
+def h(tmp_path, registry, fake_criu, sleeper, monkeypatch) -> Harness:
+    monkeypatch.delenv("FERRY_FAULTS", raising=False)
+    return Harness(tmp_path, registry, fake_criu, sleeper, monkeypatch)
+
+
+# -- success -------------------------------------------------------------------------
+
+
+def test_success_moves_the_job_and_kills_the_frozen_copy(h: Harness) -> None:
+    m = h.migration()
+    result = m.run()
+
+    assert m.state is MigrationState.COMMITTED
+    job = h.job
+    assert job.state is JobState.MOVED
+    assert job.moved_to == h.peer.address
+    assert job.moved_to_node == "nodeb"
+    # The frozen tree is killed only after commit, and it is this job's tree.
+    assert h.peer.calls == ["info", "prepare", "push", "commit"]
+    assert len(h.killed) == 1
+    name, pids = h.killed[0]
+    assert name == "train" and pids[0] == h.pid
+    assert is_dead(h.pid)
+    assert h.resumed == []
+    assert h.peer.aborts == []
+    assert h.criu.dumps[0]["pid"] == h.pid
+
+    assert result.target_node == "nodeb"
+    assert result.image_bytes > PAGES_BYTES
+    assert result.host_bytes == PAGES_BYTES
+    for phase in ("prepare", "dump", "transfer", "commit", "target restore"):
+        assert phase in result.phases, phase
+    assert result.phases["target restore"] == pytest.approx(0.25)
+    assert result.downtime_s >= 0
+    assert result.frozen_s > 0
+    assert result.total_s >= result.frozen_s
+    assert not (h.staging_root / f"out-{MID}").exists()
+    assert h.phases_emitted() == ["prepare", "dump", "transfer", "restore", "done"]
+
+
+def test_success_sends_a_complete_self_describing_image(h: Harness) -> None:
+    h.migration().run()
+
+    m = h.peer.manifest
+    assert m is not None
+    names = {f.name for f in m.files}
+    assert {"pages-1.img", "pstree.img", STDOUT_LOG, STDERR_LOG} <= names
+    assert "criu-dump.log" not in names  # local-only files never travel
+    assert MANIFEST in h.peer.received
+    assert h.peer.received[STDOUT_LOG] == h.out.read_bytes()
+    assert m.job.name == "train"
+    assert m.job.kind == "launched"
+    assert m.job.migrations == 1
+    assert m.job.stdout_path == str(h.out)
+    assert m.source_node == "nodea"
+    assert m.host_bytes == PAGES_BYTES
+    assert m.criu_stats == {"frozen_time": 1234, "pages_written": 16}
+    assert "dump" in m.timings
+
+
+def test_prepare_tells_the_target_what_is_coming(h: Harness) -> None:
+    h.migration().run()
+
+    req = h.peer.prepare_req
+    assert req is not None
+    assert req.migration_id == MID
+    assert req.job == "train"
+    assert req.source_node == "nodea"
+    assert req.kind == pb.JOB_KIND_LAUNCHED
+    assert req.estimated_bytes > 0
+    assert list(req.pids) == []  # a launched job has its own PID namespace
+    # The job's own log files travel with the image; they are not asked of the target.
+    assert str(h.out) not in req.paths and str(h.err) not in req.paths
+    assert h.peer.commit_req is not None and h.peer.commit_req.migration_id == MID
+
+
+def test_adopted_job_sends_its_host_pids(h: Harness, registry: JobRegistry, sleeper) -> None:
+    proc, _, _ = sleeper()
+    registry.adopt("adopted", proc.pid)
+    spec = MigrationSpec("adopted", h.peer.address, MID)
+    SourceMigration(spec, registry, h.criu, h.peer, h.staging_root, "nodea", "source-agent").run()
+
+    assert h.peer.prepare_req.kind == pb.JOB_KIND_ADOPTED
+    assert list(h.peer.prepare_req.pids) == [proc.pid]
+    assert registry.get("adopted").state is JobState.MOVED
+    assert h.criu.dumps[0]["shell_job"] is False  # its session leader is inside the tree
+
+
+# -- refusals before anything is frozen ----------------------------------------------
+
+
+def test_unreachable_target_is_a_refusal_that_costs_nothing(h: Harness) -> None:
+    h.peer.fail["info"] = UnavailableError("agent 127.0.0.1:7071 is unreachable (connection refused)")
+    m = h.migration()
+    with pytest.raises(RefusedError) as exc:
+        m.run()
+
+    assert h.peer.address in str(exc.value)
+    assert "unreachable" in str(exc.value)
+    assert exc.value.step == "prepare"
+    assert h.peer.calls == ["info"]
+    assert m.state is MigrationState.ABORTED
+    h.assert_untouched()
+    assert "migration refused" in h.job.note
+
+
+def test_prepare_refused_by_the_target(h: Harness) -> None:
+    h.peer.fail["prepare"] = RefusedError(
+        "files the job uses are missing here: /data/shard-0", step="prepare", node="nodeb"
+    )
+    with pytest.raises(RefusedError) as exc:
+        h.migration().run()
+
+    assert "/data/shard-0" in str(exc.value)
+    assert "nodeb" in str(exc.value)
+    assert h.peer.calls == ["info", "prepare"]
+    h.assert_untouched()
+
+
+def test_migration_to_itself_is_refused(h: Harness) -> None:
+    h.peer.agent_id = "source-agent"
+    with pytest.raises(InvalidArgumentError, match="is this agent"):
+        h.migration(agent_id="source-agent").run()
+
+    assert h.peer.calls == ["info"]
+    h.assert_untouched()
+
+
+def test_second_migration_of_a_moving_job_is_refused(h: Harness) -> None:
+    h.registry.begin_move("train", "other-migration", "migration")
+    with pytest.raises(RefusedError, match="already being moved") as exc:
+        h.migration().run()
+
+    assert "other-migration" in str(exc.value)
+    assert h.peer.calls == []
+    assert h.criu.dumps == []
+    # The first migration's claim on the job is untouched.
+    assert h.job.state is JobState.MIGRATING
+    assert h.job.migration_id == "other-migration"
+
+
+@pytest.mark.parametrize("state", [JobState.EXITED, JobState.MOVED, JobState.STOPPED])
+def test_a_job_that_does_not_run_is_not_moved(h: Harness, state: JobState) -> None:
+    h.registry.update("train", state=state)
+    with pytest.raises(RefusedError, match=f"is {state.value}, not running"):
+        h.migration().run()
+    assert h.peer.calls == []
+    assert h.criu.dumps == []
+
+
+def test_unknown_job(h: Harness) -> None:
+    with pytest.raises(NotFoundError, match="'nope'"):
+        h.migration(job="nope").run()
+    assert h.peer.calls == []
+
+
+# -- failures after the freeze: the source copy resumes ------------------------------
+
+
+def test_dump_failure_aborts_and_names_criu_and_its_log(h: Harness) -> None:
+    h.criu.dump_error = CriuError(
+        "dump", "task 42 has an unsupported file", log_path="/stage/criu-dump.log", node="nodea"
+    )
+    m = h.migration()
+    with pytest.raises(MigrationAbortedError) as exc:
+        m.run()
+
+    msg = str(exc.value)
+    assert "criu dump" in msg and "/stage/criu-dump.log" in msg
+    assert "keeps running on nodea" in msg
+    assert isinstance(exc.value.__cause__, CriuError)
+    assert m.state is MigrationState.ABORTED
+    assert "push" not in h.peer.calls
+    h.assert_rolled_back()
+
+
+def test_transfer_failure_aborts_and_resumes(h: Harness) -> None:
+    h.peer.fail["push"] = TransferError("connection reset while streaming", step="transfer", node="nodeb")
+    with pytest.raises(MigrationAbortedError, match="connection reset"):
+        h.migration().run()
+
+    assert h.resumed and h.resumed[0][0] == h.pid
+    assert "commit" not in h.peer.calls
+    h.assert_rolled_back()
+    assert "while transferring" in h.job.note
+
+
+def test_image_corrupted_in_transit_is_caught_by_the_digests(h: Harness) -> None:
+    def flip(chunk: pb.ImageChunk) -> pb.ImageChunk:
+        if chunk.file == "pages-1.img":
+            data = bytearray(chunk.data)
+            data[100] ^= 0xFF
+            chunk = pb.ImageChunk(
+                migration_id=chunk.migration_id,
+                file=chunk.file,
+                data=bytes(data),
+                last=chunk.last,
+                sha256=chunk.sha256,
+            )
+        return chunk
+
+    h.peer.mangle = flip
+    with pytest.raises(MigrationAbortedError, match=r"digest mismatch for 'pages-1\.img'"):
+        h.migration().run()
+
+    assert "commit" not in h.peer.calls
+    h.assert_rolled_back()
+
+
+def test_definite_commit_failure_aborts_and_resumes(h: Harness) -> None:
+    h.peer.fail["commit"] = RefusedError("criu restore failed: pid 1 is taken", step="commit", node="nodeb")
+    m = h.migration()
+    with pytest.raises(MigrationAbortedError, match="pid 1 is taken"):
+        m.run()
+
+    assert m.state is MigrationState.ABORTED
+    assert "status" not in h.peer.calls  # a definite answer needs no question
+    assert h.resumed and h.resumed[0][0] == h.pid
+    h.assert_rolled_back()
+    assert h.phases_emitted()[-1] == "abort"
+
+
+@pytest.mark.parametrize(
+    "no_answer",
+    [
+        UnavailableError("agent 127.0.0.1:7071 is unreachable", step="commit"),
+        StepTimeoutError("agent 127.0.0.1:7071 did not answer in time", step="commit"),
+    ],
+)
+def test_lost_commit_answer_but_target_runs_the_job_counts_as_committed(
+    h: Harness, no_answer: FerryError
+) -> None:
+    h.peer.fail["commit"] = no_answer
+    h.peer.status_answers = [pb.TARGET_STATE_RUNNING]
+    m = h.migration()
+    m.run()
+
+    assert m.state is MigrationState.COMMITTED
+    assert h.peer.calls[-2:] == ["commit", "status"]
+    assert h.job.state is JobState.MOVED
+    assert h.job.moved_to == h.peer.address
+    assert h.killed and h.killed[0][1][0] == h.pid
+    assert h.resumed == []
+    assert h.peer.aborts == []
+
+
+def test_status_answers_after_a_few_tries(h: Harness) -> None:
+    down = UnavailableError("unreachable")
+    h.peer.fail["commit"] = UnavailableError("unreachable")
+    h.peer.status_answers = [down, down, pb.TARGET_STATE_RUNNING]
+    h.migration().run()
+
+    assert h.peer.calls.count("status") == 3
+    assert h.slept == [1.0, 1.0]
+    assert h.job.state is JobState.MOVED
+
+
+@pytest.mark.parametrize("answer", [UnavailableError("unreachable"), pb.TARGET_STATE_RESTORING])
+def test_commit_unresolved_keeps_the_job_frozen(h: Harness, answer: object) -> None:
+    """No answer and no status (or the target still restoring): never resume blindly."""
+    h.peer.fail["commit"] = UnavailableError("agent 127.0.0.1:7071 is unreachable", step="commit")
+    h.peer.status_answers = [answer]  # type: ignore[list-item]
+    m = h.migration()
+    with pytest.raises(FerryError) as exc:
+        m.run()
+
+    assert not isinstance(exc.value, MigrationAbortedError)
+    assert m.state is MigrationState.UNRESOLVED
+    assert h.peer.address in str(exc.value)
+    assert exc.value.step == "commit"
+    assert h.peer.calls.count("status") == (5 if isinstance(answer, Exception) else 1)
+    assert h.job.state is JobState.MIGRATING
+    assert h.job.migration_id == MID
+    assert h.peer.address in h.job.note
+    assert h.resumed == []
+    assert h.peer.aborts == []
+    assert h.killed == []
+    assert is_stopped(h.pid)
+
+
+def test_unresolved_job_is_not_resumed_blindly_after_an_agent_restart(h: Harness, tmp_path: Path) -> None:
+    h.peer.fail["commit"] = UnavailableError("unreachable")
+    h.peer.status_answers = [UnavailableError("unreachable")]
+    with pytest.raises(FerryError):
+        h.migration().run()
+
+    restarted = JobRegistry(tmp_path / "state", "nodea")
+    assert restarted.get("train").state is JobState.MIGRATING
+    assert is_stopped(h.pid)
+    assert h.resumed == []
+
+
+@pytest.mark.parametrize("answer", [pb.TARGET_STATE_UNKNOWN, pb.TARGET_STATE_ABORTED])
+def test_lost_commit_answer_and_target_without_the_job_resumes(h: Harness, answer: int) -> None:
+    h.peer.fail["commit"] = UnavailableError("unreachable")
+    h.peer.status_answers = [answer]
+    with pytest.raises(MigrationAbortedError, match="target lost the migration"):
+        h.migration().run()
+
+    assert h.resumed and h.resumed[0][0] == h.pid
+    h.assert_rolled_back()
+
+
+def test_target_abort_failing_still_resumes_the_source(h: Harness) -> None:
+    h.peer.fail["push"] = TransferError("stream broke")
+    h.peer.fail["abort"] = UnavailableError("unreachable")
+    with pytest.raises(MigrationAbortedError):
+        h.migration().run()
+    h.assert_rolled_back()
+
+
+# -- the fault injector (FERRY_FAULTS) -----------------------------------------------
+
+
+def test_fault_at_dump_fails_before_freezing(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FERRY_FAULTS", "dump")
+    with pytest.raises(MigrationAbortedError, match="injected fault at 'dump'") as exc:
+        h.migration().run()
+
+    assert isinstance(exc.value.__cause__, InjectedFault)
+    assert exc.value.step == "dump"
+    assert h.criu.dumps == []
+    assert "push" not in h.peer.calls
+    h.assert_rolled_back()
+
+
+def test_fault_at_transfer_resumes_the_frozen_copy(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FERRY_FAULTS", "transfer")
+    with pytest.raises(MigrationAbortedError, match="injected fault at 'transfer'") as exc:
+        h.migration().run()
+
+    assert exc.value.step == "transfer"
+    assert len(h.criu.dumps) == 1
+    assert "push" not in h.peer.calls
+    assert h.resumed and h.resumed[0][0] == h.pid
+    h.assert_rolled_back()
+
+
+def test_fault_at_commit_resumes_the_frozen_copy(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FERRY_FAULTS", "commit")
+    with pytest.raises(MigrationAbortedError, match="injected fault at 'commit'"):
+        h.migration().run()
+
+    assert "push" in h.peer.calls and "commit" not in h.peer.calls
+    h.assert_rolled_back()
+
+
+def test_fault_at_prepare_is_a_refusal(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FERRY_FAULTS", " prepare , unrelated")
+    with pytest.raises(InjectedFault, match="injected fault at 'prepare'"):
+        h.migration().run()
+
+    assert "prepare" not in h.peer.calls
+    h.assert_untouched()
+
+
+def test_unlisted_fault_points_do_not_fire(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FERRY_FAULTS", "target-restore,dumping")
+    h.migration().run()
+    assert h.job.state is JobState.MOVED
+
+
+# -- known bugs (see the report; strict, so a fix turns these into failures to remove) ---
+
+
+def test_os_error_after_the_freeze_still_resumes_the_job(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_space(rec: JobRecord, image_dir: Path) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(migrate, "_copy_logs", no_space)
+    with pytest.raises(MigrationAbortedError):
+        h.migration().run()
+    h.assert_rolled_back()

@@ -1,0 +1,598 @@
+"""The target side of a migration (agent.migrate.TargetMigrations): leases, intake, restore, fencing.
+
+Every image here is produced by transfer.send_image, the source's own sender,
+and then damaged on purpose where a test needs it.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import os
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+from fakes import FakeCriu, is_dead
+
+from agent import migrate
+from agent.errors import (
+    AlreadyExistsError,
+    CriuError,
+    FerryError,
+    ImageError,
+    InvalidArgumentError,
+    NotFoundError,
+    RefusedError,
+    TransferError,
+)
+from agent.faults import InjectedFault
+from agent.image import MANIFEST, STDERR_LOG, STDOUT_LOG, FileEntry, JobSpec, Manifest, host_bytes, verify
+from agent.jobs import JobKind, JobRecord, JobRegistry, JobState
+from agent.migrate import TargetMigrations
+from agent.rpc import pb
+from agent.transfer import SendStats, send_image
+
+MID = "feedfacecafe0001"
+SRC_OUT = "/var/lib/ferry/nodea/jobs/train/stdout.log"
+SRC_ERR = "/var/lib/ferry/nodea/jobs/train/stderr.log"
+
+
+@pytest.fixture
+def target(tmp_path: Path, fake_criu: FakeCriu, monkeypatch: pytest.MonkeyPatch) -> TargetMigrations:
+    monkeypatch.delenv("FERRY_FAULTS", raising=False)
+    monkeypatch.setattr(migrate, "PROGRESS_WAIT_S", 2.0)
+    registry = JobRegistry(tmp_path / "tstate", "nodeb")
+    return TargetMigrations(registry, fake_criu, tmp_path / "tstaging", "nodeb")
+
+
+def prepare_req(mid: str = MID, job: str = "train", **kw: object) -> pb.PrepareRequest:
+    fields: dict[str, object] = {
+        "migration_id": mid,
+        "job": job,
+        "source_node": "nodea",
+        "kind": pb.JOB_KIND_LAUNCHED,
+        "estimated_bytes": 1 << 20,
+        "cwd": "/",
+    }
+    fields.update(kw)
+    return pb.PrepareRequest(**fields)  # type: ignore[arg-type]
+
+
+def make_image(root: Path, job: str = "train", pages: int = 200_000) -> Path:
+    """The files a source would have in its staging dir after dump and log copy."""
+    d = root / f"src-image-{uuid.uuid4().hex[:8]}"
+    d.mkdir(parents=True)
+    (d / "inventory.img").write_bytes(b"inventory")
+    (d / "core-1.img").write_bytes(b"core" * 64)
+    (d / "pages-1.img").write_bytes(os.urandom(pages))
+    (d / STDOUT_LOG).write_bytes(b"step 1 loss 0.9\nstep 2 loss 0.8\n")
+    (d / STDERR_LOG).write_bytes(b"")
+    return d
+
+
+def chunks_for(image_dir: Path, mid: str = MID, job: str = "train") -> list[pb.ImageChunk]:
+    spec = JobSpec(
+        name=job,
+        kind="launched",
+        command=["python", "train.py"],
+        cwd="/",
+        env=["SEED=1"],
+        stdout_path=SRC_OUT,
+        stderr_path=SRC_ERR,
+        pid=1,
+        migrations=1,
+    )
+
+    def manifest(entries: list[FileEntry]) -> Manifest:
+        return Manifest(job=spec, source_node="nodea", files=entries, host_bytes=host_bytes(entries))
+
+    return list(send_image(mid, image_dir, manifest, SendStats()))
+
+
+def staged(target: TargetMigrations) -> list[str]:
+    root = target.staging_root
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+
+def state(target: TargetMigrations, mid: str = MID) -> int:
+    return target.status(mid)
+
+
+def delivered(target: TargetMigrations, tmp_path: Path) -> list[pb.ImageChunk]:
+    """Prepare, push a good image: the migration is VERIFIED."""
+    target.prepare(prepare_req())
+    chunks = chunks_for(make_image(tmp_path))
+    target.push(iter(chunks))
+    assert state(target) == pb.TARGET_STATE_VERIFIED
+    return chunks
+
+
+def replace(chunk: pb.ImageChunk, **changes: object) -> pb.ImageChunk:
+    c = pb.ImageChunk()
+    c.CopyFrom(chunk)
+    for k, v in changes.items():
+        setattr(c, k, v)
+    return c
+
+
+def running_record(name: str, state: JobState = JobState.RUNNING) -> JobRecord:
+    return JobRecord(name=name, kind=JobKind.LAUNCHED, state=state, pid=os.getpid(), command=["x"], cwd="/")
+
+
+def free_pid() -> int:
+    pid = int(Path("/proc/sys/kernel/pid_max").read_text()) - 1
+    while psutil.pid_exists(pid):
+        pid -= 1
+    return pid
+
+
+# -- prepare -------------------------------------------------------------------------
+
+
+def test_prepare_grants_a_lease(target: TargetMigrations) -> None:
+    before = time.time()
+    lease = target.prepare(prepare_req(pids=[free_pid()]))
+
+    assert lease.migration_id == MID
+    assert lease.node_name == "nodeb"
+    assert lease.max_bytes >= 2 * (1 << 20)
+    assert lease.expires_at > before
+    assert staged(target) == [f"in-{MID}"]
+    assert state(target) == pb.TARGET_STATE_PREPARED
+
+
+def test_prepare_names_every_missing_path(target: TargetMigrations, tmp_path: Path) -> None:
+    present = tmp_path / "shared-data.bin"
+    present.write_bytes(b"x")
+    missing = ["/nonexistent-ferry/shard-0.bin", "/nonexistent-ferry/shard-1.bin"]
+    with pytest.raises(RefusedError) as exc:
+        target.prepare(prepare_req(paths=[str(present), *missing]))
+
+    msg = str(exc.value)
+    assert all(m in msg for m in missing)
+    assert str(present) not in msg
+    assert "nodeb" in msg and exc.value.step == "prepare"
+    assert "shared storage" in msg
+    assert staged(target) == []
+    assert state(target) == pb.TARGET_STATE_UNKNOWN
+
+
+def test_prepare_shortens_a_long_list_of_missing_paths(target: TargetMigrations) -> None:
+    missing = [f"/nonexistent-ferry/f{i}" for i in range(8)]
+    with pytest.raises(RefusedError, match="and 3 more") as exc:
+        target.prepare(prepare_req(paths=missing))
+    assert "/nonexistent-ferry/f4" in str(exc.value)
+    assert "/nonexistent-ferry/f5" not in str(exc.value)
+
+
+def test_prepare_refuses_a_missing_working_directory(target: TargetMigrations) -> None:
+    with pytest.raises(RefusedError, match="/nonexistent-ferry/work"):
+        target.prepare(prepare_req(cwd="/nonexistent-ferry/work"))
+    assert staged(target) == []
+
+
+def test_prepare_refuses_pids_in_use_for_an_adopted_job(target: TargetMigrations) -> None:
+    me = os.getpid()
+    with pytest.raises(RefusedError) as exc:
+        target.prepare(prepare_req(kind=pb.JOB_KIND_ADOPTED, pids=[free_pid(), me]))
+    assert str(me) in str(exc.value)
+    assert "in use" in str(exc.value)
+    assert staged(target) == []
+
+
+def test_prepare_refuses_when_staging_is_too_small(
+    target: TargetMigrations, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(migrate.shutil, "disk_usage", lambda p: usage(1 << 30, 1 << 30, 5 << 20))
+    with pytest.raises(RefusedError) as exc:
+        target.prepare(prepare_req(estimated_bytes=100 << 20))
+
+    msg = str(exc.value)
+    assert "5 MiB free" in msg and "120 MiB" in msg
+    assert str(target.staging_root) in msg
+    assert "--staging-dir" in msg
+    assert staged(target) == []
+
+
+def test_prepare_refuses_a_name_an_active_job_holds(target: TargetMigrations) -> None:
+    target.registry.save(running_record("train"))
+    with pytest.raises(AlreadyExistsError, match="'train' already exists here and is running"):
+        target.prepare(prepare_req())
+    assert staged(target) == []
+
+
+def test_prepare_allows_the_name_of_a_finished_job(target: TargetMigrations) -> None:
+    target.registry.save(running_record("train", JobState.MOVED))
+    target.prepare(prepare_req())
+    assert state(target) == pb.TARGET_STATE_PREPARED
+
+
+def test_prepare_refuses_without_usable_criu(target: TargetMigrations, fake_criu: FakeCriu) -> None:
+    fake_criu.usable = False
+    with pytest.raises(RefusedError, match="criu not found"):
+        target.prepare(prepare_req())
+    assert staged(target) == []
+
+
+def test_prepare_limits_concurrent_incoming_migrations(target: TargetMigrations) -> None:
+    target.prepare(prepare_req("m-1", "job1"))
+    target.prepare(prepare_req("m-2", "job2"))
+    with pytest.raises(RefusedError, match="2 migrations are already coming in"):
+        target.prepare(prepare_req("m-3", "job3"))
+    assert state(target, "m-3") == pb.TARGET_STATE_UNKNOWN
+
+    target.abort("m-1", "source gave up")
+    target.prepare(prepare_req("m-3", "job3"))
+    assert state(target, "m-3") == pb.TARGET_STATE_PREPARED
+
+
+@pytest.mark.parametrize("mid", ["../../etc", "a/b", "x" * 65, "id with spaces"])
+def test_prepare_refuses_unsafe_migration_ids(target: TargetMigrations, tmp_path: Path, mid: str) -> None:
+    before = {p.name for p in tmp_path.iterdir()}
+    with pytest.raises(InvalidArgumentError, match="invalid migration id"):
+        target.prepare(prepare_req(mid))
+    assert staged(target) == []
+    assert {p.name for p in tmp_path.iterdir()} - before <= {target.staging_root.name}
+
+
+@pytest.mark.parametrize("missing", ["migration_id", "job"])
+def test_prepare_needs_an_id_and_a_job(target: TargetMigrations, missing: str) -> None:
+    with pytest.raises(InvalidArgumentError, match="needs a migration id and a job name"):
+        target.prepare(prepare_req(**{missing: ""}))
+
+
+def test_prepare_fault_point(target: TargetMigrations, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FERRY_FAULTS", "target-prepare")
+    with pytest.raises(InjectedFault):
+        target.prepare(prepare_req())
+    assert staged(target) == []
+
+
+# -- push ----------------------------------------------------------------------------
+
+
+def test_push_of_a_good_image_is_verified(target: TargetMigrations, tmp_path: Path) -> None:
+    src = make_image(tmp_path)
+    target.prepare(prepare_req())
+    chunks = chunks_for(src)
+    resp = target.push(iter(chunks))
+
+    assert resp.bytes == sum(len(c.data) for c in chunks)
+    assert resp.files == 6  # five files and the manifest
+    assert state(target) == pb.TARGET_STATE_VERIFIED
+    staging = target.staging_root / f"in-{MID}"
+    m = verify(staging)
+    assert m.job.name == "train"
+    for p in src.iterdir():
+        assert (staging / p.name).read_bytes() == p.read_bytes()
+
+
+def test_push_with_a_corrupted_chunk_is_refused_and_dropped(target: TargetMigrations, tmp_path: Path) -> None:
+    target.prepare(prepare_req())
+    chunks = chunks_for(make_image(tmp_path))
+    i = next(i for i, c in enumerate(chunks) if c.file == "pages-1.img")
+    data = bytearray(chunks[i].data)
+    data[7] ^= 0x01
+    chunks[i] = replace(chunks[i], data=bytes(data))
+
+    with pytest.raises(TransferError, match=r"digest mismatch for 'pages-1\.img'") as exc:
+        target.push(iter(chunks))
+    assert exc.value.node == "nodeb"
+    assert staged(target) == []
+    assert state(target) == pb.TARGET_STATE_ABORTED
+    with pytest.raises(RefusedError, match="no verified image"):
+        target.commit(pb.CommitRequest(migration_id=MID))
+
+
+def test_push_of_a_file_the_manifest_does_not_describe_is_refused(
+    target: TargetMigrations, tmp_path: Path
+) -> None:
+    """A file replaced in transit together with its chunk digest still fails the manifest."""
+    target.prepare(prepare_req())
+    chunks = chunks_for(make_image(tmp_path))
+    i = next(i for i, c in enumerate(chunks) if c.file == "core-1.img")
+    evil = b"not the core image"
+    chunks[i] = replace(chunks[i], data=evil, sha256=hashlib.sha256(evil).hexdigest())
+
+    with pytest.raises(TransferError, match="do not match the manifest"):
+        target.push(iter(chunks))
+    assert staged(target) == []
+
+
+def test_push_without_the_manifest_is_a_truncated_image(target: TargetMigrations, tmp_path: Path) -> None:
+    target.prepare(prepare_req())
+    chunks = chunks_for(make_image(tmp_path))
+    assert chunks[-1].file == MANIFEST
+    with pytest.raises(TransferError, match="truncated"):
+        target.push(iter(chunks[:-1]))
+    assert staged(target) == []
+    assert state(target) == pb.TARGET_STATE_ABORTED
+
+
+def test_push_cut_in_the_middle_of_a_file(target: TargetMigrations, tmp_path: Path) -> None:
+    target.prepare(prepare_req())
+    chunks = chunks_for(make_image(tmp_path, pages=3 << 20))  # pages-1.img spans several chunks
+    pages = [i for i, c in enumerate(chunks) if c.file == "pages-1.img"]
+    assert len(pages) > 1
+    with pytest.raises(TransferError):
+        target.push(iter(chunks[: pages[0] + 1]))
+    assert staged(target) == []
+
+
+def test_push_with_a_file_missing_its_last_chunk(target: TargetMigrations, tmp_path: Path) -> None:
+    target.prepare(prepare_req())
+    chunks = chunks_for(make_image(tmp_path, pages=3 << 20))
+    last_page = max(i for i, c in enumerate(chunks) if c.file == "pages-1.img")
+    with pytest.raises(TransferError, match="ended without its last chunk"):
+        target.push(iter(chunks[:last_page] + chunks[last_page + 1 :]))
+    assert staged(target) == []
+
+
+def test_push_of_an_image_of_another_job_is_refused(target: TargetMigrations, tmp_path: Path) -> None:
+    target.prepare(prepare_req(job="train"))
+    with pytest.raises(ImageError, match="image is of job 'other'"):
+        target.push(iter(chunks_for(make_image(tmp_path), job="other")))
+    assert staged(target) == []
+
+
+@pytest.mark.parametrize("kind", ["dotdot", "nested", "hidden", "absolute", "dotdot-only", "empty-later"])
+def test_push_refuses_unsafe_file_names_and_writes_nothing_outside_staging(
+    target: TargetMigrations, tmp_path: Path, kind: str
+) -> None:
+    target.prepare(prepare_req())
+    tag = uuid.uuid4().hex[:8]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    name = {
+        "dotdot": f"../escaped-{tag}",
+        "nested": f"{outside.name}/escaped-{tag}",
+        "hidden": f".escaped-{tag}",
+        "absolute": str(outside / f"escaped-{tag}"),
+        "dotdot-only": "..",
+        "empty-later": "",
+    }[kind]
+    payload = b"#!/bin/sh\nrm -rf /\n"
+    good = pb.ImageChunk(
+        migration_id=MID, file="core-1.img", data=b"x", last=True, sha256=hashlib.sha256(b"x").hexdigest()
+    )
+    bad = pb.ImageChunk(file=name, data=payload, last=True, sha256=hashlib.sha256(payload).hexdigest())
+
+    with pytest.raises(TransferError):
+        target.push(iter([good, bad]))
+
+    assert staged(target) == []
+    assert state(target) == pb.TARGET_STATE_ABORTED
+    escaped = [p for p in tmp_path.rglob("*") if f"escaped-{tag}" in p.name]
+    assert escaped == []
+    assert list(outside.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", ".hidden", "/abs"])
+def test_push_refuses_an_unsafe_name_in_the_first_chunk(
+    target: TargetMigrations, tmp_path: Path, name: str
+) -> None:
+    target.prepare(prepare_req())
+    chunk = pb.ImageChunk(migration_id=MID, file=name, data=b"evil", last=True)
+    with pytest.raises(TransferError, match="unsafe file name"):
+        target.push(iter([chunk]))
+    assert staged(target) == []
+    assert not (tmp_path / "x").exists()
+    assert not (tmp_path / "tstaging" / "x").exists()
+
+
+def test_push_refuses_a_file_sent_twice(target: TargetMigrations) -> None:
+    target.prepare(prepare_req())
+    sha = hashlib.sha256(b"x").hexdigest()
+    first = pb.ImageChunk(migration_id=MID, file="core-1.img", data=b"x", last=True, sha256=sha)
+    other = pb.ImageChunk(file="pages-1.img", data=b"x", last=True, sha256=sha)
+    again = pb.ImageChunk(file="core-1.img", data=b"x", last=True, sha256=sha)
+    with pytest.raises(TransferError, match="sent twice"):
+        target.push(iter([first, other, again]))
+    assert staged(target) == []
+
+
+def test_push_beyond_the_lease_cap_is_refused(target: TargetMigrations, tmp_path: Path) -> None:
+    target.prepare(prepare_req())
+    target._get(MID).max_bytes = 64 << 10  # the real floor is 1 GiB; a small cap keeps the test fast
+    with pytest.raises(TransferError, match="exceeds the lease's cap of 65536 bytes"):
+        target.push(iter(chunks_for(make_image(tmp_path, pages=200_000))))
+    assert staged(target) == []
+    assert state(target) == pb.TARGET_STATE_ABORTED
+
+
+def test_push_for_an_unknown_migration(target: TargetMigrations, tmp_path: Path) -> None:
+    with pytest.raises(NotFoundError, match="no migration 'nope'"):
+        target.push(iter(chunks_for(make_image(tmp_path), mid="nope")))
+    assert staged(target) == []
+
+
+def test_push_of_an_empty_stream(target: TargetMigrations) -> None:
+    target.prepare(prepare_req())
+    with pytest.raises(InvalidArgumentError, match="empty image stream"):
+        target.push(iter([]))
+
+
+def test_push_twice_is_refused(target: TargetMigrations, tmp_path: Path) -> None:
+    chunks = delivered(target, tmp_path)
+    with pytest.raises(RefusedError, match="not ready for an image"):
+        target.push(iter(chunks))
+    assert state(target) == pb.TARGET_STATE_VERIFIED  # the verified image is kept
+
+
+def test_push_after_the_lease_expired_is_refused(target: TargetMigrations, tmp_path: Path) -> None:
+    target.prepare(prepare_req())
+    target._get(MID).expires_at = time.time() - 1
+    with pytest.raises(RefusedError, match="not ready for an image"):
+        target.push(iter(chunks_for(make_image(tmp_path))))
+
+
+def test_push_fault_point_drops_the_image(
+    target: TargetMigrations, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target.prepare(prepare_req())
+    monkeypatch.setenv("FERRY_FAULTS", "target-transfer")
+    with pytest.raises(InjectedFault):
+        target.push(iter(chunks_for(make_image(tmp_path))))
+    assert staged(target) == []
+    assert state(target) == pb.TARGET_STATE_ABORTED
+
+
+# -- commit, abort, status -----------------------------------------------------------
+
+
+def test_commit_restores_a_verified_image(
+    target: TargetMigrations, fake_criu: FakeCriu, tmp_path: Path
+) -> None:
+    delivered(target, tmp_path)
+    resp = target.commit(pb.CommitRequest(migration_id=MID, last_progress_at=time.time()))
+
+    assert fake_criu.spawned == [resp.pid]
+    assert resp.node_name == "nodeb"
+    assert [p.phase for p in resp.phases] == ["restore"]
+    assert resp.first_progress_at > 0  # the restored job printed within PROGRESS_WAIT_S
+    assert state(target) == pb.TARGET_STATE_RUNNING
+    assert staged(target) == []
+
+    restore = fake_criu.restores[0]
+    assert MANIFEST in restore["files"] and "pages-1.img" in restore["files"]
+    # The job's fds to its logs (keyed by the source's paths) are re-pointed to our files.
+    assert restore["keys"] == [SRC_OUT.lstrip("/"), SRC_ERR.lstrip("/")]
+    assert restore["shell_job"] is False
+
+    rec = target.registry.get("train")
+    assert rec.state is JobState.RUNNING
+    assert rec.pid == resp.pid
+    assert rec.kind is JobKind.LAUNCHED
+    assert rec.migrations == 1
+    assert rec.command == ["python", "train.py"]
+    assert "nodea" in rec.note
+    job_dir = target.registry.job_dir("train")
+    assert rec.stdout_path == str(job_dir / "stdout.log")
+    out = Path(rec.stdout_path).read_text()
+    assert out.startswith("step 1 loss 0.9\nstep 2 loss 0.8\n")  # the source's output came along
+    assert out.endswith("restored\n")  # and the restored job appends to it
+
+
+def test_abort_of_a_running_migration_is_refused(
+    target: TargetMigrations, fake_criu: FakeCriu, tmp_path: Path
+) -> None:
+    delivered(target, tmp_path)
+    resp = target.commit(pb.CommitRequest(migration_id=MID))
+    with pytest.raises(RefusedError, match="cannot be aborted"):
+        target.abort(MID, "source changed its mind")
+    assert state(target) == pb.TARGET_STATE_RUNNING
+    assert not is_dead(resp.pid)
+    assert target.registry.get("train").state is JobState.RUNNING
+
+
+def test_commit_without_a_verified_image_is_refused(target: TargetMigrations, fake_criu: FakeCriu) -> None:
+    target.prepare(prepare_req())
+    with pytest.raises(RefusedError, match="no verified image"):
+        target.commit(pb.CommitRequest(migration_id=MID))
+    assert fake_criu.restores == []
+    assert state(target) == pb.TARGET_STATE_PREPARED
+
+
+def test_commit_of_an_unknown_migration(target: TargetMigrations) -> None:
+    with pytest.raises(NotFoundError, match="no migration 'nope'"):
+        target.commit(pb.CommitRequest(migration_id="nope"))
+
+
+def test_commit_twice_restores_once(target: TargetMigrations, fake_criu: FakeCriu, tmp_path: Path) -> None:
+    delivered(target, tmp_path)
+    target.commit(pb.CommitRequest(migration_id=MID))
+    with pytest.raises(RefusedError):
+        target.commit(pb.CommitRequest(migration_id=MID))
+    assert len(fake_criu.restores) == 1
+
+
+def test_failed_restore_drops_the_migration(
+    target: TargetMigrations, fake_criu: FakeCriu, tmp_path: Path
+) -> None:
+    delivered(target, tmp_path)
+    fake_criu.restore_error = CriuError("restore", "pid 1 is busy", log_path="/x/criu-restore.log")
+    with pytest.raises(CriuError, match=r"criu-restore\.log"):
+        target.commit(pb.CommitRequest(migration_id=MID))
+
+    assert state(target) == pb.TARGET_STATE_ABORTED
+    assert staged(target) == []
+    assert all(r.state is not JobState.RUNNING for r in target.registry.list())
+    with pytest.raises(RefusedError):
+        target.commit(pb.CommitRequest(migration_id=MID))
+
+
+def test_restore_fault_point(
+    target: TargetMigrations, fake_criu: FakeCriu, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    delivered(target, tmp_path)
+    monkeypatch.setenv("FERRY_FAULTS", "target-restore")
+    with pytest.raises(InjectedFault):
+        target.commit(pb.CommitRequest(migration_id=MID))
+    assert fake_criu.restores == []
+    assert state(target) == pb.TARGET_STATE_ABORTED
+
+
+def test_abort_of_a_prepared_migration_drops_it(target: TargetMigrations) -> None:
+    target.prepare(prepare_req())
+    target.abort(MID, "source dump failed")
+    assert state(target) == pb.TARGET_STATE_ABORTED
+    assert staged(target) == []
+
+
+def test_abort_of_a_verified_migration_drops_the_image(target: TargetMigrations, tmp_path: Path) -> None:
+    delivered(target, tmp_path)
+    target.abort(MID, "source gave up")
+    assert staged(target) == []
+    with pytest.raises(RefusedError):
+        target.commit(pb.CommitRequest(migration_id=MID))
+
+
+def test_abort_of_an_unknown_migration(target: TargetMigrations) -> None:
+    with pytest.raises(NotFoundError):
+        target.abort("nope", "why not")
+
+
+def test_status_of_an_unknown_migration(target: TargetMigrations) -> None:
+    assert target.status("never-heard-of-it") == pb.TARGET_STATE_UNKNOWN
+
+
+# -- known bugs (see the report; strict, so a fix turns these into failures to remove) ---
+
+
+def test_prepare_twice_with_the_same_id_is_refused(target: TargetMigrations) -> None:
+    target.prepare(prepare_req())
+    with pytest.raises(RefusedError, match="already known"):
+        target.prepare(prepare_req())
+    assert state(target) == pb.TARGET_STATE_PREPARED
+
+
+def test_expired_leases_do_not_block_new_migrations(target: TargetMigrations) -> None:
+    target.prepare(prepare_req("m-1", "job1"))
+    target.prepare(prepare_req("m-2", "job2"))
+    for mid in ("m-1", "m-2"):
+        target._get(mid).expires_at = time.time() - 1
+    target.prepare(prepare_req("m-3", "job3"))
+    assert state(target, "m-3") == pb.TARGET_STATE_PREPARED
+
+
+def test_abort_while_restoring_is_refused(
+    target: TargetMigrations, fake_criu: FakeCriu, tmp_path: Path
+) -> None:
+    delivered(target, tmp_path)
+    seen: list[BaseException | None] = []
+
+    def concurrent_abort() -> None:
+        assert state(target) == pb.TARGET_STATE_RESTORING
+        try:
+            target.abort(MID, "source timed out")
+            seen.append(None)
+        except FerryError as e:
+            seen.append(e)
+
+    fake_criu.during_restore = concurrent_abort
+    target.commit(pb.CommitRequest(migration_id=MID))
+    assert isinstance(seen[0], RefusedError)
