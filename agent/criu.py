@@ -253,7 +253,8 @@ def _last_error(log_path: Path) -> str:
         lines = log_path.read_text(errors="replace").splitlines()
     except OSError:
         return ""
-    errors = [ln for ln in lines if "Error (" in ln]
+    # CRIU logs a harmless RLIMIT_NOFILE error on every run here; it is never the cause.
+    errors = [ln for ln in lines if "Error (" in ln and "RLIMIT_NOFILE" not in ln]
     return errors[-1].strip() if errors else ""
 
 

@@ -23,6 +23,7 @@ import psutil
 
 from agent import faults, procs
 from agent.criu import Criu, InheritFd
+from agent.criu_images import bound_socket_dirs
 from agent.errors import (
     FerryError,
     ImageError,
@@ -585,6 +586,8 @@ def restore_tree(
             paths = (str(out), str(err))
         else:
             paths = (spec.stdout_path, spec.stderr_path)
+        for d in bound_socket_dirs(image_dir):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
         res = criu.restore(image_dir, inherit=inherit, shell_job=spec.shell_job, log_dir=job_dir)
     finally:
         for fd in fds:

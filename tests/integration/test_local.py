@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
 
+from agent.criu_images import bound_socket_dirs
 from tests.integration.jobtools import (
     WORKLOAD,
     assert_completed_exactly_once,
@@ -125,3 +127,20 @@ def test_finished_job_after_completion(agents):
     a = agents("node-a")
     run_training(a, "short", steps=3)
     assert_completed_exactly_once(a, "short", steps=3)
+
+
+def test_restore_on_a_host_without_the_dataloader_socket_dirs(agents, tmp_path):
+    """DataLoader workers listen on /tmp/pymp-*/listener-*; a new host has no such directories."""
+    a = agents("node-a")
+    run_training(a, "workers", steps=30, workers=2)
+    wait_steps(a, "workers", 5)
+    image = tmp_path / "image"
+    a.cli("checkpoint", "workers", "--out", str(image))
+    dirs = bound_socket_dirs(image)
+    assert dirs and all(d.name.startswith("pymp-") for d in dirs)
+    for d in dirs:
+        shutil.rmtree(d)
+
+    a.cli("restore", str(image))
+
+    assert_completed_exactly_once(a, "workers", steps=30, workers=2)
