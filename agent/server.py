@@ -251,6 +251,7 @@ class AgentService(pb_grpc.AgentServicer):
             raise InvalidArgumentError(f"job {rec.name!r} has no log files this agent can read")
         files = [(kind, open(path, "rb")) for kind, path in streams]  # noqa: SIM115 - closed below
         try:
+            ended = not request.follow
             while context.is_active():
                 sent = False
                 for kind, f in files:
@@ -259,9 +260,12 @@ class AgentService(pb_grpc.AgentServicer):
                         yield pb.LogChunk(stream=kind, data=data)
                 if sent:
                     continue
-                if not request.follow or not self.registry.get(rec.name).state.active:
+                if ended:
                     return
-                time.sleep(0.1)
+                # One more pass after the job ends drains what it wrote last.
+                ended = not self.registry.get(rec.name).state.active
+                if not ended:
+                    time.sleep(0.1)
         finally:
             for _, f in files:
                 f.close()
