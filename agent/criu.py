@@ -12,12 +12,11 @@ import logging
 import os
 import re
 import socket
-import struct
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent import config
+from agent import config, criu_images
 from agent.errors import CriuError, RefusedError
 
 log = logging.getLogger(__name__)
@@ -258,24 +257,16 @@ def _last_error(log_path: Path) -> str:
     return errors[-1].strip() if errors else ""
 
 
-# CRIU image files begin with one or two magic numbers, then length-prefixed entries.
-_IMG_COMMON_MAGIC = 0x54564319
-_IMG_SERVICE_MAGIC = 0x55105940
-
-
 def read_stats(path: Path, which: str) -> dict[str, int]:
     """Parse CRIU's stats-dump / stats-restore image into a flat dict (empty if absent)."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
         return {}
-    off = 4
-    if len(raw) < 12:
+    first = next(criu_images.entries(raw), None)
+    if first is None:
         return {}
-    if struct.unpack_from("<I", raw, 0)[0] in (_IMG_COMMON_MAGIC, _IMG_SERVICE_MAGIC):
-        off = 8
-    (size,) = struct.unpack_from("<I", raw, off)
     entry = stats_pb2.stats_entry()
-    entry.ParseFromString(raw[off + 4 : off + 4 + size])
+    entry.ParseFromString(first)
     part = entry.dump if which == "dump" else entry.restore
     return {f.name: int(v) for f, v in part.ListFields()}

@@ -474,15 +474,13 @@ class TargetMigrations:
             manifest = intake.finish()
             if manifest.job.name != inc.job:
                 raise ImageError(f"image is of job {manifest.job.name!r}, the lease is for {inc.job!r}")
-        except OSError as e:
+        except BaseException as e:
             intake.close()
             self._drop(inc)
-            raise TransferError(
-                f"cannot write the image into {inc.staging}: {e.strerror}", node=self.node
-            ) from e
-        except BaseException:
-            intake.close()
-            self._drop(inc)
+            if isinstance(e, OSError):  # a full staging tmpfs, say: a transfer failure, not a crash
+                raise TransferError(
+                    f"cannot write the image into {inc.staging}: {e.strerror}", node=self.node
+                ) from e
             raise
         inc.manifest = manifest
         inc.state = pb.TARGET_STATE_VERIFIED
