@@ -10,7 +10,7 @@ INIT := $(PREFIX)/bin/ferry-init
 STUBS := ferry/v1/agent_pb2.py agent/criu_pb/rpc_pb2.py
 PYTEST_ARGS ?=
 
-.PHONY: all deps proto native criu test unit integration demo bench lint doctor clean
+.PHONY: all deps proto native criu test unit integration gpu demo bench lint doctor clean
 
 all: deps criu proto native
 
@@ -41,6 +41,24 @@ $(INIT): native/ferry-init.c
 	mkdir -p $(dir $@)
 	$(CC) -O2 -Wall -Wextra -Werror -o $@ $<
 
+# The GPU test app, built only where there is an nvcc. Machine code for A100 (sm_80) and
+# H100/H200 (sm_90), plus sm_90 PTX for newer GPUs; cudart linked statically, so running it
+# needs only the driver (r580+ for this toolkit's CUDA 13).
+NVCC ?= $(firstword $(shell command -v nvcc 2>/dev/null) $(wildcard /usr/local/cuda/bin/nvcc /usr/local/cuda-13.0/bin/nvcc))
+NVCC_FLAGS ?= -O2 -std=c++17 -cudart static \
+	-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90 \
+	-Xcompiler -Wall,-Wextra -Werror all-warnings
+CUDA_COUNTER := $(PREFIX)/bin/cuda-counter
+ifneq ($(NVCC),)
+native: $(CUDA_COUNTER)
+$(CUDA_COUNTER): native/cuda_counter.cu
+	mkdir -p $(dir $@)
+	$(NVCC) $(NVCC_FLAGS) -o $@ $<
+else
+native:
+	@echo "nvcc not found: skipping the CUDA counter ($(CUDA_COUNTER)); set NVCC=/path/to/nvcc to build it"
+endif
+
 test: all
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -49,6 +67,10 @@ unit: all
 
 integration: all
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+
+# GPU tests (skipped, with the reason, where there is no GPU).
+gpu: all
+	$(PY) -m pytest tests/gpu -rs $(PYTEST_ARGS)
 
 demo: all
 	$(PY) scripts/demo.py

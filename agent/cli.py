@@ -138,6 +138,15 @@ def build_parser() -> Parser:
     ins.add_argument("--no-verify", action="store_true", help="skip the digest check")
     _json_arg(ins)
 
+    gp = sub.add_parser(
+        "gpus",
+        help="list an agent's GPUs",
+        description="Show the GPUs of the agent's node (NVML): chip, memory, processes, and whether "
+        "its NVIDIA driver can checkpoint CUDA processes (needed to migrate GPU jobs).",
+    )
+    _agent_arg(gp)
+    _json_arg(gp)
+
     dr = sub.add_parser(
         "doctor", help="check this host", description="Check whether this host can migrate jobs."
     )
@@ -295,10 +304,24 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(
         table(["FILE", "SIZE", "SHA256"], [[f["name"], str(f["size"]), f["sha256"][:16]] for f in d["files"]])
     )
+    if cuda := d.get("cuda"):
+        for g in cuda["gpus"]:
+            print(f"GPU {g['uuid']} ({g['name']}): {human_bytes(g['memory_bytes'])} of device memory")
+        pids = ", ".join(str(p["ns_pid"]) for p in cuda["processes"])
+        print(f"CUDA processes (job PIDs): {pids}; dumped under driver {cuda['driver_version']}")
     if d["criu_stats"]:
         print("criu stats: " + ", ".join(f"{k}={v}" for k, v in sorted(d["criu_stats"].items())))
     if d["timings"]:
         print("timings: " + ", ".join(f"{k} {v:.3f} s" for k, v in d["timings"].items()))
+    return EXIT_OK
+
+
+def cmd_gpus(args: argparse.Namespace) -> int:
+    from agent.render import gpus_dict, gpus_text
+    from agent.rpc import pb
+
+    inv = _call(args.agent, "ListGpus", pb.ListGpusRequest(), 30)
+    _print_json(gpus_dict(inv)) if args.json else print(gpus_text(inv))
     return EXIT_OK
 
 
@@ -354,6 +377,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "checkpoint": cmd_checkpoint,
     "restore": cmd_restore,
     "inspect": cmd_inspect,
+    "gpus": cmd_gpus,
     "doctor": cmd_doctor,
 }
 

@@ -8,11 +8,15 @@ images directory and the CRIU log.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import functools
 import logging
 import os
 import re
 import socket
 import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -204,6 +208,7 @@ class Criu:
         try:
             proc = subprocess.Popen(
                 [self.binary, "swrk", str(theirs.fileno())],
+                env={**os.environ, "CRIU_LIBS_DIR": no_plugins_dir()},
                 pass_fds=[theirs.fileno(), *pass_fds],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -237,6 +242,24 @@ class Criu:
             raise CriuError(op, cause, log_path=log_path, errno=resp.cr_errno, node=self.node)
         log.debug("criu %s ok (log %s)", op, log_path)
         return resp
+
+
+@functools.cache
+def no_plugins_dir() -> str:
+    """An empty directory of ours for CRIU's plugin search.
+
+    ferry drives the CUDA checkpoint itself. CRIU's own CUDA plugin (in
+    /usr/lib/criu on some installs) would restore CUDA a second time, which
+    fails, so CRIU never loads plugins from the system directory.
+    """
+    path = tempfile.mkdtemp(prefix="ferry-criu-no-plugins-")
+
+    def remove() -> None:
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+
+    atexit.register(remove)
+    return path
 
 
 def _open_dir(path: Path, op: str, node: str) -> int:

@@ -9,7 +9,10 @@ from pathlib import Path
 
 from agent import config
 from agent.criu import Criu
+from agent.cuda import CudaDriver
+from agent.cudajob import REMAP_BRANCH
 from agent.errors import FerryError
+from agent.gpus import Nvml
 
 MIN_STAGING_BYTES = 1 << 30
 
@@ -78,32 +81,49 @@ def _criu_checks() -> list[Check]:
     ]
 
 
-def _gpu_checks() -> list[Check]:
-    """NVIDIA driver and CUDA checkpoint support: optional, CPU jobs migrate without them."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            driver = pynvml.nvmlSystemGetDriverVersion()
-            count = pynvml.nvmlDeviceGetCount()
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception as e:
-        return [
-            Check("nvidia driver", False, f"not found ({type(e).__name__})", "CPU jobs only", required=False)
-        ]
-    checks = [Check("nvidia driver", True, f"driver {driver}, {count} GPU(s)", required=False)]
-    major = int(str(driver).split(".")[0]) if str(driver)[:1].isdigit() else 0
+def _gpu_checks(nvml: Nvml | None = None, driver: CudaDriver | None = None) -> list[Check]:
+    """NVIDIA driver (NVML) and what its CUDA checkpoint API offers: optional, CPU jobs move without."""
+    inv = (nvml or Nvml()).inventory()
+    if not inv.available:
+        return [Check("nvidia driver", False, inv.detail, "CPU jobs only on this host", required=False)]
+    checks = [Check("nvidia driver", True, inv.detail, required=False)]
+    info = (driver or CudaDriver()).probe()
+    branch = inv.driver_branch
     checks.append(
         Check(
             "cuda checkpoint",
-            major >= 570,
-            f"driver branch r{major} (checkpoint API needs r570, GPU remap r580)",
+            info.checkpoint,
+            info.detail if info.loaded else f"the CUDA driver library does not load: {info.detail}",
             "upgrade the NVIDIA driver to r580 or newer",
             required=False,
         )
     )
+    checks.append(
+        Check(
+            "gpu remap on restore",
+            branch >= REMAP_BRANCH,
+            f"driver branch r{branch} (restore onto another GPU needs r{REMAP_BRANCH})",
+            "upgrade the NVIDIA driver to r580 or newer",
+            required=False,
+        )
+    )
+    checks.append(
+        Check(
+            "cuda custom storage",
+            info.custom_storage,
+            "device memory copied by ferry, not staged in host RAM"
+            if info.custom_storage
+            else "not offered by this driver: device memory is staged in the job's host memory",
+            "a newer NVIDIA driver",
+            required=False,
+        )
+    )
+    if mig := [g.uuid for g in inv.gpus if g.mig]:
+        checks.append(
+            Check(
+                "mig", False, f"MIG mode on {', '.join(mig)}", "CUDA checkpoint cannot move MIG jobs", False
+            )
+        )
     return checks
 
 

@@ -95,3 +95,23 @@ class MigrationAbortedError(FerryError):
     """A migration failed and was rolled back: the job still runs on the source."""
 
     kind = "aborted"
+
+
+class CudaCheckpointError(FerryError):
+    """The CUDA driver refused or failed a checkpoint action on one process."""
+
+    kind = "aborted"
+
+    def __init__(
+        self, pid: int, action: str, result: int, result_name: str, *, node: str = "", hint: str = ""
+    ):
+        super().__init__(
+            f"cuda {action} of pid {pid} failed: {result_name} ({result})",
+            step=f"cuda {action}",
+            node=node,
+            hint=hint,
+        )
+        self.pid = pid
+        self.action = action
+        self.result = result
+        self.result_name = result_name

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.errors import ImageError
+from agent.gpus import GpuNeed
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -68,6 +69,37 @@ class JobSpec:
     shell_job: bool = False  # dumped with an external session; restore must say so too
 
 
+@dataclass(frozen=True)
+class CudaProcessEntry:
+    ns_pid: int  # PID inside the job's namespace: the same on every node it runs on
+    gpus: list[str]  # UUIDs of the GPUs it held on the node it was dumped on
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class CudaSection:
+    """The job's CUDA state: checkpointed into its host memory, restored onto matching GPUs."""
+
+    driver_version: str
+    processes: list[CudaProcessEntry]
+    gpus: list[GpuNeed]
+
+    @property
+    def gpu_bytes(self) -> int:
+        return sum(g.memory_bytes for g in self.gpus)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CudaSection:
+        return cls(
+            driver_version=str(d["driver_version"]),
+            processes=[
+                CudaProcessEntry(int(p["ns_pid"]), [str(u) for u in p["gpus"]], int(p["memory_bytes"]))
+                for p in d["processes"]
+            ],
+            gpus=[GpuNeed(str(g["uuid"]), str(g["name"]), int(g["memory_bytes"])) for g in d["gpus"]],
+        )
+
+
 @dataclass
 class Manifest:
     job: JobSpec
@@ -78,6 +110,7 @@ class Manifest:
     gpu_bytes: int = 0
     criu_stats: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    cuda: CudaSection | None = None  # None: a CPU-only job
     version: int = MANIFEST_VERSION
 
     @property
@@ -106,6 +139,7 @@ class Manifest:
                 gpu_bytes=int(d["gpu_bytes"]),
                 criu_stats={str(k): int(v) for k, v in d.get("criu_stats", {}).items()},
                 timings={str(k): float(v) for k, v in d.get("timings", {}).items()},
+                cuda=CudaSection.from_dict(d["cuda"]) if d.get("cuda") else None,
             )
         except ImageError:
             raise

@@ -1,13 +1,16 @@
 """Moving jobs: the source and target sides of a migration, and local save / resume.
 
-Protocol (DESIGN.md): prepare (target grants a lease, nothing frozen) → dump
-(tree left stopped) → transfer (digested stream) → commit (target restores and
-reports RUNNING; only then the source kills its frozen copy). Any failure
-before the target runs the job aborts: the source resumes its frozen copy.
+Protocol (DESIGN.md): prepare (target grants a lease and maps the job's GPUs,
+nothing frozen) → dump (CUDA lock and checkpoint, then CRIU with the tree left
+stopped) → transfer (digested stream) → commit (target restores with CRIU, then
+CUDA onto its GPUs, and reports RUNNING; only then the source kills its frozen
+copy). Any failure before the target runs the job aborts: the source resumes
+its frozen copy, CUDA included.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -21,10 +24,12 @@ from typing import Protocol
 
 import psutil
 
-from agent import faults, procs
+from agent import cuda, faults, procs
 from agent.criu import Criu, InheritFd
 from agent.criu_images import bound_socket_dirs
+from agent.cudajob import CudaJobs, Footprint, ProcView, host_pids
 from agent.errors import (
+    CudaCheckpointError,
     FerryError,
     ImageError,
     InvalidArgumentError,
@@ -35,6 +40,7 @@ from agent.errors import (
     TransferError,
     UnavailableError,
 )
+from agent.gpus import GpuNeed, Nvml
 from agent.image import (
     STDERR_LOG,
     STDOUT_LOG,
@@ -171,8 +177,13 @@ class SourceMigration:
         node: str,
         agent_id: str,
         emit: Emit = lambda p: None,
+        cuda_jobs: CudaJobs | None = None,
     ) -> None:
         self.spec = spec
+        self.cuda = cuda_jobs or default_cuda_jobs(node)
+        self.footprint = Footprint()
+        self.gpu_map: dict[str, str] = {}
+        self.cuda_frozen = False
         self.registry = registry
         self.criu = criu
         self.peer = peer
@@ -213,6 +224,10 @@ class SourceMigration:
             faults.check("dump", self.node)
             self.staging.mkdir(parents=True)
             frozen_at = time.monotonic()
+            if self.footprint.processes:
+                self.emit(Progress("dump", f"copying {_gib(self.footprint.gpu_bytes)} of GPU memory to host"))
+                self.cuda.freeze(self.footprint, self.phases.times)
+                self.cuda_frozen = True
             shell_job = _needs_shell_job(rec, procs.tree_pids(rec.pid))
             dump = self.phases.run("dump", lambda: self.criu.dump(rec.pid, self.staging, shell_job=shell_job))
             pids = procs.tree_pids(rec.pid)  # the stopped tree
@@ -232,8 +247,10 @@ class SourceMigration:
                     source_node=self.node,
                     files=entries,
                     host_bytes=host_bytes(entries),
+                    gpu_bytes=self.footprint.gpu_bytes,
                     criu_stats=dump.stats,  # type: ignore[attr-defined]
                     timings=dict(self.phases.times),
+                    cuda=self.footprint.section(),
                 )
 
             def progress(n: int) -> None:
@@ -244,6 +261,7 @@ class SourceMigration:
             self.phases.run("transfer", lambda: self.peer.push(chunks))
             self.result.image_bytes = sent.bytes
             self.result.host_bytes = host_bytes(sent.entries)
+            self.result.gpu_bytes = self.footprint.gpu_bytes
 
             self._set(MigrationState.RESTORING, "restore", f"target {self.result.target_node} restoring")
             faults.check("commit", self.node)
@@ -291,6 +309,8 @@ class SourceMigration:
         pids = procs.tree_pids(rec.pid)
         if not pids:
             raise NotFoundError(f"job {rec.name!r} has no running process (pid {rec.pid})")
+        # Before anything is frozen: what CUDA state there is, and whether the driver can take it.
+        self.footprint = self.cuda.inspect(pids)
         own = {rec.stdout_path, rec.stderr_path} if rec.kind is JobKind.LAUNCHED else set()
         req = pb.PrepareRequest(
             migration_id=self.spec.migration_id,
@@ -301,8 +321,18 @@ class SourceMigration:
             paths=sorted(procs.open_paths(rec.pid) - own),
             pids=pids if rec.kind is JobKind.ADOPTED else [],
             cwd=rec.cwd,
+            gpus=[
+                pb.GpuNeed(uuid=g.uuid, name=g.name, memory_bytes=g.memory_bytes) for g in self.footprint.gpus
+            ],
+            cuda_driver=self.footprint.driver_version,
         )
-        self.peer.prepare(req)
+        lease = self.peer.prepare(req)
+        self.gpu_map = {p.old_uuid: p.new_uuid for p in lease.gpu_map}
+        if unmapped := sorted({g.uuid for g in self.footprint.gpus} - set(self.gpu_map)):
+            raise RefusedError(
+                f"target {self.spec.target} leased no GPU for {', '.join(unmapped)}",
+                hint="upgrade the target agent: it does not move CUDA jobs",
+            )
 
     def _commit(self, last_progress: float) -> pb.CommitResponse:
         req = pb.CommitRequest(migration_id=self.spec.migration_id, last_progress_at=last_progress)
@@ -346,12 +376,15 @@ class SourceMigration:
         except FerryError as e:
             log.warning("migration %s: target abort failed: %s", self.spec.migration_id, e)
         procs.resume(pids)
+        note = f"migration to {self.spec.target} aborted while {phase}: {err.cause}"
+        if self.cuda_frozen and (problems := self.cuda.unfreeze(self.footprint.pids)):
+            note += f"; CUDA could not be resumed on {self.node}: {'; '.join(problems)}"
         running = procs.alive(rec.pid, rec.pid_started)
         self.registry.update(
             rec.name,
             state=JobState.RUNNING if running else JobState.EXITED,
             migration_id="",
-            note=f"migration to {self.spec.target} aborted while {phase}: {err.cause}",
+            note=note,
         )
         shutil.rmtree(self.staging, ignore_errors=True)
         self.state = MigrationState.ABORTED
@@ -389,14 +422,23 @@ class Incoming:
     expires_at: float
     state: int = pb.TARGET_STATE_PREPARED
     manifest: Manifest | None = None
+    gpu_map: dict[str, str] = field(default_factory=dict)  # the job's GPU → the GPU here
 
 
 class TargetMigrations:
     """Incoming migrations on this node: leases, intake into staging, restore on commit."""
 
-    def __init__(self, registry: JobRegistry, criu: Criu, staging_root: Path, node: str) -> None:
+    def __init__(
+        self,
+        registry: JobRegistry,
+        criu: Criu,
+        staging_root: Path,
+        node: str,
+        cuda_jobs: CudaJobs | None = None,
+    ) -> None:
         self.registry = registry
         self.criu = criu
+        self.cuda = cuda_jobs or default_cuda_jobs(node)
         self.staging_root = staging_root
         self.node = node
         self._lock = threading.Lock()
@@ -442,6 +484,16 @@ class TargetMigrations:
         inc = Incoming(req.migration_id, req.job, req.source_node, staging, max_bytes, time.time() + LEASE_S)
         with self._lock:
             self._expire()
+            if req.gpus:
+                # Under the lock, so two incoming jobs are never promised the same GPU.
+                needs = [GpuNeed(g.uuid, g.name, g.memory_bytes) for g in req.gpus]
+                promised = {
+                    u for i in self._incoming.values() if i.state in _IN_FLIGHT for u in i.gpu_map.values()
+                }
+                # A GPU the job holds on this very host (two agents, one node) is freed by its checkpoint.
+                inc.gpu_map = self.cuda.choose_gpus(
+                    needs, reserved=promised, releasing={n.uuid: n.memory_bytes for n in needs}
+                )
             if req.migration_id in self._incoming:
                 raise self._refuse(f"migration {req.migration_id} is already known here")
             busy = [i for i in self._incoming.values() if i.state in _IN_FLIGHT]
@@ -453,7 +505,11 @@ class TargetMigrations:
             self._incoming[req.migration_id] = inc
         log.info("migration %s: lease granted for job %s from %s", req.migration_id, req.job, req.source_node)
         return pb.Lease(
-            migration_id=req.migration_id, node_name=self.node, max_bytes=max_bytes, expires_at=inc.expires_at
+            migration_id=req.migration_id,
+            node_name=self.node,
+            max_bytes=max_bytes,
+            expires_at=inc.expires_at,
+            gpu_map=[pb.GpuPair(old_uuid=o, new_uuid=n) for o, n in inc.gpu_map.items()],
         )
 
     def push(self, chunks: Iterator[pb.ImageChunk]) -> pb.PushImageResponse:
@@ -494,7 +550,7 @@ class TargetMigrations:
                     f"migration {inc.migration_id} has no verified image to restore", node=self.node
                 )
             inc.state = pb.TARGET_STATE_RESTORING
-        t = time.monotonic()
+        times: dict[str, float] = {}
         try:
             faults.check("target-restore", self.node)
             rec = restore_tree(
@@ -504,11 +560,13 @@ class TargetMigrations:
                 inc.manifest,
                 inc.job,
                 note=f"moved here from {inc.source_node}",
+                cuda_jobs=self.cuda,
+                gpu_map=inc.gpu_map,
+                times=times,
             )
         except BaseException:
             self._drop(inc)
             raise
-        restore_s = time.monotonic() - t
         inc.state = pb.TARGET_STATE_RUNNING
         shutil.rmtree(inc.staging, ignore_errors=True)
         first = wait_for_output(rec, PROGRESS_WAIT_S)
@@ -516,7 +574,7 @@ class TargetMigrations:
         return pb.CommitResponse(
             node_name=self.node,
             pid=rec.pid,
-            phases=[pb.PhaseTiming(phase="restore", seconds=restore_s)],
+            phases=[pb.PhaseTiming(phase=k, seconds=v) for k, v in times.items()],
             first_progress_at=first,
         )
 
@@ -565,9 +623,24 @@ def _safe_id(mid: str) -> str:
 
 
 def restore_tree(
-    registry: JobRegistry, criu: Criu, image_dir: Path, manifest: Manifest, name: str, note: str
+    registry: JobRegistry,
+    criu: Criu,
+    image_dir: Path,
+    manifest: Manifest,
+    name: str,
+    note: str,
+    *,
+    cuda_jobs: CudaJobs,
+    gpu_map: dict[str, str],
+    times: dict[str, float] | None = None,
 ) -> JobRecord:
-    """Restore a verified image as job `name` on this node, its logs re-pointed to our job dir."""
+    """Restore a verified image as job `name` on this node, its logs re-pointed to our job dir.
+
+    CRIU first; then, with the tree running (the driver's restore thread must
+    run), CUDA onto the GPUs of gpu_map. If CUDA fails the restored tree is
+    killed, so no half-restored copy runs.
+    """
+    times = {} if times is None else times
     spec = manifest.job
     registry.reserve_name(name)
     job_dir = registry.job_dir(name)
@@ -586,12 +659,36 @@ def restore_tree(
             paths = (spec.stdout_path, spec.stderr_path)
         for d in bound_socket_dirs(image_dir):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        t = time.monotonic()
         res = criu.restore(image_dir, inherit=inherit, shell_job=spec.shell_job, log_dir=job_dir)
+        times["restore"] = time.monotonic() - t
     finally:
         for fd in fds:
             os.close(fd)
+    if manifest.cuda is not None:
+        try:
+            pids = host_pids(cuda_jobs.view, procs.tree_pids(res.pid), manifest.cuda, criu.node)
+            cuda_jobs.thaw(pids, gpu_map, times)
+        except BaseException:
+            _kill_restored(res.pid)
+            raise
     spec_here = JobSpec(**{**spec.__dict__, "name": name})
     return registry.register_restored(spec_here, res.pid, paths[0], paths[1], note=note)
+
+
+def _kill_restored(root: int) -> None:
+    """A restored tree that must not run: kill it and reap its root (our child, via rst_sibling)."""
+    procs.signal_all(list(reversed(procs.tree_pids(root))), 9)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(root, 0)
+
+
+def default_cuda_jobs(node: str) -> CudaJobs:
+    return CudaJobs(cuda.CudaDriver(node=node), Nvml(node=node), node, ProcView())
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
 
 
 def wait_for_output(rec: JobRecord, timeout_s: float) -> float:
@@ -618,17 +715,28 @@ def checkpoint(
     node: str,
     leave_running: bool,
     emit: Emit = lambda p: None,
+    cuda_jobs: CudaJobs | None = None,
 ) -> MigrationResult:
-    """Save a job to `out_dir`; unless leave_running, it then ends here (state CHECKPOINTED)."""
+    """Save a job to `out_dir`; unless leave_running, it then ends here (state CHECKPOINTED).
+
+    A CUDA job's device memory is saved too; ending it frees its GPUs.
+    """
+    cj = cuda_jobs or default_cuda_jobs(node)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise InvalidArgumentError(f"{out_dir} is not empty; choose a new directory for the image", node=node)
     rec = registry.begin_move(name, f"checkpoint-{int(time.time())}", "checkpoint")
     phases = _Phases()
     pids: list[int] = []
+    fp = Footprint()
+    frozen = False
     t0 = time.monotonic()
     try:
+        fp = cj.inspect(procs.tree_pids(rec.pid))
         out_dir.mkdir(parents=True, exist_ok=True)
         emit(Progress("dump", f"dumping job {name} to {out_dir}"))
+        if fp.processes:
+            cj.freeze(fp, phases.times)
+            frozen = True
         shell_job = _needs_shell_job(rec, procs.tree_pids(rec.pid))
         # Stopped, not killed, so the logs copied below end exactly where the dump did.
         dump = phases.run("dump", lambda: criu.dump(rec.pid, out_dir, shell_job=shell_job))
@@ -638,12 +746,23 @@ def checkpoint(
         job = JobSpec(**{**rec.spec().__dict__, "shell_job": shell_job})
         m = phases.run(
             "digest",
-            lambda: build_manifest(out_dir, job, node, criu_stats=dump.stats, timings=dict(phases.times)),  # type: ignore[attr-defined]
+            lambda: build_manifest(
+                out_dir,
+                job,
+                node,
+                criu_stats=dump.stats,  # type: ignore[attr-defined]
+                timings=dict(phases.times),
+                gpu_bytes=fp.gpu_bytes,
+                cuda=fp.section(),
+            ),
         )
     except Exception as exc:
         e = as_ferry_error(exc, "checkpoint", node)
         procs.resume(pids)
-        registry.update(name, state=JobState.RUNNING, migration_id="", note=f"checkpoint failed: {e.cause}")
+        note = f"checkpoint failed: {e.cause}"
+        if frozen and (problems := cj.unfreeze(fp.pids)):
+            note += f"; CUDA could not be resumed: {'; '.join(problems)}"
+        registry.update(name, state=JobState.RUNNING, migration_id="", note=note)
         e.at(step="checkpoint", node=node)
         if e is exc:
             raise
@@ -651,24 +770,48 @@ def checkpoint(
     assert isinstance(m, Manifest)
     if leave_running:
         procs.resume(pids)
-        registry.update(name, state=JobState.RUNNING, migration_id="", note=f"checkpointed to {out_dir}")
+        note = f"checkpointed to {out_dir}"
+        if frozen:
+            try:
+                cj.thaw(fp.pids, None, phases.times)
+            except CudaCheckpointError as e:
+                note += f"; but CUDA could not be resumed: {e}"
+        registry.update(name, state=JobState.RUNNING, migration_id="", note=note)
     else:
         registry.kill_tree(rec, pids)
         registry.update(
             name, state=JobState.CHECKPOINTED, checkpoint_dir=str(out_dir), note=f"saved to {out_dir}"
         )
     res = MigrationResult("", name, node, phases=phases.times, image_dir=str(out_dir))
-    res.host_bytes, res.image_bytes = m.host_bytes, m.image_bytes
+    res.host_bytes, res.image_bytes, res.gpu_bytes = m.host_bytes, m.image_bytes, m.gpu_bytes
     res.total_s = time.monotonic() - t0
     emit(Progress("done", f"job {name} saved to {out_dir}"))
     return res
 
 
-def restore_image(registry: JobRegistry, criu: Criu, image_dir: Path, name: str, node: str) -> JobRecord:
-    """Resume a saved image on this node, after checking every digest."""
+def restore_image(
+    registry: JobRegistry,
+    criu: Criu,
+    image_dir: Path,
+    name: str,
+    node: str,
+    cuda_jobs: CudaJobs | None = None,
+) -> JobRecord:
+    """Resume a saved image on this node, after checking every digest; a CUDA job onto suitable GPUs."""
     if not image_dir.is_dir():
         raise NotFoundError(f"no image directory {image_dir} on this node", node=node)
     m = verify(image_dir)
-    rec = restore_tree(registry, criu, image_dir, m, name or m.job.name, note=f"restored from {image_dir}")
+    cj = cuda_jobs or default_cuda_jobs(node)
+    gpu_map = cj.choose_gpus(m.cuda.gpus) if m.cuda else {}
+    rec = restore_tree(
+        registry,
+        criu,
+        image_dir,
+        m,
+        name or m.job.name,
+        note=f"restored from {image_dir}" + (f" onto {', '.join(gpu_map.values())}" if gpu_map else ""),
+        cuda_jobs=cj,
+        gpu_map=gpu_map,
+    )
     log.info("job %s: restored from %s as pid %d", rec.name, image_dir, rec.pid)
     return rec

@@ -147,3 +147,53 @@ class ProgressLine:
         if self.tty:
             self.out.write("\r\033[K")
             self.out.flush()
+
+
+def gpus_dict(inv: pb.GpuInventory) -> dict[str, Any]:
+    return {
+        "nvml": {"available": inv.nvml_available, "detail": inv.nvml_detail},
+        "driver_version": inv.driver_version,
+        "cuda": {
+            "loaded": inv.cuda_loaded,
+            "checkpoint": inv.cuda_checkpoint,
+            "custom_storage": inv.cuda_custom_storage,
+            "detail": inv.cuda_detail,
+        },
+        "gpus": [
+            {
+                "index": g.index,
+                "uuid": g.uuid,
+                "name": g.name,
+                "memory_total": g.memory_total,
+                "memory_used": g.memory_used,
+                "memory_free": g.memory_free,
+                "persistence": g.persistence,
+                "mig": g.mig,
+                "processes": [{"pid": p.pid, "used_bytes": p.used_bytes} for p in g.processes],
+            }
+            for g in inv.gpus
+        ],
+    }
+
+
+def gpus_text(inv: pb.GpuInventory) -> str:
+    if not inv.nvml_available:
+        head = f"no GPUs: {inv.nvml_detail}"
+    else:
+        head = f"NVIDIA driver {inv.driver_version}, {len(inv.gpus)} GPU(s)"
+    cuda = inv.cuda_detail if inv.cuda_loaded else f"CUDA checkpoint unavailable: {inv.cuda_detail}"
+    lines = [head, cuda]
+    if inv.gpus:
+        rows = [
+            [
+                str(g.index),
+                g.uuid,
+                g.name + (" (MIG)" if g.mig else ""),
+                f"{human_bytes(g.memory_used)} / {human_bytes(g.memory_total)}",
+                "on" if g.persistence else "off",
+                ", ".join(f"{p.pid} ({human_bytes(p.used_bytes)})" for p in g.processes) or "-",
+            ]
+            for g in inv.gpus
+        ]
+        lines.append(table(["GPU", "UUID", "NAME", "MEMORY USED", "PERSISTENCE", "PROCESSES"], rows))
+    return "\n".join(lines)

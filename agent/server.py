@@ -22,7 +22,10 @@ from grpc_reflection.v1alpha import reflection
 
 from agent import __version__, client
 from agent.criu import Criu
+from agent.cuda import DriverInfo
+from agent.cudajob import CudaJobs
 from agent.errors import FerryError, InvalidArgumentError
+from agent.gpus import Inventory
 from agent.jobs import JobRecord, JobRegistry, JobState, check_job_name
 from agent.migrate import (
     MigrationResult,
@@ -31,6 +34,7 @@ from agent.migrate import (
     SourceMigration,
     TargetMigrations,
     checkpoint,
+    default_cuda_jobs,
     restore_image,
 )
 from agent.rpc import pb, pb_grpc
@@ -144,14 +148,48 @@ def result_pb(r: MigrationResult) -> pb.MigrationResult:
     )
 
 
+def inventory_pb(inv: Inventory, drv: DriverInfo) -> pb.GpuInventory:
+    return pb.GpuInventory(
+        nvml_available=inv.available,
+        nvml_detail=inv.detail,
+        driver_version=inv.driver_version,
+        cuda_loaded=drv.loaded,
+        cuda_checkpoint=drv.checkpoint,
+        cuda_custom_storage=drv.custom_storage,
+        cuda_detail=drv.detail,
+        gpus=[
+            pb.Gpu(
+                index=g.index,
+                uuid=g.uuid,
+                name=g.name,
+                memory_total=g.memory_total,
+                memory_used=g.memory_used,
+                memory_free=g.memory_free,
+                persistence=g.persistence,
+                mig=g.mig,
+                processes=[pb.GpuProcess(pid=p.pid, used_bytes=p.used_bytes) for p in g.processes],
+            )
+            for g in inv.gpus
+        ],
+    )
+
+
 class AgentService(pb_grpc.AgentServicer):
-    def __init__(self, state_dir: Path, node: str, staging_root: Path, criu: Criu | None = None) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        node: str,
+        staging_root: Path,
+        criu: Criu | None = None,
+        cuda_jobs: CudaJobs | None = None,
+    ) -> None:
         self.node = node
         self.agent_id = uuid.uuid4().hex
         self.staging_root = staging_root
         self.criu = criu or Criu(node=node)
+        self.cuda = cuda_jobs or default_cuda_jobs(node)
         self.registry = JobRegistry(state_dir, node)
-        self.targets = TargetMigrations(self.registry, self.criu, staging_root, node)
+        self.targets = TargetMigrations(self.registry, self.criu, staging_root, node, self.cuda)
         self._moves = 0
         self._moves_lock = threading.Condition()
 
@@ -219,6 +257,10 @@ class AgentService(pb_grpc.AgentServicer):
             agent_id=self.agent_id,
         )
 
+    @rpc
+    def ListGpus(self, request: pb.ListGpusRequest, context: grpc.ServicerContext) -> pb.GpuInventory:
+        return inventory_pb(self.cuda.nvml.inventory(), self.cuda.driver.probe())
+
     # -- jobs --------------------------------------------------------------------------
 
     @rpc
@@ -283,7 +325,15 @@ class AgentService(pb_grpc.AgentServicer):
 
         def work(emit: Callable[[Progress], None]) -> MigrationResult:
             m = SourceMigration(
-                spec, self.registry, self.criu, peer, self.staging_root, self.node, self.agent_id, emit
+                spec,
+                self.registry,
+                self.criu,
+                peer,
+                self.staging_root,
+                self.node,
+                self.agent_id,
+                emit,
+                cuda_jobs=self.cuda,
             )
             return m.run()
 
@@ -300,7 +350,14 @@ class AgentService(pb_grpc.AgentServicer):
 
         def work(emit: Callable[[Progress], None]) -> MigrationResult:
             return checkpoint(
-                self.registry, self.criu, request.name, out, self.node, request.leave_running, emit
+                self.registry,
+                self.criu,
+                request.name,
+                out,
+                self.node,
+                request.leave_running,
+                emit,
+                cuda_jobs=self.cuda,
             )
 
         yield from self._background(work)
@@ -311,7 +368,9 @@ class AgentService(pb_grpc.AgentServicer):
             raise InvalidArgumentError(f"image directory must be an absolute path, got {request.image_dir!r}")
         if request.name:
             check_job_name(request.name)
-        rec = restore_image(self.registry, self.criu, Path(request.image_dir), request.name, self.node)
+        rec = restore_image(
+            self.registry, self.criu, Path(request.image_dir), request.name, self.node, self.cuda
+        )
         return job_pb(rec, self.node)
 
     # -- peer protocol -----------------------------------------------------------------

@@ -1,12 +1,19 @@
-"""Deterministic CPU training of a small MLP on synthetic data.
+"""Deterministic training of a small MLP on synthetic data, on the CPU or on cuda:0.
 
-Prints ``step <i> loss <loss>`` after every step and ``final digest <sha256>``
-of all parameters at the end. Same arguments give bit-identical output.
+Prints ``device <name>`` first, ``step <i> loss <loss>`` after every step and
+``final digest <sha256>`` of all parameters at the end. Same arguments (and, with
+``--device cuda``, the same GPU model and software stack) give bit-identical output;
+CPU and CUDA runs differ from each other.
 """
 
 import argparse
 import hashlib
+import os
+import sys
 import time
+
+# cuBLAS is only deterministic with a fixed workspace, and reads this when it initialises.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
 from torch import nn
@@ -42,7 +49,20 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=0, help="DataLoader workers")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
+
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("train_mlp: --device cuda given but CUDA is not available", file=sys.stderr)
+            sys.exit(2)
+        device = torch.device("cuda:0")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+        print(f"device {device} {torch.cuda.get_device_name(device)}", flush=True)
+    else:
+        device = torch.device("cpu")
+        print("device cpu", flush=True)
 
     torch.manual_seed(args.seed)
     dataset = SyntheticDataset(size=1024, seed=args.seed)
@@ -56,19 +76,23 @@ def main() -> None:
         persistent_workers=args.workers > 0,
         generator=torch.Generator().manual_seed(args.seed + 1),
     )
+    # Built on the CPU from the seeded CPU generator, then moved: same initial weights on every device.
     model = nn.Sequential(
         nn.Linear(IN_FEATURES, args.hidden),
         nn.ReLU(),
         nn.Linear(args.hidden, args.hidden),
         nn.ReLU(),
         nn.Linear(args.hidden, OUT_FEATURES),
-    )
+    ).to(device)
+    # Created after the move, so Adam's state lives on the device too.
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss_fn = nn.MSELoss()
 
     step = 0
     while step < args.steps:
-        for x, y in loader:
+        for x_cpu, y_cpu in loader:
+            # Workers (if any) only ever make CPU tensors; only this process touches the GPU.
+            x, y = x_cpu.to(device), y_cpu.to(device)
             optimizer.zero_grad()
             loss = loss_fn(model(x), y)
             loss.backward()
@@ -81,7 +105,7 @@ def main() -> None:
 
     digest = hashlib.sha256()
     for param in model.parameters():
-        raw = param.detach().contiguous().view(torch.uint8).flatten()
+        raw = param.detach().cpu().contiguous().view(torch.uint8).flatten()
         digest.update(bytes(raw.tolist()))
     print(f"final digest {digest.hexdigest()}", flush=True)
 

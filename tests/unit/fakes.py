@@ -83,6 +83,8 @@ class FakeCriu:
         self.during_restore: Callable[[], None] | None = None
         #: Pids of the children restore started; the fixture kills them.
         self.spawned: list[int] = []
+        #: A fake_cuda.CudaWorld: dump and restore carry its CUDA state like CRIU carries memory.
+        self.cuda_world: Any = None
 
     def require_usable(self) -> str:
         if not self.usable:
@@ -107,6 +109,8 @@ class FakeCriu:
         (images_dir / "pstree.img").write_bytes(b"pstree")
         (images_dir / "pages-1.img").write_bytes(os.urandom(PAGES_BYTES))
         (images_dir / "criu-dump.log").write_text("a log for people; it never travels\n")
+        if self.cuda_world is not None:
+            self.cuda_world.save_image(procs.tree_pids(pid), images_dir)
         if leave_stopped and not leave_running:
             os.kill(pid, signal.SIGSTOP)
             wait_stopped(pid)
@@ -143,6 +147,8 @@ class FakeCriu:
             setsid=True,
         )
         self.spawned.append(pid)
+        if self.cuda_world is not None:
+            self.cuda_world.load_image(images_dir, pid)
         return RestoreResult(pid=pid, stats={})
 
     def cleanup(self) -> None:

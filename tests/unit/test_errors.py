@@ -12,6 +12,7 @@ from agent.client import from_rpc_error
 from agent.errors import (
     AlreadyExistsError,
     CriuError,
+    CudaCheckpointError,
     FerryError,
     ImageError,
     InvalidArgumentError,
@@ -38,6 +39,7 @@ EXPECTED = {
     ImageError: S.INVALID_ARGUMENT,
     TransferError: S.ABORTED,
     MigrationAbortedError: S.ABORTED,
+    CudaCheckpointError: S.ABORTED,
 }
 
 
@@ -51,6 +53,8 @@ def _all_subclasses(cls: type) -> set[type]:
 def _make(cls: type[FerryError]) -> FerryError:
     if cls is CriuError:
         return CriuError("dump", "no such task", log_path="/img/criu-dump.log", node="nodea")
+    if cls is CudaCheckpointError:
+        return CudaCheckpointError(42, "lock", 909, "CUDA_ERROR_TIMEOUT", node="nodea")
     return cls("something precise went wrong", step="transfer", node="nodea")
 
 
@@ -80,7 +84,7 @@ def test_no_ferry_error_anywhere_maps_to_unknown() -> None:
     assert faults.InjectedFault in classes and migrate._Unresolved in classes
     for cls in classes:
         assert cls.kind in STATUS_BY_KIND, cls
-        err = cls("dump", "x") if issubclass(cls, CriuError) else cls("x")
+        err = _make(cls) if cls in EXPECTED else cls("x")
         code, _ = status_for(err)
         assert code not in (S.UNKNOWN, S.OK), cls
 

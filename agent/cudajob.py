@@ -1,0 +1,252 @@
+"""A job's CUDA side: which of its processes hold GPUs, what the driver cannot checkpoint, and
+the whole-job sequence (freeze before the CRIU dump, thaw after the CRIU restore).
+
+Detection uses three sources that must agree: open `/dev/nvidia*` files in
+`/proc/<pid>/fd`, NVML's per-GPU process lists, and the driver's own
+checkpoint state for the PID. A forked DataLoader worker inherits its
+parent's device files but has no CUDA context: the driver says so and the
+worker is treated as a plain process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agent import cuda
+from agent.cuda import CudaDriver, ProcessState
+from agent.errors import FerryError, RefusedError
+from agent.gpus import GpuNeed, Inventory, Nvml, choose
+from agent.image import CudaProcessEntry, CudaSection
+
+_DEVICE = re.compile(r"^/dev/nvidia(\d+|ctl)$")
+#: CUDA IPC between processes can be checkpointed from this driver branch on.
+IPC_BRANCH = 610
+#: Restoring onto a GPU other than the one checkpointed needs this branch.
+REMAP_BRANCH = 580
+
+
+class ProcView:
+    """What /proc says about a process (tests substitute their own view)."""
+
+    def __init__(self, root: str = "/proc") -> None:
+        self.root = Path(root)
+
+    def device_files(self, pid: int) -> list[str]:
+        out = []
+        with contextlib.suppress(OSError):
+            for fd in (self.root / str(pid) / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    out.append(os.readlink(fd))
+        return out
+
+    def maps(self, pid: int) -> list[str]:
+        try:
+            return (self.root / str(pid) / "maps").read_text(errors="replace").splitlines()
+        except OSError:
+            return []
+
+    def thread_names(self, pid: int) -> list[str]:
+        names = []
+        with contextlib.suppress(OSError):
+            for task in (self.root / str(pid) / "task").iterdir():
+                with contextlib.suppress(OSError):
+                    names.append((task / "comm").read_text().strip())
+        return names
+
+    def ns_pid(self, pid: int) -> int:
+        """The PID as the job itself sees it (innermost namespace)."""
+        try:
+            for line in (self.root / str(pid) / "status").read_text().splitlines():
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+        except (OSError, ValueError):
+            pass
+        return pid
+
+
+@dataclass(frozen=True)
+class CudaProcess:
+    pid: int  # host PID on this node
+    ns_pid: int
+    gpus: tuple[str, ...]
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """The CUDA processes of one job on this node (empty for a CPU-only job)."""
+
+    processes: tuple[CudaProcess, ...] = ()
+    gpus: tuple[GpuNeed, ...] = ()
+    driver_version: str = ""
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    @property
+    def gpu_bytes(self) -> int:
+        return sum(g.memory_bytes for g in self.gpus)
+
+    def section(self) -> CudaSection | None:
+        if not self.processes:
+            return None
+        procs = [CudaProcessEntry(p.ns_pid, list(p.gpus), p.memory_bytes) for p in self.processes]
+        return CudaSection(self.driver_version, procs, list(self.gpus))
+
+
+def managed_mappings(maps: Iterable[str]) -> int:
+    """Bytes of CUDA managed (UVM) memory: `/dev/nvidia-uvm` mapped at its own offset.
+
+    cudaMallocManaged maps the UVM device MAP_FIXED at file offset == address,
+    which is what tells its ranges from the driver's other UVM bookkeeping.
+    """
+    total = 0
+    for line in maps:
+        parts = line.split()
+        if len(parts) < 6 or parts[5] != "/dev/nvidia-uvm":
+            continue
+        start, end = (int(x, 16) for x in parts[0].split("-"))
+        if int(parts[2], 16) == start:
+            total += end - start
+    return total
+
+
+@dataclass
+class CudaJobs:
+    """The CUDA half of moving a job on one node: inspect, freeze, thaw, choose GPUs."""
+
+    driver: CudaDriver
+    nvml: Nvml
+    node: str = ""
+    view: ProcView = field(default_factory=ProcView)
+    lock_timeout_s: float = cuda.DEFAULT_LOCK_TIMEOUT_S
+
+    def inspect(self, pids: Iterable[int]) -> Footprint:
+        """The job's CUDA processes and GPUs; refuses, before anything is frozen, what cannot move."""
+        pids = list(pids)
+        with_devices = [p for p in pids if any(_DEVICE.match(f) for f in self.view.device_files(p))]
+        inv = self.nvml.inventory() if with_devices else Inventory(False)
+        usage = inv.usage_by_pid()
+        candidates = sorted(set(with_devices) | (set(pids) & set(usage)))
+        if not candidates:
+            return Footprint()
+        self.driver.require_checkpoint()
+        if not inv.available:
+            raise self._refuse(f"the job uses the GPU but NVML cannot list this node's GPUs: {inv.detail}")
+        found: list[CudaProcess] = []
+        for pid in candidates:
+            state = self.driver.state(pid)
+            if state is None:
+                continue  # device files inherited across fork, no CUDA context of its own
+            if state is not ProcessState.RUNNING:
+                raise self._refuse(
+                    f"pid {pid} is already in CUDA state {state.value} (another checkpoint in progress?)",
+                    "wait for it to finish, then retry",
+                )
+            held = usage.get(pid, [])
+            if not held:
+                raise self._refuse(f"pid {pid} has a CUDA context but NVML lists it on no GPU")
+            found.append(
+                CudaProcess(
+                    pid, self.view.ns_pid(pid), tuple(g.uuid for g, _ in held), sum(b for _, b in held)
+                )
+            )
+        if not found:
+            return Footprint()
+        self._refuse_unsupported(found, inv)
+        needs: dict[str, GpuNeed] = {}
+        for p in found:
+            for g, used in usage[p.pid]:
+                prev = needs.get(g.uuid)
+                needs[g.uuid] = GpuNeed(g.uuid, g.name, used + (prev.memory_bytes if prev else 0))
+        return Footprint(tuple(found), tuple(needs.values()), inv.driver_version)
+
+    def _refuse_unsupported(self, found: list[CudaProcess], inv: Inventory) -> None:
+        """Everything the driver cannot checkpoint, named at once (locking them would hang or corrupt)."""
+        why: list[str] = []
+        for uuid in sorted({u for p in found for u in p.gpus}):
+            g = inv.by_uuid(uuid)
+            if g is not None and g.mig:
+                why.append(f"GPU {uuid} runs in MIG mode")
+        mps = {q.pid for g in inv.gpus for q in g.mps_processes}
+        for p in found:
+            maps = self.view.maps(p.pid)
+            if p.pid in mps or any("nvidia-mps" in f for f in self.view.device_files(p.pid)):
+                why.append(f"pid {p.pid} is an MPS client")
+            if managed := managed_mappings(maps):
+                why.append(f"pid {p.pid} uses {managed >> 20} MiB of CUDA managed (UVM) memory")
+            nccl = any(n.startswith("NCCL") for n in self.view.thread_names(p.pid))
+            if nccl or any("/dev/shm/nccl-" in ln for ln in maps):
+                why.append(f"pid {p.pid} has NCCL communicators")
+        if len(found) > 1 and inv.driver_branch < IPC_BRANCH:
+            why.append(
+                f"{len(found)} processes hold CUDA contexts (pids {', '.join(str(p.pid) for p in found)}) "
+                f"and driver {inv.driver_version or 'here'} cannot checkpoint CUDA IPC between processes "
+                f"(needs r{IPC_BRANCH})"
+            )
+        if why:
+            raise self._refuse(
+                "the CUDA checkpoint driver cannot capture this job: " + "; ".join(why),
+                "nothing was frozen; the job keeps running here",
+            )
+
+    def choose_gpus(
+        self,
+        needs: list[GpuNeed],
+        *,
+        reserved: Iterable[str] = (),
+        releasing: Mapping[str, int] | None = None,
+    ) -> dict[str, str]:
+        """Old → new UUID for a job coming here; refuses unless this driver can restore it so."""
+        if not needs:
+            return {}
+        self.driver.require_checkpoint()
+        inv = self.nvml.inventory()
+        gpu_map = choose(needs, inv, reserved=reserved, releasing=releasing, node=self.node)
+        moved = {o: n for o, n in gpu_map.items() if o != n}
+        if moved and inv.driver_branch < REMAP_BRANCH:
+            raise self._refuse(
+                f"restoring onto other GPUs needs driver r{REMAP_BRANCH}, this node has {inv.driver_version}",
+                "upgrade the NVIDIA driver",
+            )
+        return gpu_map
+
+    def releasing(self, pids: Iterable[int]) -> dict[str, int]:
+        """GPU memory that these (local, about to be checkpointed) processes hold, per GPU UUID."""
+        out: dict[str, int] = {}
+        usage = self.nvml.inventory().usage_by_pid()
+        for pid in pids:
+            for g, used in usage.get(pid, []):
+                out[g.uuid] = out.get(g.uuid, 0) + used
+        return out
+
+    def freeze(self, fp: Footprint, times: dict[str, float]) -> None:
+        if fp.processes:
+            cuda.freeze(self.driver, fp.pids, self.lock_timeout_s, times)
+
+    def thaw(self, pids: list[int], gpu_map: Mapping[str, str] | None, times: dict[str, float]) -> None:
+        if pids:
+            cuda.thaw(self.driver, pids, gpu_map, times)
+
+    def unfreeze(self, pids: list[int]) -> list[str]:
+        return cuda.unfreeze(self.driver, pids)
+
+    def _refuse(self, cause: str, hint: str = "") -> RefusedError:
+        return RefusedError(cause, step="cuda check", node=self.node, hint=hint)
+
+
+def host_pids(view: ProcView, tree: Iterable[int], section: CudaSection, node: str = "") -> list[int]:
+    """The host PIDs, in a restored tree, of the processes the image lists as CUDA processes."""
+    by_ns = {view.ns_pid(p): p for p in tree}
+    missing = [e.ns_pid for e in section.processes if e.ns_pid not in by_ns]
+    if missing:
+        raise FerryError(
+            f"restored tree lacks the CUDA processes with job PIDs {missing}", step="cuda", node=node
+        )
+    return [by_ns[e.ns_pid] for e in section.processes]

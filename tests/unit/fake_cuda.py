@@ -1,0 +1,359 @@
+"""A fake NVIDIA stack for the unit tests: the CUDA checkpoint driver, NVML and /proc, one host's worth.
+
+No GPU exists here, so these stand in at the one boundary we cannot reach.
+They are faithful where ferry depends on them:
+
+- FakeDriver has the call signatures of `cuda.bindings.driver` and returns
+  the real CUresult values. It keeps the driver's per-process state machine:
+  RUNNING → lock → LOCKED → checkpoint → CHECKPOINTED → restore → LOCKED →
+  unlock → RUNNING, with FAILED terminal and every other call ILLEGAL_STATE.
+  A lock that times out leaves the process RUNNING. Restore needs pairs that
+  cover every checkpointed GPU, each onto an existing GPU of the same chip
+  with room; an old driver has no checkpoint API (NOT_SUPPORTED).
+- FakeNvml has the `pynvml` calls ferry uses. Its process lists follow the
+  driver state: a checkpointed process holds no GPU memory.
+- FakeProcView answers what /proc would: device files, maps, thread names,
+  the PID inside the job's namespace.
+
+A CudaWorld is one host: all three read it. FakeCriu carries a process's
+CUDA state in the image (a checkpointed process's device memory is in its
+host memory, which is what CRIU saves), so a restored process comes back
+CHECKPOINTED, as on real hardware.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from cuda.bindings import driver as real
+
+R = real.CUresult
+GIB = 1 << 30
+H200 = "NVIDIA H200"
+GPU0 = "GPU-00000000-1111-2222-3333-000000000000"
+GPU1 = "GPU-00000000-1111-2222-3333-000000000001"
+A100 = "GPU-aaaaaaaa-1111-2222-3333-000000000000"
+#: What FakeCriu.dump writes for the CUDA processes it dumps (travels like any image file).
+IMAGE_FILE = "fake-cuda.json"
+
+RUNNING, LOCKED, CHECKPOINTED, FAILED = 0, 1, 2, 3
+
+
+@dataclass
+class FakeGpu:
+    uuid: str
+    name: str = H200
+    total: int = 141 * GIB
+    mig: bool = False
+    #: Memory held by processes outside the test (other jobs), pid → bytes.
+    others: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class CudaProc:
+    ns_pid: int
+    gpus: list[str]  # where its contexts live (or lived, when checkpointed)
+    bytes_per_gpu: int
+    state: int = RUNNING
+
+
+class CudaWorld:
+    """One host's GPUs and the CUDA state of its processes."""
+
+    def __init__(self, gpus: list[FakeGpu] | None = None, driver_version: str = "580.65.06") -> None:
+        self.gpus = {g.uuid: g for g in (gpus if gpus is not None else [FakeGpu(GPU0)])}
+        self.driver_version = driver_version
+        self.procs: dict[int, CudaProc] = {}
+        #: Per pid: extra /proc facts (device files, maps lines, thread names) for detection tests.
+        self.device_files: dict[int, list[str]] = {}
+        self.maps: dict[int, list[str]] = {}
+        self.threads: dict[int, list[str]] = {}
+        self.ns_pids: dict[int, int] = {}
+        self.mps_clients: set[int] = set()
+
+    def add_cuda_process(
+        self, pid: int, gpus: list[str], bytes_per_gpu: int = 2 * GIB, ns_pid: int = 1
+    ) -> None:
+        self.procs[pid] = CudaProc(ns_pid, list(gpus), bytes_per_gpu)
+        self.device_files[pid] = [
+            "/dev/nvidiactl",
+            "/dev/nvidia-uvm",
+            *(f"/dev/nvidia{i}" for i in range(len(gpus))),
+        ]
+        self.ns_pids[pid] = ns_pid
+
+    def state(self, pid: int) -> int:
+        return self.procs[pid].state
+
+    def used(self, uuid: str) -> int:
+        held = sum(p.bytes_per_gpu for p in self.procs.values() if p.state != CHECKPOINTED and uuid in p.gpus)
+        return held + sum(self.gpus[uuid].others.values())
+
+    # -- what CRIU carries --------------------------------------------------------------
+
+    def save_image(self, pids: list[int], image_dir: Path) -> None:
+        entries = [
+            {"ns_pid": p.ns_pid, "gpus": p.gpus, "bytes": p.bytes_per_gpu, "state": p.state}
+            for pid in pids
+            if (p := self.procs.get(pid)) is not None
+        ]
+        if entries:
+            (image_dir / IMAGE_FILE).write_text(json.dumps(entries))
+
+    def load_image(self, image_dir: Path, pid: int) -> None:
+        """The restored process (one, in FakeCriu) takes over the dumped CUDA state."""
+        path = image_dir / IMAGE_FILE
+        if not path.exists():
+            return
+        for e in json.loads(path.read_text()):
+            self.procs[pid] = CudaProc(e["ns_pid"], e["gpus"], e["bytes"], e["state"])
+            self.ns_pids[pid] = e["ns_pid"]
+            self.device_files[pid] = []  # a checkpointed process holds no device files
+
+
+class FakeDriver:
+    """`cuda.bindings.driver` as far as ferry uses it."""
+
+    CUcheckpointLockArgs = real.CUcheckpointLockArgs
+    CUcheckpointRestoreArgs = real.CUcheckpointRestoreArgs
+    CUcheckpointGpuPair = real.CUcheckpointGpuPair
+    CUuuid = real.CUuuid
+
+    def __init__(
+        self,
+        world: CudaWorld,
+        *,
+        checkpoint_api: bool = True,
+        custom_storage: bool = False,
+        library: bool = True,
+        cuda_version: int = 13000,
+    ) -> None:
+        self.world = world
+        self.checkpoint_api = checkpoint_api
+        self.custom_storage = custom_storage
+        self.library = library
+        self.cuda_version = cuda_version
+        self.calls: list[tuple[str, int]] = []
+        #: (action, pid) → CUresult to return instead of acting; action alone matches any pid.
+        self.fail: dict[Any, R] = {}
+        #: Actions after which a failing process is left FAILED (else unchanged).
+        self.fail_terminal: set[str] = set()
+        #: Processes stuck in a long kernel: lock times out.
+        self.busy: set[int] = set()
+        self.restore_args: list[dict[str, str] | None] = []
+
+    def cuInit(self, flags: int) -> tuple[R]:
+        if not self.library:
+            raise RuntimeError('"cuda" is an NVIDIA driver library and can only be found via system search')
+        return (R.CUDA_SUCCESS,)
+
+    def cuDriverGetVersion(self) -> tuple[R, int]:
+        return R.CUDA_SUCCESS, self.cuda_version
+
+    def cuGetProcAddress(self, symbol: bytes, version: int, flags: int) -> tuple[R, int, Any]:
+        name = symbol.decode()
+        has = (name.startswith("cuCheckpointProcess") and self.checkpoint_api) or (
+            name == "cuCheckpointOperationComplete" and self.custom_storage
+        )
+        if has:
+            return R.CUDA_SUCCESS, 0x1000, real.CUdriverProcAddressQueryResult.CU_GET_PROC_ADDRESS_SUCCESS
+        return (
+            R.CUDA_ERROR_NOT_FOUND,
+            0,
+            real.CUdriverProcAddressQueryResult.CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND,
+        )
+
+    def cuCheckpointOperationComplete(self, *args: Any) -> tuple[R]:
+        return (R.CUDA_SUCCESS,)  # present in the bindings; whether the driver has it is cuGetProcAddress's
+
+    # -- the checkpoint API ---------------------------------------------------------------
+
+    def _enter(self, action: str, pid: int) -> tuple[CudaProc | None, R | None]:
+        self.calls.append((action, pid))
+        if not self.checkpoint_api:
+            return None, R.CUDA_ERROR_NOT_SUPPORTED
+        proc = self.world.procs.get(pid)
+        if proc is None:
+            return None, R.CUDA_ERROR_INVALID_VALUE  # not a CUDA process
+        injected = self.fail.get((action, pid), self.fail.get(action))
+        if injected is not None:
+            if action in self.fail_terminal:
+                proc.state = FAILED
+            return proc, injected
+        return proc, None
+
+    def cuCheckpointProcessGetState(self, pid: int) -> tuple[R, Any]:
+        proc, err = self._enter("get-state", pid)
+        if err is not None or proc is None:
+            return err or R.CUDA_ERROR_INVALID_VALUE, real.CUprocessState.CU_PROCESS_STATE_RUNNING
+        return R.CUDA_SUCCESS, real.CUprocessState(proc.state)
+
+    def cuCheckpointProcessGetRestoreThreadId(self, pid: int) -> tuple[R, int]:
+        _proc, err = self._enter("restore-thread", pid)
+        return (err, 0) if err is not None else (R.CUDA_SUCCESS, pid + 1)
+
+    def cuCheckpointProcessLock(self, pid: int, args: Any) -> tuple[R]:
+        proc, err = self._enter("lock", pid)
+        if err is not None or proc is None:
+            return (err,)
+        if proc.state != RUNNING:
+            return (R.CUDA_ERROR_ILLEGAL_STATE,)
+        if pid in self.busy:
+            assert args is not None and args.timeoutMs > 0, "ferry always bounds the lock"
+            return (R.CUDA_ERROR_TIMEOUT,)  # the driver leaves it RUNNING
+        proc.state = LOCKED
+        return (R.CUDA_SUCCESS,)
+
+    def cuCheckpointProcessCheckpoint(self, pid: int, args: Any) -> tuple[R]:
+        proc, err = self._enter("checkpoint", pid)
+        if err is not None or proc is None:
+            return (err,)
+        if proc.state != LOCKED:
+            return (R.CUDA_ERROR_ILLEGAL_STATE,)
+        proc.state = CHECKPOINTED  # device memory now in host memory, GPUs released
+        return (R.CUDA_SUCCESS,)
+
+    def cuCheckpointProcessRestore(self, pid: int, args: Any) -> tuple[R]:
+        proc, err = self._enter("restore", pid)
+        if err is not None or proc is None:
+            return (err,)
+        if proc.state != CHECKPOINTED:
+            return (R.CUDA_ERROR_ILLEGAL_STATE,)
+        pairs = None
+        if args is not None:
+            pairs = {
+                _uuid(args.gpuPairs[i].oldUuid.bytes): _uuid(args.gpuPairs[i].newUuid.bytes)
+                for i in range(args.gpuPairsCount)
+            }
+        self.restore_args.append(pairs)
+        mapping = pairs if pairs is not None else {u: u for u in proc.gpus}
+        if set(proc.gpus) - set(mapping):
+            return (R.CUDA_ERROR_INVALID_VALUE,)  # the map must cover every checkpointed GPU
+        old_gpus = list(proc.gpus)
+        for old in old_gpus:
+            new = self.world.gpus.get(mapping[old])
+            if new is None:
+                return (R.CUDA_ERROR_INVALID_DEVICE,)
+            if old in self.world.gpus and self.world.gpus[old].name != new.name:
+                return (R.CUDA_ERROR_INVALID_DEVICE,)  # restore needs the same chip
+            if new.total - self.world.used(new.uuid) < proc.bytes_per_gpu:
+                return (R.CUDA_ERROR_OUT_OF_MEMORY,)
+        proc.gpus = [mapping[g] for g in old_gpus]
+        proc.state = LOCKED
+        return (R.CUDA_SUCCESS,)
+
+    def cuCheckpointProcessUnlock(self, pid: int, args: Any) -> tuple[R]:
+        proc, err = self._enter("unlock", pid)
+        if err is not None or proc is None:
+            return (err,)
+        if proc.state != LOCKED:
+            return (R.CUDA_ERROR_ILLEGAL_STATE,)
+        proc.state = RUNNING
+        return (R.CUDA_SUCCESS,)
+
+    def actions(self) -> list[str]:
+        return [a for a, _ in self.calls if a != "get-state"]
+
+
+def _uuid(raw: bytes) -> str:
+    h = bytes(raw).hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+class NVMLError(Exception):
+    pass
+
+
+class FakeNvml:
+    """`pynvml` as far as ferry uses it, reading the world."""
+
+    NVMLError = NVMLError
+
+    def __init__(self, world: CudaWorld, *, library: bool = True) -> None:
+        self.world = world
+        self.library = library
+        self.inits = 0
+
+    def nvmlInit(self) -> None:
+        if not self.library:
+            raise NVMLError("NVML Shared Library Not Found")
+        self.inits += 1
+
+    def nvmlShutdown(self) -> None:
+        self.inits -= 1
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return self.world.driver_version
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.world.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> FakeGpu:
+        return list(self.world.gpus.values())[i]
+
+    def nvmlDeviceGetUUID(self, h: FakeGpu) -> str:
+        return h.uuid
+
+    def nvmlDeviceGetName(self, h: FakeGpu) -> str:
+        return h.name
+
+    def nvmlDeviceGetMemoryInfo(self, h: FakeGpu) -> Any:
+        used = self.world.used(h.uuid)
+        return SimpleNamespace(total=h.total, used=used, free=h.total - used)
+
+    def nvmlDeviceGetPersistenceMode(self, h: FakeGpu) -> int:
+        return 1
+
+    def nvmlDeviceGetMigMode(self, h: FakeGpu) -> list[int]:
+        if not h.mig:
+            raise NVMLError("Not Supported")
+        return [1, 1]
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: FakeGpu) -> list[Any]:
+        out = [
+            SimpleNamespace(pid=pid, usedGpuMemory=p.bytes_per_gpu)
+            for pid, p in self.world.procs.items()
+            if h.uuid in p.gpus and p.state != CHECKPOINTED and pid not in self.world.mps_clients
+        ]
+        return out + [SimpleNamespace(pid=pid, usedGpuMemory=b) for pid, b in h.others.items()]
+
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, h: FakeGpu) -> list[Any]:
+        return [
+            SimpleNamespace(pid=pid, usedGpuMemory=p.bytes_per_gpu)
+            for pid, p in self.world.procs.items()
+            if h.uuid in p.gpus and pid in self.world.mps_clients
+        ]
+
+
+class FakeProcView:
+    """agent.cudajob.ProcView answered from the world."""
+
+    def __init__(self, world: CudaWorld) -> None:
+        self.world = world
+
+    def device_files(self, pid: int) -> list[str]:
+        return list(self.world.device_files.get(pid, []))
+
+    def maps(self, pid: int) -> list[str]:
+        return list(self.world.maps.get(pid, []))
+
+    def thread_names(self, pid: int) -> list[str]:
+        return list(self.world.threads.get(pid, ["python"]))
+
+    def ns_pid(self, pid: int) -> int:
+        return self.world.ns_pids.get(pid, pid)
+
+
+def fake_cuda_jobs(world: CudaWorld, node: str = "nodea", **driver_kw: Any) -> tuple[Any, FakeDriver]:
+    """agent.cudajob.CudaJobs over this world, and its fake driver (to inspect calls, inject faults)."""
+    from agent.cuda import CudaDriver
+    from agent.cudajob import CudaJobs
+    from agent.gpus import Nvml
+
+    drv = FakeDriver(world, **driver_kw)
+    jobs = CudaJobs(CudaDriver(drv, node), Nvml(FakeNvml(world), node), node, FakeProcView(world), 0.5)
+    return jobs, drv
