@@ -140,6 +140,8 @@ class FakeDriver:
         self.calls: list[tuple[str, int]] = []
         #: (action, pid) → CUresult to return instead of acting; action alone matches any pid.
         self.fail: dict[Any, R] = {}
+        #: action → CUresult for the next such call only.
+        self.fail_once: dict[str, R] = {}
         #: Actions after which a failing process is left FAILED (else unchanged).
         self.fail_terminal: set[str] = set()
         #: Processes stuck in a long kernel: lock times out.
@@ -179,7 +181,7 @@ class FakeDriver:
         proc = self.world.procs.get(pid)
         if proc is None:
             return None, R.CUDA_ERROR_INVALID_VALUE  # not a CUDA process
-        injected = self.fail.get((action, pid), self.fail.get(action))
+        injected = self.fail_once.pop(action, None) or self.fail.get((action, pid), self.fail.get(action))
         if injected is not None:
             if action in self.fail_terminal:
                 proc.state = FAILED

@@ -1,0 +1,341 @@
+"""A CUDA job through the whole protocol, with the fake NVIDIA stack (fake_cuda) on both sides.
+
+The source is a real SourceMigration, the target a real TargetMigrations
+reached through an in-process peer, each with its own FakeCriu and, for two
+nodes, its own CudaWorld: the job's CUDA state reaches the target only inside
+the image, as it does on real hardware. Every failure must leave exactly one
+running copy, with its device memory back on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fake_cuda import (
+    A100,
+    GIB,
+    GPU0,
+    GPU1,
+    IMAGE_FILE,
+    RUNNING,
+    CudaWorld,
+    FakeGpu,
+    R,
+    fake_cuda_jobs,
+)
+from fakes import FakeCriu, is_dead, is_stopped, launched_record, wait_running
+
+from agent import migrate
+from agent.errors import MigrationAbortedError, RefusedError
+from agent.jobs import JobRegistry, JobState
+from agent.migrate import MigrationSpec, SourceMigration, TargetMigrations, checkpoint, restore_image
+from agent.rpc import pb
+
+MID = "feedc0de00000001"
+
+
+class LocalPeer:
+    """agent.migrate.Peer straight onto a TargetMigrations in this process."""
+
+    address = "127.0.0.1:7071"
+
+    def __init__(self, target: TargetMigrations) -> None:
+        self.target = target
+
+    def info(self) -> pb.NodeInfo:
+        return pb.NodeInfo(node_name="nodeb", agent_id="target-agent")
+
+    def prepare(self, req: pb.PrepareRequest) -> pb.Lease:
+        return self.target.prepare(req)
+
+    def push(self, chunks: Iterator[pb.ImageChunk]) -> pb.PushImageResponse:
+        return self.target.push(chunks)
+
+    def commit(self, req: pb.CommitRequest) -> pb.CommitResponse:
+        return self.target.commit(req)
+
+    def abort(self, migration_id: str, reason: str) -> None:
+        self.target.abort(migration_id, reason)
+
+    def status(self, migration_id: str) -> int:
+        return self.target.status(migration_id)
+
+
+class TwoNodes:
+    def __init__(self, tmp_path: Path, sleeper, src_world: CudaWorld, dst_world: CudaWorld) -> None:
+        self.proc, out, err = sleeper()
+        self.pid = self.proc.pid
+        self.src_world, self.dst_world = src_world, dst_world
+        self.src_world.add_cuda_process(self.pid, [GPU0], bytes_per_gpu=2 * GIB, ns_pid=1)
+        self.src_cuda, self.src_drv = fake_cuda_jobs(src_world, "nodea")
+        self.dst_cuda, self.dst_drv = fake_cuda_jobs(dst_world, "nodeb")
+        self.src_criu, self.dst_criu = FakeCriu("nodea"), FakeCriu("nodeb")
+        self.src_criu.cuda_world, self.dst_criu.cuda_world = src_world, dst_world
+        self.src_reg = JobRegistry(tmp_path / "a" / "state", "nodea")
+        self.dst_reg = JobRegistry(tmp_path / "b" / "state", "nodeb")
+        self.src_reg.save(launched_record("train", self.proc, out, err))
+        self.target = TargetMigrations(
+            self.dst_reg, self.dst_criu, tmp_path / "b" / "staging", "nodeb", self.dst_cuda
+        )
+        self.staging = tmp_path / "a" / "staging"
+
+    def migration(self) -> SourceMigration:
+        return SourceMigration(
+            MigrationSpec("train", LocalPeer.address, MID),
+            self.src_reg,
+            self.src_criu,
+            LocalPeer(self.target),
+            self.staging,
+            "nodea",
+            "source-agent",
+            cuda_jobs=self.src_cuda,
+        )
+
+    @property
+    def job(self):
+        return self.src_reg.get("train")
+
+    def cleanup(self) -> None:
+        self.src_criu.cleanup()
+        self.dst_criu.cleanup()
+
+
+@pytest.fixture
+def nodes(tmp_path, sleeper, monkeypatch) -> Iterator[TwoNodes]:
+    monkeypatch.delenv("FERRY_FAULTS", raising=False)
+    monkeypatch.setattr(migrate, "PROGRESS_WAIT_S", 0.5)
+    n = TwoNodes(tmp_path, sleeper, CudaWorld([FakeGpu(GPU0)]), CudaWorld([FakeGpu(A100), FakeGpu(GPU1)]))
+    n.dst_world.gpus[A100].name = "NVIDIA H200"  # two H200s on the target
+    yield n
+    n.cleanup()
+
+
+def test_a_cuda_job_moves_onto_a_gpu_of_the_target(nodes: TwoNodes) -> None:
+    result = nodes.migration().run()
+
+    assert nodes.job.state is JobState.MOVED
+    assert is_dead(nodes.pid)
+    restored = nodes.dst_criu.spawned[0]
+    proc = nodes.dst_world.procs[restored]
+    assert proc.state == RUNNING and proc.gpus[0] in (A100, GPU1)
+    assert nodes.dst_reg.get("train").pid == restored
+    # Source: lock, then checkpoint, before CRIU; target: restore onto its GPU, then unlock.
+    assert nodes.src_drv.actions() == ["lock", "checkpoint"]
+    assert nodes.dst_drv.actions() == ["restore", "unlock"]
+    assert nodes.dst_drv.restore_args == [{GPU0: proc.gpus[0]}]
+    assert IMAGE_FILE in nodes.dst_criu.restores[0]["files"]
+    assert result.gpu_bytes == 2 * GIB
+    for phase in (
+        "cuda lock",
+        "cuda checkpoint",
+        "dump",
+        "target restore",
+        "target cuda restore",
+        "target cuda unlock",
+    ):
+        assert phase in result.phases, phase
+
+
+def test_the_lease_maps_the_gpu_and_the_manifest_counts_it(nodes: TwoNodes) -> None:
+    seen: dict[str, object] = {}
+    real_commit = nodes.target.commit
+
+    def commit(req: pb.CommitRequest) -> pb.CommitResponse:
+        inc = nodes.target._get(req.migration_id)
+        seen["map"], seen["manifest"] = dict(inc.gpu_map), inc.manifest
+        return real_commit(req)
+
+    nodes.target.commit = commit  # type: ignore[method-assign]
+    nodes.migration().run()
+    m = seen["manifest"]
+    assert m.gpu_bytes == 2 * GIB  # type: ignore[attr-defined]
+    assert m.cuda.processes[0].ns_pid == 1 and m.cuda.gpus[0].uuid == GPU0  # type: ignore[attr-defined]
+    assert list(seen["map"]) == [GPU0]  # type: ignore[arg-type]
+
+
+def test_lock_timeout_aborts_before_anything_is_frozen(nodes: TwoNodes) -> None:
+    nodes.src_drv.busy.add(nodes.pid)
+    with pytest.raises(
+        MigrationAbortedError, match=f"cuda lock of pid {nodes.pid} failed: CUDA_ERROR_TIMEOUT"
+    ):
+        nodes.migration().run()
+    assert nodes.src_criu.dumps == []
+    assert nodes.src_world.state(nodes.pid) == RUNNING
+    assert not is_stopped(nodes.pid)
+    assert nodes.job.state is JobState.RUNNING and "aborted while dumping" in nodes.job.note
+    assert nodes.target.status(MID) == pb.TARGET_STATE_ABORTED
+
+
+def test_dump_failure_after_the_cuda_checkpoint_puts_cuda_back(nodes: TwoNodes) -> None:
+    from agent.errors import CriuError
+
+    nodes.src_criu.dump_error = CriuError("dump", "no space", node="nodea")
+    with pytest.raises(MigrationAbortedError):
+        nodes.migration().run()
+    assert nodes.src_drv.actions() == ["lock", "checkpoint", "restore", "unlock"]
+    assert nodes.src_drv.restore_args == [None]  # back onto its own GPU
+    assert nodes.src_world.state(nodes.pid) == RUNNING
+    assert nodes.job.state is JobState.RUNNING
+    wait_running(nodes.pid)
+
+
+def test_cuda_restore_failure_on_the_target_kills_the_copy_there_and_resumes_the_source(
+    nodes: TwoNodes,
+) -> None:
+    nodes.dst_drv.fail_once["restore"] = R.CUDA_ERROR_OUT_OF_MEMORY
+    with pytest.raises(MigrationAbortedError, match=r"cuda restore of pid .* CUDA_ERROR_OUT_OF_MEMORY"):
+        nodes.migration().run()
+    restored = nodes.dst_criu.spawned[0]
+    assert is_dead(restored)  # no half-restored copy runs on the target
+    assert nodes.target.status(MID) == pb.TARGET_STATE_ABORTED
+    assert nodes.src_world.state(nodes.pid) == RUNNING and nodes.src_world.procs[nodes.pid].gpus == [GPU0]
+    assert nodes.job.state is JobState.RUNNING
+    wait_running(nodes.pid)
+
+
+def test_a_refused_cuda_job_is_never_frozen(nodes: TwoNodes) -> None:
+    base = 0x7F0000000000
+    nodes.src_world.maps[nodes.pid] = [f"{base:x}-{base + GIB:x} rw-s {base:x} 00:05 1 /dev/nvidia-uvm"]
+    with pytest.raises(RefusedError, match="1024 MiB of CUDA managed"):
+        nodes.migration().run()
+    assert nodes.src_drv.actions() == [] and nodes.src_criu.dumps == []
+    assert nodes.target.status(MID) == pb.TARGET_STATE_UNKNOWN  # never asked for a lease
+    assert nodes.job.state is JobState.RUNNING and "refused" in nodes.job.note
+
+
+def test_a_target_without_the_chip_refuses_in_prepare(nodes: TwoNodes) -> None:
+    for g in nodes.dst_world.gpus.values():
+        g.name = "NVIDIA A100-SXM4-80GB"
+    with pytest.raises(RefusedError, match="no NVIDIA H200 here") as ei:
+        nodes.migration().run()
+    assert "prepare on nodeb" in str(ei.value)
+    assert nodes.src_drv.actions() == [] and nodes.src_criu.dumps == []
+    assert nodes.job.state is JobState.RUNNING
+
+
+def test_two_agents_on_one_host_share_the_gpu(tmp_path, sleeper, monkeypatch) -> None:
+    """The tests' two-node setup: the job's own memory on the only GPU is freed by its checkpoint."""
+    monkeypatch.setattr(migrate, "PROGRESS_WAIT_S", 0.5)
+    world = CudaWorld([FakeGpu(GPU0, total=3 * GIB)])
+    n = TwoNodes(tmp_path, sleeper, world, world)
+    try:
+        n.migration().run()
+        restored = n.dst_criu.spawned[0]
+        assert world.procs[restored].state == RUNNING and world.procs[restored].gpus == [GPU0]
+        assert n.dst_drv.restore_args == [None]  # same GPU: no remap needed
+    finally:
+        n.cleanup()
+
+
+# -- suspend and resume on one node ------------------------------------------------------
+
+
+def test_checkpoint_frees_the_gpu_and_restore_puts_the_job_back(
+    tmp_path, sleeper, fake_criu, registry
+) -> None:
+    world = CudaWorld([FakeGpu(GPU0), FakeGpu(GPU1)])
+    proc, out, err = sleeper()
+    world.add_cuda_process(proc.pid, [GPU0], bytes_per_gpu=4 * GIB)
+    cj, drv = fake_cuda_jobs(world)
+    fake_criu.cuda_world = world
+    registry.save(launched_record("train", proc, out, err))
+    image = tmp_path / "img"
+
+    res = checkpoint(registry, fake_criu, "train", image, "nodea", leave_running=False, cuda_jobs=cj)
+    assert res.gpu_bytes == 4 * GIB and "cuda checkpoint" in res.phases
+    assert registry.get("train").state is JobState.CHECKPOINTED
+    assert world.used(GPU0) == 0  # suspended: its GPU is free for another job
+    assert is_dead(proc.pid)
+
+    world.gpus[GPU0].others[4242] = 140 * GIB  # meanwhile someone took GPU0
+    rec = restore_image(registry, fake_criu, image, "train2", "nodea", cj)
+    restored = world.procs[rec.pid]
+    assert restored.state == RUNNING and restored.gpus == [GPU1]
+    assert GPU1 in rec.note
+    assert drv.actions() == ["lock", "checkpoint", "restore", "unlock"]
+
+
+def test_checkpoint_leave_running_resumes_cuda_in_place(tmp_path, sleeper, fake_criu, registry) -> None:
+    world = CudaWorld([FakeGpu(GPU0)])
+    proc, out, err = sleeper()
+    world.add_cuda_process(proc.pid, [GPU0])
+    cj, drv = fake_cuda_jobs(world)
+    registry.save(launched_record("train", proc, out, err))
+    checkpoint(registry, fake_criu, "train", tmp_path / "img", "nodea", leave_running=True, cuda_jobs=cj)
+    assert world.state(proc.pid) == RUNNING and registry.get("train").state is JobState.RUNNING
+    assert drv.actions() == ["lock", "checkpoint", "restore", "unlock"]
+    wait_running(proc.pid)
+
+
+def test_restore_refuses_when_no_gpu_fits(tmp_path, sleeper, fake_criu, registry) -> None:
+    world = CudaWorld([FakeGpu(GPU0)])
+    proc, out, err = sleeper()
+    world.add_cuda_process(proc.pid, [GPU0], bytes_per_gpu=100 * GIB)
+    cj, _ = fake_cuda_jobs(world)
+    fake_criu.cuda_world = world
+    registry.save(launched_record("train", proc, out, err))
+    checkpoint(registry, fake_criu, "train", tmp_path / "img", "nodea", leave_running=False, cuda_jobs=cj)
+    world.gpus[GPU0].others[1] = 60 * GIB
+    with pytest.raises(RefusedError, match=r"has 81\.0 GiB free"):
+        restore_image(registry, fake_criu, tmp_path / "img", "again", "nodea", cj)
+    assert fake_criu.restores == []  # refused before CRIU ran
+
+
+# -- the RPC and the CLI ------------------------------------------------------------------
+
+
+def test_list_gpus_over_grpc_and_ferry_gpus(tmp_path, capsys) -> None:
+    from agent import cli
+    from agent.server import AgentService, create_server
+
+    world = CudaWorld([FakeGpu(GPU0, others={321: 5 * GIB}), FakeGpu(GPU1, mig=True)])
+    cj, _ = fake_cuda_jobs(world, custom_storage=True)
+    svc = AgentService(
+        tmp_path / "state", "nodea", tmp_path / "staging", criu=FakeCriu("nodea"), cuda_jobs=cj
+    )
+    server, port = create_server("127.0.0.1:0", svc, max_workers=4)
+    server.start()
+    try:
+        assert cli.main(["gpus", "--agent", f"127.0.0.1:{port}"]) == 0
+        text = capsys.readouterr().out
+        assert "NVIDIA driver 580.65.06, 2 GPU(s)" in text and "custom storage" in text
+        assert GPU0 in text and "321 (5.0 GiB)" in text and "(MIG)" in text
+        assert cli.main(["gpus", "--agent", f"127.0.0.1:{port}", "--json"]) == 0
+        import json
+
+        d = json.loads(capsys.readouterr().out)
+        assert d["cuda"]["checkpoint"] and d["gpus"][1]["mig"] and d["gpus"][0]["processes"][0]["pid"] == 321
+    finally:
+        server.stop(None).wait()
+
+
+def test_ferry_gpus_on_a_node_without_gpus(tmp_path, capsys) -> None:
+    from agent import cli
+    from agent.server import AgentService, create_server
+
+    world = CudaWorld([])
+    cj, _ = fake_cuda_jobs(world, library=False)
+    cj.nvml.module.library = False
+    svc = AgentService(
+        tmp_path / "state", "nodea", tmp_path / "staging", criu=FakeCriu("nodea"), cuda_jobs=cj
+    )
+    server, port = create_server("127.0.0.1:0", svc, max_workers=4)
+    server.start()
+    try:
+        assert cli.main(["gpus", "--agent", f"127.0.0.1:{port}"]) == 0
+        text = capsys.readouterr().out
+        assert "no GPUs: NVML unavailable" in text and "CUDA checkpoint unavailable" in text
+    finally:
+        server.stop(None).wait()
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_children() -> Iterator[None]:
+    yield
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
