@@ -368,6 +368,9 @@ class SourceMigration:
                 f"{self.spec.target}`: if the job does not run there, resume this copy with "
                 f"`kill -CONT {' '.join(map(str, pids))}`; if it does, `kill -KILL {pids[0] if pids else ''}`"
             )
+            if self.cuda_frozen:
+                cuda_pids = " ".join(map(str, self.footprint.pids))
+                note += f". Its GPU memory is checkpointed: after SIGCONT, restore CUDA for pids {cuda_pids}"
             self.registry.update(rec.name, note=note)
             raise _Unresolved(note, step="commit", node=self.node) from err
         self._set(MigrationState.ABORTING, "abort", f"aborting: {err}")

@@ -85,6 +85,14 @@ glibc_needed() {
   echo "${v:-none}"
 }
 
+# The newest GLIBCXX_/CXXABI_ versions a C++ binary needs, or nothing.
+glibcxx_needed() {
+  local p
+  for p in GLIBCXX CXXABI; do
+    objdump -T "$1" 2>/dev/null | grep -o "${p}_[0-9][0-9.]*" | sort -uV | tail -n 1
+  done | paste -sd ' ' -
+}
+
 # Copy CRIU and every shared object it loads, the loader included, into $1.
 bundle_criu() {
   local dest=$1 src interp line name path
@@ -125,6 +133,10 @@ EOF
   chmod 0755 "$dest/criu"
 }
 
+os_name() {
+  { sed -n 's/^PRETTY_NAME=//p' /etc/os-release 2>/dev/null || true; } | tr -d '"' | grep . || echo "unknown os"
+}
+
 criu_version() {
   { "$1" --version 2>/dev/null || true; } | sed -n 's/^Version: *//p' | head -n 1
 }
@@ -153,7 +165,7 @@ verify_criu() {
     tail -n 20 "$tmp/dump.log" >&2
     die "criu dump through the wrapper failed (log: $tmp/dump.log)"
   fi
-  wait "$pid" 2>/dev/null || true  # the dumped task is killed; reap it so its PID is free
+  { wait "$pid" || true; } 2>/dev/null  # the dumped task was killed: reap it, its PID is needed
   "$w" restore -D "$tmp" -o restore.log -v4 --restore-detached --pidfile "$tmp/restored.pid" \
     || { tail -n 20 "$tmp/restore.log" >&2; die "criu restore through the wrapper failed (log: $tmp/restore.log)"; }
   rpid="$(cat "$tmp/restored.pid")"
@@ -220,7 +232,7 @@ write_manifest() {
     echo "carry: $BUNDLE_REL"
     echo
     echo "== build host"
-    echo "os: $(. /etc/os-release && echo "$PRETTY_NAME")"
+    echo "os: $(os_name)"
     echo "kernel: $(uname -r)"
     echo "glibc: $(getconf GNU_LIBC_VERSION 2>/dev/null || echo unknown)"
     echo "cc: $(${CC:-cc} --version 2>/dev/null | head -n 1)"
@@ -234,10 +246,10 @@ write_manifest() {
     echo "runtime needs on the host: none for checkpoint/restore of ferry's jobs;"
     echo "  'ip' (iproute2) and 'iptables' only for jobs in their own network namespace."
     echo
-    echo "== bin/ (newest GLIBC symbol version each needs)"
+    echo "== bin/ (newest GLIBC, GLIBCXX and CXXABI symbol versions each needs)"
     for f in "$dest"/bin/*; do
       [[ -L $f ]] && { echo "  $(basename "$f") -> $(readlink "$f")"; continue; }
-      echo "  $(basename "$f"): $(glibc_needed "$f")"
+      echo "  $(basename "$f"): $(glibc_needed "$f") $(glibcxx_needed "$f")"
     done
     echo
     echo "== stubs/"
@@ -337,7 +349,7 @@ setup_python() {
   [[ -n $pipwhl ]] || die "no pip wheel in $BUNDLE_REL/pip: rebuild the bundle"
   tag="$("$base" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
   compgen -G "$BUNDLE/wheels/grpcio-*-$tag-$tag-*.whl" >/dev/null \
-    || die "$base is CPython ${tag#cp}, but the bundle has wheels only for CPython ${PY_VERSIONS[*]}"
+    || die "$base is CPython $("$base" -c 'import platform; print(platform.python_version())'), but the bundle has wheels only for CPython ${PY_VERSIONS[*]}"
   # Only the bundle's wheels: no index, no pip.conf, no PIP_* from the host.
   for v in $(compgen -e | grep '^PIP_' || true); do unset "$v"; done
   export PIP_CONFIG_FILE=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
@@ -371,12 +383,12 @@ setup_python() {
 
 # A bundled binary the host's loader and libraries can run ("not found" covers
 # missing libraries and too-old GLIBC_/GLIBCXX_ versions).
-runs_here() { ! ldd "$1" 2>&1 | grep -q 'not found'; }
+runs_here() { ! command -v ldd >/dev/null || ! ldd "$1" 2>&1 | grep -q 'not found'; }
 
 report_header() {
   local criu_out
   echo "== ferry device check: $(date -u +%FT%TZ)"
-  echo "host: $(hostname) | kernel $(uname -r) | $(. /etc/os-release 2>/dev/null && echo "${PRETTY_NAME:-unknown os}") | $(getconf GNU_LIBC_VERSION 2>/dev/null || echo 'glibc unknown') | uid $(id -u)"
+  echo "host: $(uname -n) | kernel $(uname -r) | $(os_name) | $(getconf GNU_LIBC_VERSION 2>/dev/null || echo 'glibc unknown') | uid $(id -u)"
   if command -v nvidia-smi >/dev/null; then
     echo "gpu: $(nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv,noheader 2>&1 | paste -sd ';' -)"
   else
@@ -399,6 +411,12 @@ def ver(d):
 print("packages: " + ", ".join(f"{d} {ver(d)}" for d in
       ("cuda-bindings", "nvidia-ml-py", "grpcio", "protobuf", "psutil", "pytest")))
 EOF
+  local need
+  need="$(sed -n 's/^requires-python *= *"\(.*\)"/\1/p' "$REPO/pyproject.toml" 2>/dev/null | head -n 1)"
+  if [[ -n $need ]] && ! "$VPY" -c 'import platform, sys; from packaging.specifiers import SpecifierSet
+sys.exit(platform.python_version() not in SpecifierSet(sys.argv[1]))' "$need" 2>/dev/null; then
+    echo "WARNING: ferry requires python $need (pyproject.toml) and this is $("$VPY" -c 'import platform; print(platform.python_version())'): expect import errors below"
+  fi
   echo "criu: $(criu_version "$FERRY_CRIU" || true) via $BUNDLE_REL/criu/criu | ip: $(command -v ip || echo none) | iptables: $(command -v iptables || echo none)"
   if criu_out="$("$FERRY_CRIU" check 2>&1)"; then
     echo "criu check: $(tail -n 1 <<<"$criu_out")"
@@ -425,9 +443,6 @@ run_inner() {
   set -euo pipefail
   local base bad basetemp=/tmp/ferry-device-pytest pylog rc=0 last
   cd "$REPO"
-  base="$(pick_python)"
-  setup_python "$base"
-
   # The stubs the bundle was built with (ferry/ and agent/criu_pb/ are git-ignored).
   mkdir -p ferry agent/criu_pb
   cp -R "$BUNDLE/stubs/ferry/." ferry/
@@ -436,6 +451,8 @@ run_inner() {
     log "warning: proto/ or native/ changed since the bundle was built; stubs or binaries may be stale:"
     printf '%s\n' "$bad" | sed 's/^/  /' >&2
   fi
+  base="$(pick_python)"
+  setup_python "$base"
 
   export FERRY_CRIU="$BUNDLE/criu/criu"
   export FERRY_INIT="$BUNDLE/bin/ferry-init"
@@ -459,10 +476,10 @@ run_inner() {
   "$VPY" -m pytest tests/gpu -v -rs -p no:cacheprovider -p pytest_timeout --timeout 300 \
     --basetemp "$basetemp" "$@" 2>&1 | tee "$pylog" || rc=${PIPESTATUS[0]}
   if [[ -n ${OUT:-} ]]; then collect_logs "$basetemp" "$OUT/test-logs"; fi
-  last="$(grep -v '^[[:space:]]*$' "$pylog" | tail -n 1)"
+  last="$(grep -v '^[[:space:]]*$' "$pylog" | tail -n 1 | sed 's/^=* *//; s/ *=*$//')"
   rm -f "$pylog"
   echo
-  echo "== summary: pytest on $(hostname) ($("$VPY" -c 'import platform; print(platform.python_version())'))," \
+  echo "== summary: pytest on $(uname -n) ($("$VPY" -c 'import platform; print(platform.python_version())'))," \
     "criu $(criu_version "$FERRY_CRIU"), $(command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 || echo 'no GPU') finished:" \
     "${last:-no output} -- exit code $rc${OUT:+; log at $OUT/device-check.log, test logs under $OUT/test-logs}."
   return "$rc"

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from agent import config as ferry_config
-from agent.localcluster import LocalAgent
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -25,19 +23,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _criu_present() -> None:
     # Fail loudly, not skip, when root lacks CRIU: `make test` installs it.
     ferry_config.criu_binary()
-
-
-@pytest.fixture
-def agents(tmp_path: Path) -> Iterator[Callable[..., LocalAgent]]:
-    """Start agents on loopback; each is stopped and its jobs killed afterwards."""
-    started: list[LocalAgent] = []
-
-    def start(node: str, env: dict[str, str] | None = None, prefix: list[str] | None = None) -> LocalAgent:
-        agent = LocalAgent(tmp_path, node, env={"PYTHONWARNINGS": "ignore", **(env or {})})
-        started.append(agent.start(prefix=prefix))
-        return agent
-
-    yield start
-    for agent in started:
-        agent.kill_jobs()
-        agent.stop()

@@ -1,0 +1,26 @@
+"""Fixtures shared by the integration and GPU suites (real agents on loopback)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.localcluster import LocalAgent
+
+
+@pytest.fixture
+def agents(tmp_path: Path) -> Iterator[Callable[..., LocalAgent]]:
+    """Start agents on loopback; each is stopped and its jobs killed afterwards."""
+    started: list[LocalAgent] = []
+
+    def start(node: str, env: dict[str, str] | None = None, prefix: list[str] | None = None) -> LocalAgent:
+        agent = LocalAgent(tmp_path, node, env={"PYTHONWARNINGS": "ignore", **(env or {})})
+        started.append(agent.start(prefix=prefix))
+        return agent
+
+    yield start
+    for agent in started:
+        agent.kill_jobs()
+        agent.stop()
