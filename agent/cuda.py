@@ -18,9 +18,9 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
+from agent.compat import StrEnum
 from agent.errors import CudaCheckpointError, RefusedError
 
 log = logging.getLogger(__name__)

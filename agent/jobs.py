@@ -17,12 +17,12 @@ import subprocess
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from enum import StrEnum
 from pathlib import Path
 
 import psutil
 
 from agent import config, procs
+from agent.compat import StrEnum
 from agent.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, RefusedError
 from agent.image import JobSpec
 

@@ -18,13 +18,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
 
 import psutil
 
 from agent import cuda, faults, procs
+from agent.compat import StrEnum
 from agent.criu import Criu, InheritFd
 from agent.criu_images import bound_socket_dirs
 from agent.cudajob import CudaJobs, Footprint, ProcView, host_pids
