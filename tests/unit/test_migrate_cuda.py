@@ -10,6 +10,7 @@ running copy, with its device memory back on a GPU.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +30,7 @@ from fake_cuda import (
 )
 from fakes import FakeCriu, is_dead, is_stopped, launched_record, wait_running
 
-from agent import migrate
+from agent import cli, migrate
 from agent.errors import MigrationAbortedError, RefusedError
 from agent.jobs import JobRegistry, JobState
 from agent.migrate import MigrationSpec, SourceMigration, TargetMigrations, checkpoint, restore_image
@@ -288,49 +289,42 @@ def test_restore_refuses_when_no_gpu_fits(tmp_path, sleeper, fake_criu, registry
 # -- the RPC and the CLI ------------------------------------------------------------------
 
 
-def test_list_gpus_over_grpc_and_ferry_gpus(tmp_path, capsys) -> None:
-    from agent import cli
+@contextlib.contextmanager
+def agent_over(tmp_path: Path, cj: object) -> Iterator[str]:
+    """An in-process agent whose CUDA side is `cj`; yields its address."""
     from agent.server import AgentService, create_server
 
-    world = CudaWorld([FakeGpu(GPU0, others={321: 5 * GIB}), FakeGpu(GPU1, mig=True)])
-    cj, _ = fake_cuda_jobs(world, custom_storage=True)
     svc = AgentService(
         tmp_path / "state", "nodea", tmp_path / "staging", criu=FakeCriu("nodea"), cuda_jobs=cj
     )
     server, port = create_server("127.0.0.1:0", svc, max_workers=4)
     server.start()
     try:
-        assert cli.main(["gpus", "--agent", f"127.0.0.1:{port}"]) == 0
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None).wait()
+
+
+def test_list_gpus_over_grpc_and_ferry_gpus(tmp_path, capsys) -> None:
+    world = CudaWorld([FakeGpu(GPU0, others={321: 5 * GIB}), FakeGpu(GPU1, mig=True)])
+    cj, _ = fake_cuda_jobs(world, custom_storage=True)
+    with agent_over(tmp_path, cj) as address:
+        assert cli.main(["gpus", "--agent", address]) == 0
         text = capsys.readouterr().out
         assert "NVIDIA driver 580.65.06, 2 GPU(s)" in text and "custom storage" in text
         assert GPU0 in text and "321 (5.0 GiB)" in text and "(MIG)" in text
-        assert cli.main(["gpus", "--agent", f"127.0.0.1:{port}", "--json"]) == 0
-        import json
-
+        assert cli.main(["gpus", "--agent", address, "--json"]) == 0
         d = json.loads(capsys.readouterr().out)
-        assert d["cuda"]["checkpoint"] and d["gpus"][1]["mig"] and d["gpus"][0]["processes"][0]["pid"] == 321
-    finally:
-        server.stop(None).wait()
+    assert d["cuda"]["checkpoint"] and d["gpus"][1]["mig"] and d["gpus"][0]["processes"][0]["pid"] == 321
 
 
 def test_ferry_gpus_on_a_node_without_gpus(tmp_path, capsys) -> None:
-    from agent import cli
-    from agent.server import AgentService, create_server
-
-    world = CudaWorld([])
-    cj, _ = fake_cuda_jobs(world, library=False)
+    cj, _ = fake_cuda_jobs(CudaWorld([]), library=False)
     cj.nvml.module.library = False
-    svc = AgentService(
-        tmp_path / "state", "nodea", tmp_path / "staging", criu=FakeCriu("nodea"), cuda_jobs=cj
-    )
-    server, port = create_server("127.0.0.1:0", svc, max_workers=4)
-    server.start()
-    try:
-        assert cli.main(["gpus", "--agent", f"127.0.0.1:{port}"]) == 0
-        text = capsys.readouterr().out
-        assert "no GPUs: NVML unavailable" in text and "CUDA checkpoint unavailable" in text
-    finally:
-        server.stop(None).wait()
+    with agent_over(tmp_path, cj) as address:
+        assert cli.main(["gpus", "--agent", address]) == 0
+    text = capsys.readouterr().out
+    assert "no GPUs: NVML unavailable" in text and "CUDA checkpoint unavailable" in text
 
 
 @pytest.fixture(autouse=True)
