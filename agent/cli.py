@@ -147,6 +147,31 @@ def build_parser() -> Parser:
     _agent_arg(gp)
     _json_arg(gp)
 
+    ce = sub.add_parser(
+        "certs",
+        help="make a cluster CA and node/client certificates",
+        description="Create a cluster CA, then certificates it signs: one per node (an agent: serves "
+        "and calls peers) and one per client (drives agents). Keys are written 0600 and never "
+        "overwritten. Meant for a test or small cluster.",
+    )
+    ce_sub = ce.add_subparsers(dest="certs_cmd", required=True, metavar="WHAT", parser_class=Parser)
+    c_ca = ce_sub.add_parser("ca", help="create the CA (ca.pem, ca-key.pem)")
+    c_node = ce_sub.add_parser("node", help="issue a node certificate (NAME.pem, NAME-key.pem)")
+    c_node.add_argument("name", help="the node's name (its certificate's common name)")
+    c_node.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        required=True,
+        metavar="HOST",
+        help="a DNS name or IP address peers dial to reach this node (repeatable)",
+    )
+    c_client = ce_sub.add_parser("client", help="issue a client certificate (NAME.pem, NAME-key.pem)")
+    c_client.add_argument("name", help="who the client is (its certificate's common name)")
+    for c in (c_ca, c_node, c_client):
+        c.add_argument("--dir", type=Path, required=True, help="the directory holding the CA")
+        _json_arg(c)
+
     dr = sub.add_parser(
         "doctor", help="check this host", description="Check whether this host can migrate jobs."
     )
@@ -325,6 +350,28 @@ def cmd_gpus(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_certs(args: argparse.Namespace) -> int:
+    from agent import certs
+
+    if args.certs_cmd == "ca":
+        out = certs.create_ca(args.dir)
+    else:
+        role = certs.Role.NODE if args.certs_cmd == "node" else certs.Role.CLIENT
+        out = certs.issue(args.dir, args.name, role, getattr(args, "host", []))
+    if args.json:
+        _print_json(
+            {
+                "cert": str(out.cert),
+                "key": str(out.key),
+                "subject": out.subject,
+                "not_after": out.not_after.isoformat(),
+            }
+        )
+    else:
+        print(f"{out.cert} and {out.key} ({out.subject}, valid until {out.not_after:%Y-%m-%d})")
+    return EXIT_OK
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from agent.doctor import can_migrate, run_checks
 
@@ -378,6 +425,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "restore": cmd_restore,
     "inspect": cmd_inspect,
     "gpus": cmd_gpus,
+    "certs": cmd_certs,
     "doctor": cmd_doctor,
 }
 
