@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 NOT_FOUND = 500
 NOT_SUPPORTED = 801
 SUCCESS = 0
+#: What get-state answers for a process without a CUDA context of its own.
+NO_CONTEXT = (1, 3)  # INVALID_VALUE, NOT_INITIALIZED
+TIMEOUT = 909
 #: The driver API version (cuDriverGetVersion) of the first driver with the checkpoint API (r570).
 MIN_CUDA_VERSION = 12080
 DEFAULT_LOCK_TIMEOUT_S = 30.0
@@ -166,9 +169,9 @@ class CudaDriver:
         """The process's checkpoint state, or None when it is not a CUDA process."""
         drv = self._drv()
         err, state = self._call(drv, "cuCheckpointProcessGetState", pid, "get-state", pid)
-        if int(err) != SUCCESS:
-            self._raise_unsupported(err, pid, "get-state")
-            return None  # INVALID_VALUE / NOT_INITIALIZED: no CUDA context in that process
+        if int(err) in NO_CONTEXT:
+            return None
+        self._check(err, pid, "get-state")
         return _STATES.get(int(state), ProcessState.FAILED)
 
     def restore_thread(self, pid: int) -> int:
@@ -183,12 +186,10 @@ class CudaDriver:
         args = drv.CUcheckpointLockArgs()
         args.timeoutMs = max(1, int(timeout_s * 1000))
         (err,) = self._call(drv, "cuCheckpointProcessLock", pid, "lock", pid, args)
-        self._check(
-            err,
-            pid,
-            "lock",
-            hint=f"the job did not reach a point where CUDA can be locked within {timeout_s:g} s",
-        )
+        hint = ""
+        if int(err) == TIMEOUT:
+            hint = f"the job did not reach a point where CUDA can be locked within {timeout_s:g} s; retry"
+        self._check(err, pid, "lock", hint=hint)
 
     def checkpoint(self, pid: int) -> None:
         drv = self._drv()
@@ -230,16 +231,18 @@ class CudaDriver:
                 pid, action, NOT_FOUND, f"CUDA_ERROR_NOT_FOUND: {e}", node=self.node
             ) from e
 
-    def _raise_unsupported(self, err: Any, pid: int, action: str) -> None:
-        if int(err) in (NOT_FOUND, NOT_SUPPORTED):
-            self._check(err, pid, action)
-
     def _check(self, err: Any, pid: int, action: str, hint: str = "") -> None:
         code = int(err)
         if code == SUCCESS:
             return
-        if code in (NOT_FOUND, NOT_SUPPORTED):
+        if code == NOT_FOUND or (code == NOT_SUPPORTED and not self.probe().checkpoint):
             hint = "this NVIDIA driver cannot checkpoint CUDA processes; upgrade to r570 or newer"
+        elif code == NOT_SUPPORTED:
+            # The driver has the API, so this process uses something it cannot capture.
+            hint = (
+                "the driver cannot checkpoint this process: it may use CUDA managed (UVM) memory, "
+                "MPS or CUDA IPC, which CUDA checkpoint does not support"
+            )
         raise CudaCheckpointError(pid, action, code, self._name(err), node=self.node, hint=hint)
 
     def _name(self, err: Any) -> str:
@@ -264,8 +267,8 @@ def _ver(v: int) -> str:
 def freeze(driver: CudaDriver, pids: Iterable[int], lock_timeout_s: float, times: dict[str, float]) -> None:
     """Lock every CUDA process of a job, then checkpoint each (device → host).
 
-    On any failure the processes are put back as they were (restored onto
-    their own GPUs and unlocked) before the error propagates.
+    On any failure (of any kind) the processes are put back as they were
+    (restored onto their own GPUs and unlocked) before the error propagates.
     """
     pids = list(pids)
     locked: list[int] = []
@@ -281,23 +284,23 @@ def freeze(driver: CudaDriver, pids: Iterable[int], lock_timeout_s: float, times
             driver.checkpoint(pid)
             saved.append(pid)
         times["cuda checkpoint"] = time.monotonic() - t
-    except CudaCheckpointError as e:
-        if problems := _undo(driver, saved, locked):
+    except BaseException as e:
+        problems = _undo(driver, saved, locked)
+        if problems and isinstance(e, CudaCheckpointError):
             e.cause += f"; putting CUDA back failed too: {'; '.join(problems)}"
         raise
 
 
 def thaw(
-    driver: CudaDriver, pids: Iterable[int], gpu_map: Mapping[str, str] | None, times: dict[str, float]
+    driver: CudaDriver, plan: list[tuple[int, Mapping[str, str] | None]], times: dict[str, float]
 ) -> None:
-    """Restore every checkpointed process (host → device, onto gpu_map's GPUs), then unlock all."""
-    pids = list(pids)
+    """Restore every checkpointed process (host → device, each onto its own map's GPUs), then unlock all."""
     t = time.monotonic()
-    for pid in pids:
+    for pid, gpu_map in plan:
         driver.restore(pid, gpu_map)
     times["cuda restore"] = time.monotonic() - t
     t = time.monotonic()
-    for pid in pids:
+    for pid, _ in plan:
         driver.unlock(pid)
     times["cuda unlock"] = time.monotonic() - t
 
@@ -316,13 +319,13 @@ def _undo(driver: CudaDriver, saved: list[int], locked: list[int]) -> list[str]:
     for pid in saved:
         try:
             driver.restore(pid, None)
-        except CudaCheckpointError as e:
+        except Exception as e:
             problems.append(str(e))
             locked = [p for p in locked if p != pid]  # cannot unlock what is not restored
     for pid in locked:
         try:
             driver.unlock(pid)
-        except CudaCheckpointError as e:
+        except Exception as e:
             problems.append(str(e))
     for p in problems:
         log.error("cuda: %s", p)

@@ -1,11 +1,12 @@
 """A job's CUDA side: which of its processes hold GPUs, what the driver cannot checkpoint, and
 the whole-job sequence (freeze before the CRIU dump, thaw after the CRIU restore).
 
-Detection uses three sources that must agree: open `/dev/nvidia*` files in
-`/proc/<pid>/fd`, NVML's per-GPU process lists, and the driver's own
-checkpoint state for the PID. A forked DataLoader worker inherits its
-parent's device files but has no CUDA context: the driver says so and the
-worker is treated as a plain process.
+Candidates are the processes with NVIDIA device files open or mapped
+(`/proc/<pid>/fd`, `/proc/<pid>/maps`) or listed by NVML on a GPU; the
+driver's checkpoint state then decides. A forked DataLoader worker inherits
+its parent's device files but has no CUDA context: the driver says so and
+the worker is treated as a plain process. A process NVML lists on a GPU
+while the driver denies it a context is refused, never skipped.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,37 +102,27 @@ class Footprint:
         return CudaSection(self.driver_version, procs, list(self.gpus))
 
 
-def managed_mappings(maps: Iterable[str]) -> int:
-    """Bytes of CUDA managed (UVM) memory: `/dev/nvidia-uvm` mapped at its own offset.
-
-    cudaMallocManaged maps the UVM device MAP_FIXED at file offset == address,
-    which is what tells its ranges from the driver's other UVM bookkeeping.
-    """
-    total = 0
-    for line in maps:
-        parts = line.split()
-        if len(parts) < 6 or parts[5] != "/dev/nvidia-uvm":
-            continue
-        start, end = (int(x, 16) for x in parts[0].split("-"))
-        if int(parts[2], 16) == start:
-            total += end - start
-    return total
-
-
 @dataclass
 class CudaJobs:
-    """The CUDA half of moving a job on one node: inspect, freeze, thaw, choose GPUs."""
+    """The CUDA half of moving a job on one node: inspect, freeze, thaw, choose GPUs.
+
+    One per agent. It remembers the GPU memory of its frozen jobs: NVML shows
+    it free once checkpointed, but the job needs it back if its move aborts,
+    so no incoming job or local restore may take it meanwhile.
+    """
 
     driver: CudaDriver
     nvml: Nvml
     node: str = ""
     view: ProcView = field(default_factory=ProcView)
     lock_timeout_s: float = cuda.DEFAULT_LOCK_TIMEOUT_S
+    _held: dict[tuple[int, ...], dict[str, int]] = field(default_factory=dict, repr=False)
+    _held_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def inspect(self, pids: Iterable[int]) -> Footprint:
         """The job's CUDA processes and GPUs; refuses, before anything is frozen, what cannot move."""
         pids = list(pids)
-        with_devices = [p for p in pids if any(_DEVICE.match(f) for f in self.view.device_files(p))]
+        with_devices = [p for p in pids if self._uses_devices(p)]
         inv = self.nvml.inventory() if with_devices else Inventory(False)
         usage = inv.usage_by_pid()
         candidates = sorted(set(with_devices) | (set(pids) & set(usage)))
@@ -142,6 +134,12 @@ class CudaJobs:
         found: list[CudaProcess] = []
         for pid in candidates:
             state = self.driver.state(pid)
+            if state is None and pid in usage:
+                raise self._refuse(
+                    f"NVML lists pid {pid} on GPU {usage[pid][0][0].uuid} but the driver reports no "
+                    "CUDA context for it",
+                    "check that the agent and the job see the same NVIDIA driver",
+                )
             if state is None:
                 continue  # device files inherited across fork, no CUDA context of its own
             if state is not ProcessState.RUNNING:
@@ -179,8 +177,6 @@ class CudaJobs:
             maps = self.view.maps(p.pid)
             if p.pid in mps or any("nvidia-mps" in f for f in self.view.device_files(p.pid)):
                 why.append(f"pid {p.pid} is an MPS client")
-            if managed := managed_mappings(maps):
-                why.append(f"pid {p.pid} uses {managed >> 20} MiB of CUDA managed (UVM) memory")
             nccl = any(n.startswith("NCCL") for n in self.view.thread_names(p.pid))
             if nccl or any("/dev/shm/nccl-" in ln for ln in maps):
                 why.append(f"pid {p.pid} has NCCL communicators")
@@ -200,6 +196,7 @@ class CudaJobs:
         self,
         needs: list[GpuNeed],
         *,
+        driver_version: str = "",
         reserved: Iterable[str] = (),
         releasing: Mapping[str, int] | None = None,
     ) -> dict[str, str]:
@@ -208,7 +205,19 @@ class CudaJobs:
             return {}
         self.driver.require_checkpoint()
         inv = self.nvml.inventory()
-        gpu_map = choose(needs, inv, reserved=reserved, releasing=releasing, node=self.node)
+        if driver_version and inv.available and inv.driver_version != driver_version:
+            # The restored process keeps the source's user-mode driver mapped: it must match ours.
+            raise self._refuse(
+                f"the job was checkpointed under NVIDIA driver {driver_version}, this node runs "
+                f"{inv.driver_version}",
+                "move it to a node with the same driver version",
+            )
+        free = dict(releasing or {})
+        with self._held_lock:
+            for held in self._held.values():
+                for uuid, n in held.items():
+                    free[uuid] = free.get(uuid, 0) - n
+        gpu_map = choose(needs, inv, reserved=reserved, releasing=free, node=self.node)
         moved = {o: n for o, n in gpu_map.items() if o != n}
         if moved and inv.driver_branch < REMAP_BRANCH:
             raise self._refuse(
@@ -217,28 +226,48 @@ class CudaJobs:
             )
         return gpu_map
 
-    def releasing(self, pids: Iterable[int]) -> dict[str, int]:
-        """GPU memory that these (local, about to be checkpointed) processes hold, per GPU UUID."""
-        out: dict[str, int] = {}
-        usage = self.nvml.inventory().usage_by_pid()
-        for pid in pids:
-            for g, used in usage.get(pid, []):
-                out[g.uuid] = out.get(g.uuid, 0) + used
-        return out
-
     def freeze(self, fp: Footprint, times: dict[str, float]) -> None:
-        if fp.processes:
-            cuda.freeze(self.driver, fp.pids, self.lock_timeout_s, times)
+        """Lock and checkpoint the job; its GPU memory stays promised to it until release()."""
+        if not fp.processes:
+            return
+        cuda.freeze(self.driver, fp.pids, self.lock_timeout_s, times)
+        with self._held_lock:
+            self._held[tuple(fp.pids)] = {g.uuid: g.memory_bytes for g in fp.gpus}
 
-    def thaw(self, pids: list[int], gpu_map: Mapping[str, str] | None, times: dict[str, float]) -> None:
-        if pids:
-            cuda.thaw(self.driver, pids, gpu_map, times)
+    def release(self, fp: Footprint) -> None:
+        """The frozen job's GPUs are its own again (resumed) or nobody's (moved or ended)."""
+        with self._held_lock:
+            self._held.pop(tuple(fp.pids), None)
 
-    def unfreeze(self, pids: list[int]) -> list[str]:
-        return cuda.unfreeze(self.driver, pids)
+    def thaw(self, plan: list[tuple[int, Mapping[str, str] | None]], times: dict[str, float]) -> None:
+        if plan:
+            cuda.thaw(self.driver, plan, times)
+
+    def unfreeze(self, fp: Footprint) -> list[str]:
+        """After an abort: back onto its own GPUs; returns what failed (then the GPUs stay held)."""
+        problems = cuda.unfreeze(self.driver, fp.pids)
+        if not problems:
+            self.release(fp)
+        return problems
+
+    def _uses_devices(self, pid: int) -> bool:
+        if any(_DEVICE.match(f) for f in self.view.device_files(pid)):
+            return True
+        return any("/dev/nvidia" in ln for ln in self.view.maps(pid))
 
     def _refuse(self, cause: str, hint: str = "") -> RefusedError:
         return RefusedError(cause, step="cuda check", node=self.node, hint=hint)
+
+
+def restore_plan(
+    view: ProcView, tree: Iterable[int], section: CudaSection, gpu_map: Mapping[str, str], node: str = ""
+) -> list[tuple[int, Mapping[str, str] | None]]:
+    """Each CUDA process of a restored tree (host PID) with the map of the GPUs it held itself."""
+    pids = host_pids(view, tree, section, node)
+    return [
+        (pid, {old: gpu_map.get(old, old) for old in e.gpus} or None)
+        for pid, e in zip(pids, section.processes, strict=True)
+    ]
 
 
 def host_pids(view: ProcView, tree: Iterable[int], section: CudaSection, node: str = "") -> list[int]:

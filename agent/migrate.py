@@ -27,9 +27,8 @@ from agent import cuda, faults, procs
 from agent.compat import StrEnum
 from agent.criu import Criu, InheritFd
 from agent.criu_images import bound_socket_dirs
-from agent.cudajob import CudaJobs, Footprint, ProcView, host_pids
+from agent.cudajob import CudaJobs, Footprint, ProcView, restore_plan
 from agent.errors import (
-    CudaCheckpointError,
     FerryError,
     ImageError,
     InvalidArgumentError,
@@ -272,6 +271,7 @@ class SourceMigration:
 
         # Committed: the target runs the job. Only now the frozen copy goes.
         self.registry.kill_tree(rec, pids)
+        self.cuda.release(self.footprint)
         self.result.frozen_s = time.monotonic() - frozen_at
         assert isinstance(resp, pb.CommitResponse)
         for t in resp.phases:
@@ -311,13 +311,15 @@ class SourceMigration:
             raise NotFoundError(f"job {rec.name!r} has no running process (pid {rec.pid})")
         # Before anything is frozen: what CUDA state there is, and whether the driver can take it.
         self.footprint = self.cuda.inspect(pids)
+        _require_host_memory(self.footprint, self.node)
         own = {rec.stdout_path, rec.stderr_path} if rec.kind is JobKind.LAUNCHED else set()
         req = pb.PrepareRequest(
             migration_id=self.spec.migration_id,
             job=rec.name,
             source_node=self.node,
             kind=pb.JOB_KIND_ADOPTED if rec.kind is JobKind.ADOPTED else pb.JOB_KIND_LAUNCHED,
-            estimated_bytes=procs.tree_rss(rec.pid),
+            # The checkpoint copies device memory into the job's host memory: the image holds both.
+            estimated_bytes=procs.tree_rss(rec.pid) + self.footprint.gpu_bytes,
             paths=sorted(procs.open_paths(rec.pid) - own),
             pids=pids if rec.kind is JobKind.ADOPTED else [],
             cwd=rec.cwd,
@@ -378,10 +380,16 @@ class SourceMigration:
             self.peer.abort(self.spec.migration_id, str(err))
         except FerryError as e:
             log.warning("migration %s: target abort failed: %s", self.spec.migration_id, e)
-        procs.resume(pids)
+        procs.resume(pids)  # first: the driver's restore thread must run for the CUDA calls below
         note = f"migration to {self.spec.target} aborted while {phase}: {err.cause}"
-        if self.cuda_frozen and (problems := self.cuda.unfreeze(self.footprint.pids)):
-            note += f"; CUDA could not be resumed on {self.node}: {'; '.join(problems)}"
+        outcome = f"the job keeps running on {self.node}"
+        if self.cuda_frozen and (problems := self.cuda.unfreeze(self.footprint)):
+            outcome = (
+                f"the job's processes run on {self.node} but its CUDA state could not be restored "
+                f"({'; '.join(problems)}): its CUDA calls stay blocked until CUDA is restored for pids "
+                f"{' '.join(map(str, self.footprint.pids))}"
+            )
+            note += f"; {outcome}"
         running = procs.alive(rec.pid, rec.pid_started)
         self.registry.update(
             rec.name,
@@ -392,7 +400,7 @@ class SourceMigration:
         shutil.rmtree(self.staging, ignore_errors=True)
         self.state = MigrationState.ABORTED
         raise MigrationAbortedError(
-            f"{err}; migration aborted, the job keeps running on {self.node}",
+            f"{err}; migration aborted, {outcome}",
             step=err.step or phase,
             node=err.node or self.node,
         ) from err
@@ -495,7 +503,10 @@ class TargetMigrations:
                 }
                 # A GPU the job holds on this very host (two agents, one node) is freed by its checkpoint.
                 inc.gpu_map = self.cuda.choose_gpus(
-                    needs, reserved=promised, releasing={n.uuid: n.memory_bytes for n in needs}
+                    needs,
+                    driver_version=req.cuda_driver,
+                    reserved=promised,
+                    releasing={n.uuid: n.memory_bytes for n in needs},
                 )
             if req.migration_id in self._incoming:
                 raise self._refuse(f"migration {req.migration_id} is already known here")
@@ -670,13 +681,26 @@ def restore_tree(
             os.close(fd)
     if manifest.cuda is not None:
         try:
-            pids = host_pids(cuda_jobs.view, procs.tree_pids(res.pid), manifest.cuda, criu.node)
-            cuda_jobs.thaw(pids, gpu_map, times)
+            plan = restore_plan(cuda_jobs.view, procs.tree_pids(res.pid), manifest.cuda, gpu_map, criu.node)
+            cuda_jobs.thaw(plan, times)
         except BaseException:
             _kill_restored(res.pid)
             raise
     spec_here = JobSpec(**{**spec.__dict__, "name": name})
     return registry.register_restored(spec_here, res.pid, paths[0], paths[1], note=note)
+
+
+def _require_host_memory(fp: Footprint, node: str) -> None:
+    """The CUDA checkpoint stages device memory in the job's host memory: refuse if it cannot fit."""
+    available = psutil.virtual_memory().available
+    if fp.gpu_bytes and fp.gpu_bytes > available:
+        raise RefusedError(
+            f"the job holds {_gib(fp.gpu_bytes)} of GPU memory, which its checkpoint copies into host "
+            f"memory, but only {_gib(available)} is available",
+            step="cuda check",
+            node=node,
+            hint="free host memory on this node first",
+        )
 
 
 def _kill_restored(root: int) -> None:
@@ -735,6 +759,7 @@ def checkpoint(
     t0 = time.monotonic()
     try:
         fp = cj.inspect(procs.tree_pids(rec.pid))
+        _require_host_memory(fp, node)
         out_dir.mkdir(parents=True, exist_ok=True)
         emit(Progress("dump", f"dumping job {name} to {out_dir}"))
         if fp.processes:
@@ -763,7 +788,7 @@ def checkpoint(
         e = as_ferry_error(exc, "checkpoint", node)
         procs.resume(pids)
         note = f"checkpoint failed: {e.cause}"
-        if frozen and (problems := cj.unfreeze(fp.pids)):
+        if frozen and (problems := cj.unfreeze(fp)):
             note += f"; CUDA could not be resumed: {'; '.join(problems)}"
         registry.update(name, state=JobState.RUNNING, migration_id="", note=note)
         e.at(step="checkpoint", node=node)
@@ -773,15 +798,21 @@ def checkpoint(
     assert isinstance(m, Manifest)
     if leave_running:
         procs.resume(pids)
+        problems = cj.unfreeze(fp) if frozen else []
         note = f"checkpointed to {out_dir}"
-        if frozen:
-            try:
-                cj.thaw(fp.pids, None, phases.times)
-            except CudaCheckpointError as e:
-                note += f"; but CUDA could not be resumed: {e}"
+        if problems:
+            note += f"; its CUDA state could not be restored here, its CUDA calls stay blocked: {problems}"
         registry.update(name, state=JobState.RUNNING, migration_id="", note=note)
+        if problems:
+            raise FerryError(
+                f"saved to {out_dir}, but {'; '.join(problems)}",
+                step="checkpoint",
+                node=node,
+                hint=f"the image is complete: `ferry stop {name}`, then `ferry restore {out_dir}`",
+            )
     else:
         registry.kill_tree(rec, pids)
+        cj.release(fp)
         registry.update(
             name, state=JobState.CHECKPOINTED, checkpoint_dir=str(out_dir), note=f"saved to {out_dir}"
         )
@@ -805,7 +836,7 @@ def restore_image(
         raise NotFoundError(f"no image directory {image_dir} on this node", node=node)
     m = verify(image_dir)
     cj = cuda_jobs or default_cuda_jobs(node)
-    gpu_map = cj.choose_gpus(m.cuda.gpus) if m.cuda else {}
+    gpu_map = cj.choose_gpus(m.cuda.gpus, driver_version=m.cuda.driver_version) if m.cuda else {}
     rec = restore_tree(
         registry,
         criu,

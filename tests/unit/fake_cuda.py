@@ -29,6 +29,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import psutil
 from cuda.bindings import driver as real
 
 R = real.CUresult
@@ -74,6 +75,9 @@ class CudaWorld:
         self.threads: dict[int, list[str]] = {}
         self.ns_pids: dict[int, int] = {}
         self.mps_clients: set[int] = set()
+        #: Processes with CUDA managed (UVM) memory: their checkpoint is NOT_SUPPORTED. (Where the
+        #: real driver refuses, lock or checkpoint, is what the GPU suite's --managed test shows.)
+        self.managed: set[int] = set()
 
     def add_cuda_process(
         self, pid: int, gpus: list[str], bytes_per_gpu: int = 2 * GIB, ns_pid: int = 1
@@ -176,6 +180,10 @@ class FakeDriver:
 
     def _enter(self, action: str, pid: int) -> tuple[CudaProc | None, R | None]:
         self.calls.append((action, pid))
+        # The driver's restore thread inside the job does the work: a stopped job would hang it.
+        assert action == "get-state" or not _stopped(pid), (
+            f"cuda {action} on pid {pid} while it is SIGSTOPped"
+        )
         if not self.checkpoint_api:
             return None, R.CUDA_ERROR_NOT_SUPPORTED
         proc = self.world.procs.get(pid)
@@ -216,6 +224,8 @@ class FakeDriver:
             return (err,)
         if proc.state != LOCKED:
             return (R.CUDA_ERROR_ILLEGAL_STATE,)
+        if pid in self.world.managed:
+            return (R.CUDA_ERROR_NOT_SUPPORTED,)
         proc.state = CHECKPOINTED  # device memory now in host memory, GPUs released
         return (R.CUDA_SUCCESS,)
 
@@ -259,6 +269,13 @@ class FakeDriver:
 
     def actions(self) -> list[str]:
         return [a for a, _ in self.calls if a != "get-state"]
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False  # a made-up PID of a pure driver test
 
 
 def _uuid(raw: bytes) -> str:

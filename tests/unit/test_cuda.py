@@ -203,7 +203,7 @@ def test_freeze_then_thaw_elsewhere_times_each_phase() -> None:
     times: dict[str, float] = {}
     cuda.freeze(drv, [1, 2], 1.0, times)
     assert {w.state(1), w.state(2)} == {CHECKPOINTED}
-    cuda.thaw(drv, [1, 2], {GPU0: GPU1, GPU1: GPU0}, times)
+    cuda.thaw(drv, [(1, {GPU0: GPU1}), (2, {GPU1: GPU0})], times)
     assert {w.state(1), w.state(2)} == {RUNNING}
     assert w.procs[1].gpus == [GPU1] and w.procs[2].gpus == [GPU0]
     assert set(times) == {"cuda lock", "cuda checkpoint", "cuda restore", "cuda unlock"}
@@ -251,3 +251,40 @@ def test_unfreeze_resumes_in_place_and_reports_what_failed() -> None:
     problems = cuda.unfreeze(drv, [1, 2])
     assert len(problems) == 1 and "pid 2" in problems[0]
     assert w.state(1) == RUNNING
+
+
+def test_not_supported_on_a_capable_driver_points_at_managed_memory() -> None:
+    drv, _fake, w = make()
+    w.managed.add(PID)
+    with pytest.raises(CudaCheckpointError) as ei:
+        cuda.freeze(drv, [PID], 1.0, {})
+    assert ei.value.result_name == "CUDA_ERROR_NOT_SUPPORTED"
+    assert "managed (UVM) memory" in str(ei.value)
+    assert w.state(PID) == RUNNING  # unlocked again
+
+
+def test_freeze_undoes_on_any_exception() -> None:
+    drv, fake, w = two_procs()
+
+    def boom(pid: int, args: object) -> None:
+        raise TypeError("bindings changed")
+
+    fake.cuCheckpointProcessCheckpoint = boom  # type: ignore[method-assign]
+    with pytest.raises(TypeError):
+        cuda.freeze(drv, [1, 2], 1.0, {})
+    assert (w.state(1), w.state(2)) == (RUNNING, RUNNING)
+
+
+def test_an_unexpected_get_state_error_is_raised_not_taken_for_no_context() -> None:
+    drv, fake, _w = make()
+    fake.fail["get-state"] = R.CUDA_ERROR_OUT_OF_MEMORY
+    with pytest.raises(CudaCheckpointError, match="get-state"):
+        drv.state(PID)
+
+
+def test_only_a_lock_timeout_gets_the_retry_hint() -> None:
+    drv, _fake, w = make()
+    w.procs[PID].state = LOCKED
+    with pytest.raises(CudaCheckpointError) as ei:
+        drv.lock(PID, 1.0)
+    assert "within" not in ei.value.hint

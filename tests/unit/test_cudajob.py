@@ -8,9 +8,9 @@ lock anything.
 from __future__ import annotations
 
 import pytest
-from fake_cuda import A100, GIB, GPU0, GPU1, H200, CudaWorld, FakeGpu, fake_cuda_jobs
+from fake_cuda import A100, GIB, GPU0, GPU1, H200, CudaWorld, FakeGpu, R, fake_cuda_jobs
 
-from agent.cudajob import ProcView, host_pids, managed_mappings
+from agent.cudajob import ProcView, host_pids
 from agent.errors import RefusedError
 from agent.gpus import GpuNeed, Inventory, Nvml, choose
 
@@ -73,28 +73,22 @@ def refused(w: CudaWorld, pids: list[int], **kw: object) -> str:
     return str(ei.value)
 
 
-def test_managed_memory_is_refused_with_its_size() -> None:
+def test_nvml_listing_a_process_the_driver_denies_is_refused() -> None:
     w = world()
     w.add_cuda_process(JOB, [GPU0])
-    base = 0x7F0000000000
-    w.maps[JOB] = [
-        "7f1000000000-7f1000200000 rw-s 00000000 00:05 12 /dev/nvidia-uvm",  # UVM bookkeeping: offset 0
-        # managed memory: mapped at file offset == address
-        f"{base:x}-{base + (64 << 20):x} rw-s {base:x} 00:05 12 /dev/nvidia-uvm",
-    ]
-    msg = refused(w, [JOB])
-    assert f"pid {JOB} uses 64 MiB of CUDA managed (UVM) memory" in msg
-    assert "nothing was frozen" in msg and "cuda check on nodea" in msg
+    jobs, drv = fake_cuda_jobs(w)
+    drv.fail[("get-state", JOB)] = R.CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(RefusedError, match=f"NVML lists pid {JOB} on GPU {GPU0} but the driver"):
+        jobs.inspect([JOB])
 
 
-def test_managed_mappings_counts_only_self_offset_uvm_ranges() -> None:
-    lines = [
-        "200000000-200200000 rw-s 200000000 00:05 9 /dev/nvidia-uvm",
-        "300000000-300200000 rw-s 00000000 00:05 9 /dev/nvidia-uvm",
-        "400000000-400200000 rw-s 400000000 00:05 9 /dev/nvidia0",
-        "7ffd0000-7ffd1000 r-xp 00000000 00:00 0",
-    ]
-    assert managed_mappings(lines) == 0x200000
+def test_device_mappings_alone_make_a_candidate() -> None:
+    w = world()
+    w.add_cuda_process(JOB, [GPU0])
+    w.device_files[JOB] = []  # fds closed, the device is still mapped
+    w.maps[JOB] = ["7f00-7f01 rw-s 00000000 00:05 7 /dev/nvidia0"]
+    jobs, _ = fake_cuda_jobs(w)
+    assert jobs.inspect([JOB]).pids == [JOB]
 
 
 def test_mig_is_refused() -> None:
@@ -236,3 +230,41 @@ def test_real_procview_reads_this_process() -> None:
     assert any("python" in ln or "[heap]" in ln for ln in v.maps(os.getpid()))
     assert v.thread_names(os.getpid())
     assert v.device_files(os.getpid())  # at least stdin/stdout
+
+
+def test_choose_skips_mig_gpus_of_the_same_chip_and_prefers_the_jobs_own_gpu_when_released() -> None:
+    w = world(FakeGpu(GPU0, mig=True), FakeGpu(GPU1))
+    assert choose([GpuNeed("GPU-src", H200, GIB)], inventory(w)) == {"GPU-src": GPU1}
+    w = world(FakeGpu(GPU0, others={1: 2 * GIB}), FakeGpu(GPU1, others={2: 1 * GIB}))
+    # GPU0's processes are the job itself (releasing): it is as good as idle and has more room then.
+    assert choose([GpuNeed(GPU0, H200, GIB)], inventory(w), releasing={GPU0: 2 * GIB}) == {GPU0: GPU0}
+
+
+def test_the_largest_need_is_placed_first() -> None:
+    w = world(FakeGpu(GPU0, total=10 * GIB), FakeGpu(GPU1, total=30 * GIB))
+    needs = [GpuNeed("GPU-small", H200, 5 * GIB), GpuNeed("GPU-big", H200, 20 * GIB)]
+    assert choose(needs, inventory(w)) == {"GPU-big": GPU1, "GPU-small": GPU0}
+
+
+def test_a_different_driver_version_is_refused() -> None:
+    w = world()
+    jobs, _ = fake_cuda_jobs(w)
+    with pytest.raises(
+        RefusedError, match=r"checkpointed under NVIDIA driver 570\.1, this node runs 580\.65\.06"
+    ):
+        jobs.choose_gpus([GpuNeed(GPU0, H200, GIB)], driver_version="570.1")
+    assert jobs.choose_gpus([GpuNeed(GPU0, H200, GIB)], driver_version="580.65.06")
+
+
+def test_a_frozen_jobs_gpu_memory_is_held_until_released() -> None:
+    w = world(FakeGpu(GPU0, total=10 * GIB))
+    w.add_cuda_process(JOB, [GPU0], bytes_per_gpu=8 * GIB)
+    jobs, _ = fake_cuda_jobs(w)
+    fp = jobs.inspect([JOB])
+    jobs.freeze(fp, {})
+    assert w.used(GPU0) == 0  # NVML: free...
+    with pytest.raises(RefusedError, match=r"has 2\.0 GiB free"):  # ...but promised to the frozen job
+        jobs.choose_gpus([GpuNeed("GPU-other", H200, 4 * GIB)])
+    assert jobs.unfreeze(fp) == []
+    w.procs.pop(JOB)  # the job moved away: its memory is really free
+    assert jobs.choose_gpus([GpuNeed("GPU-other", H200, 4 * GIB)]) == {"GPU-other": GPU0}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -199,13 +200,74 @@ def test_cuda_restore_failure_on_the_target_kills_the_copy_there_and_resumes_the
 
 
 def test_a_refused_cuda_job_is_never_frozen(nodes: TwoNodes) -> None:
-    base = 0x7F0000000000
-    nodes.src_world.maps[nodes.pid] = [f"{base:x}-{base + GIB:x} rw-s {base:x} 00:05 1 /dev/nvidia-uvm"]
-    with pytest.raises(RefusedError, match="1024 MiB of CUDA managed"):
+    nodes.src_world.threads[nodes.pid] = ["python", "NCCL Service 0"]
+    with pytest.raises(RefusedError, match="has NCCL communicators"):
         nodes.migration().run()
     assert nodes.src_drv.actions() == [] and nodes.src_criu.dumps == []
     assert nodes.target.status(MID) == pb.TARGET_STATE_UNKNOWN  # never asked for a lease
     assert nodes.job.state is JobState.RUNNING and "refused" in nodes.job.note
+
+
+def test_too_little_host_memory_for_the_device_memory_is_refused(nodes: TwoNodes, monkeypatch) -> None:
+    monkeypatch.setattr(migrate.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=GIB))
+    with pytest.raises(RefusedError, match=r"holds 2\.0 GiB of GPU memory.*only 1\.0 GiB is available"):
+        nodes.migration().run()
+    assert nodes.src_drv.actions() == [] and nodes.target.status(MID) == pb.TARGET_STATE_UNKNOWN
+
+
+def test_the_image_size_estimate_counts_device_memory(nodes: TwoNodes) -> None:
+    seen: list[pb.PrepareRequest] = []
+    real = nodes.target.prepare
+    nodes.target.prepare = lambda req: (seen.append(req), real(req))[1]  # type: ignore[method-assign]
+    nodes.migration().run()
+    assert seen[0].estimated_bytes > 2 * GIB
+    assert [(g.uuid, g.memory_bytes) for g in seen[0].gpus] == [(GPU0, 2 * GIB)]
+    assert seen[0].cuda_driver == "580.65.06"
+
+
+def test_managed_memory_fails_the_checkpoint_and_the_job_goes_on(nodes: TwoNodes) -> None:
+    nodes.src_world.managed.add(nodes.pid)
+    with pytest.raises(MigrationAbortedError) as ei:
+        nodes.migration().run()
+    assert "CUDA_ERROR_NOT_SUPPORTED" in str(ei.value) and "managed (UVM) memory" in str(ei.value)
+    assert "the job keeps running on nodea" in str(ei.value)
+    assert nodes.src_criu.dumps == []
+    assert nodes.src_world.state(nodes.pid) == RUNNING
+    assert nodes.src_drv.actions() == ["lock", "checkpoint", "unlock"]
+
+
+def test_a_source_whose_cuda_cannot_be_resumed_says_so(nodes: TwoNodes) -> None:
+    from agent.errors import CriuError
+
+    nodes.src_criu.dump_error = CriuError("dump", "no space", node="nodea")
+    nodes.src_drv.fail[("restore", nodes.pid)] = R.CUDA_ERROR_OUT_OF_MEMORY
+    with pytest.raises(MigrationAbortedError) as ei:
+        nodes.migration().run()
+    msg = str(ei.value)
+    assert "keeps running" not in msg
+    assert "CUDA state could not be restored" in msg and f"pids {nodes.pid}" in msg
+    assert "CUDA state could not be restored" in nodes.job.note
+
+
+def test_a_second_incoming_job_is_not_promised_the_same_gpu(nodes: TwoNodes) -> None:
+    need = pb.GpuNeed(uuid="GPU-x", name="NVIDIA H200", memory_bytes=GIB)
+
+    def prepare(mid: str) -> pb.Lease:
+        return nodes.target.prepare(
+            pb.PrepareRequest(migration_id=mid, job=mid, estimated_bytes=1, gpus=[need])
+        )
+
+    first, second = prepare("aa01"), prepare("aa02")
+    assert {first.gpu_map[0].new_uuid, second.gpu_map[0].new_uuid} == {A100, GPU1}
+    with pytest.raises(RefusedError, match="is promised to another incoming job"):
+        prepare("aa03")
+
+
+def test_a_target_with_another_driver_version_refuses(nodes: TwoNodes) -> None:
+    nodes.dst_world.driver_version = "580.99.01"
+    with pytest.raises(RefusedError, match=r"checkpointed under NVIDIA driver 580\.65\.06"):
+        nodes.migration().run()
+    assert nodes.src_drv.actions() == []
 
 
 def test_a_target_without_the_chip_refuses_in_prepare(nodes: TwoNodes) -> None:
@@ -273,15 +335,15 @@ def test_checkpoint_leave_running_resumes_cuda_in_place(tmp_path, sleeper, fake_
 
 
 def test_restore_refuses_when_no_gpu_fits(tmp_path, sleeper, fake_criu, registry) -> None:
-    world = CudaWorld([FakeGpu(GPU0)])
+    world = CudaWorld([FakeGpu(GPU0, total=16 * GIB)])
     proc, out, err = sleeper()
-    world.add_cuda_process(proc.pid, [GPU0], bytes_per_gpu=100 * GIB)
+    world.add_cuda_process(proc.pid, [GPU0], bytes_per_gpu=8 * GIB)
     cj, _ = fake_cuda_jobs(world)
     fake_criu.cuda_world = world
     registry.save(launched_record("train", proc, out, err))
     checkpoint(registry, fake_criu, "train", tmp_path / "img", "nodea", leave_running=False, cuda_jobs=cj)
-    world.gpus[GPU0].others[1] = 60 * GIB
-    with pytest.raises(RefusedError, match=r"has 81\.0 GiB free"):
+    world.gpus[GPU0].others[1] = 10 * GIB
+    with pytest.raises(RefusedError, match=r"has 6\.0 GiB free"):
         restore_image(registry, fake_criu, tmp_path / "img", "again", "nodea", cj)
     assert fake_criu.restores == []  # refused before CRIU ran
 
