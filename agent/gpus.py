@@ -191,18 +191,19 @@ def _free(g: Gpu, releasing: Mapping[str, int]) -> int:
 def _why_none(
     need: GpuNeed, inv: Inventory, same_chip: list[Gpu], taken: set[str], releasing: Mapping[str, int]
 ) -> str:
-    want = f"a free {need.name} with {_gib(need.memory_bytes)} for GPU {need.uuid}"
+    want = f"a free {need.name} with {gib(need.memory_bytes)} for GPU {need.uuid}"
     if not same_chip:
         chips = sorted({g.name + (" (MIG)" if g.mig else "") for g in inv.gpus}) or ["none"]
         return f"no {need.name} here (restore needs the same chip); this node has {', '.join(chips)}"
     seen = "; ".join(
         f"{g.uuid} is promised to another incoming job"
         if g.uuid in taken
-        else f"{g.uuid} has {_gib(_free(g, releasing))} free"
+        else f"{g.uuid} has {gib(_free(g, releasing))} free"
         for g in same_chip
     )
     return f"needs {want}: {seen}"
 
 
-def _gib(n: int) -> str:
+def gib(n: int) -> str:
+    """Bytes as GiB with one decimal, as refusals and progress lines show them."""
     return f"{n / (1 << 30):.1f} GiB"

@@ -39,7 +39,7 @@ from agent.errors import (
     TransferError,
     UnavailableError,
 )
-from agent.gpus import GpuNeed, Nvml
+from agent.gpus import GpuNeed, Nvml, gib
 from agent.image import (
     STDERR_LOG,
     STDOUT_LOG,
@@ -181,7 +181,6 @@ class SourceMigration:
         self.spec = spec
         self.cuda = cuda_jobs or default_cuda_jobs(node)
         self.footprint = Footprint()
-        self.gpu_map: dict[str, str] = {}
         self.cuda_frozen = False
         self.registry = registry
         self.criu = criu
@@ -224,7 +223,7 @@ class SourceMigration:
             self.staging.mkdir(parents=True)
             frozen_at = time.monotonic()
             if self.footprint.processes:
-                self.emit(Progress("dump", f"copying {_gib(self.footprint.gpu_bytes)} of GPU memory to host"))
+                self.emit(Progress("dump", f"copying {gib(self.footprint.gpu_bytes)} of GPU memory to host"))
                 self.cuda.freeze(self.footprint, self.phases.times)
                 self.cuda_frozen = True
             shell_job = _needs_shell_job(rec, procs.tree_pids(rec.pid))
@@ -329,8 +328,7 @@ class SourceMigration:
             cuda_driver=self.footprint.driver_version,
         )
         lease = self.peer.prepare(req)
-        self.gpu_map = {p.old_uuid: p.new_uuid for p in lease.gpu_map}
-        if unmapped := sorted({g.uuid for g in self.footprint.gpus} - set(self.gpu_map)):
+        if unmapped := sorted({g.uuid for g in self.footprint.gpus} - {p.old_uuid for p in lease.gpu_map}):
             raise RefusedError(
                 f"target {self.spec.target} leased no GPU for {', '.join(unmapped)}",
                 hint="upgrade the target agent: it does not move CUDA jobs",
@@ -695,8 +693,8 @@ def _require_host_memory(fp: Footprint, node: str) -> None:
     available = psutil.virtual_memory().available
     if fp.gpu_bytes and fp.gpu_bytes > available:
         raise RefusedError(
-            f"the job holds {_gib(fp.gpu_bytes)} of GPU memory, which its checkpoint copies into host "
-            f"memory, but only {_gib(available)} is available",
+            f"the job holds {gib(fp.gpu_bytes)} of GPU memory, which its checkpoint copies into host "
+            f"memory, but only {gib(available)} is available",
             step="cuda check",
             node=node,
             hint="free host memory on this node first",
@@ -712,10 +710,6 @@ def _kill_restored(root: int) -> None:
 
 def default_cuda_jobs(node: str) -> CudaJobs:
     return CudaJobs(cuda.CudaDriver(node=node), Nvml(node=node), node, ProcView())
-
-
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.1f} GiB"
 
 
 def wait_for_output(rec: JobRecord, timeout_s: float) -> float:
@@ -758,14 +752,15 @@ def checkpoint(
     frozen = False
     t0 = time.monotonic()
     try:
-        fp = cj.inspect(procs.tree_pids(rec.pid))
+        tree = procs.tree_pids(rec.pid)
+        fp = cj.inspect(tree)
         _require_host_memory(fp, node)
         out_dir.mkdir(parents=True, exist_ok=True)
         emit(Progress("dump", f"dumping job {name} to {out_dir}"))
         if fp.processes:
             cj.freeze(fp, phases.times)
             frozen = True
-        shell_job = _needs_shell_job(rec, procs.tree_pids(rec.pid))
+        shell_job = _needs_shell_job(rec, tree)
         # Stopped, not killed, so the logs copied below end exactly where the dump did.
         dump = phases.run("dump", lambda: criu.dump(rec.pid, out_dir, shell_job=shell_job))
         pids = procs.tree_pids(rec.pid)
