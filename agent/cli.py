@@ -27,11 +27,32 @@ class Parser(argparse.ArgumentParser):
 
 
 def _agent_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
+    g = p.add_argument_group("reaching the agent")
+    g.add_argument(
         "--agent",
         default=config.default_agent(),
-        metavar="HOST:PORT",
-        help=f"agent to talk to (default: $FERRY_AGENT, else {config.DEFAULT_AGENT})",
+        metavar="ADDRESS",
+        help="HOST:PORT (mutual TLS) or unix:PATH (the local socket; root only). "
+        f"Default: $FERRY_AGENT, else {config.DEFAULT_AGENT}",
+    )
+    g.add_argument(
+        "--tls-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="directory with ca.pem and your certificate (default: $FERRY_TLS_DIR, else /etc/ferry/tls)",
+    )
+    g.add_argument(
+        "--tls-name",
+        default=os.environ.get("FERRY_TLS_NAME", ""),
+        metavar="NAME",
+        help="use DIR/NAME.pem and DIR/NAME-key.pem (default: $FERRY_TLS_NAME, else the only one in DIR)",
+    )
+    g.add_argument(
+        "--insecure",
+        action="store_true",
+        default=os.environ.get("FERRY_INSECURE") == "1",
+        help="plaintext to a loopback agent started with --insecure (default: $FERRY_INSECURE=1)",
     )
 
 
@@ -55,7 +76,25 @@ def build_parser() -> Parser:
         "--node-name", default=config.default_node_name(), help="this node's name (default: hostname)"
     )
     a.add_argument("--staging-dir", type=Path, help="where images are staged (default: /dev/shm/ferry/NODE)")
-    a.add_argument("--insecure", action="store_true", help="serve plaintext; allowed only on loopback")
+    a.add_argument(
+        "--tls-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="ca.pem and this node's NODE.pem / NODE-key.pem from `ferry certs node` "
+        "(default: $FERRY_TLS_DIR, else /etc/ferry/tls)",
+    )
+    a.add_argument(
+        "--socket",
+        default=str(config.DEFAULT_SOCKET),
+        metavar="PATH",
+        help=f"root-only unix socket for the local CLI (default {config.DEFAULT_SOCKET}; 'none': no socket)",
+    )
+    a.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve plaintext instead of TLS; allowed only on a loopback --listen address (tests, demos)",
+    )
     a.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     r = sub.add_parser(
@@ -195,9 +234,25 @@ def cmd_agent(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    from agent import tls
+    from agent.certs import Role
+
     staging = args.staging_dir or config.DEFAULT_STAGING_ROOT / args.node_name
+    identity = None
+    if not args.insecure:
+        try:
+            identity = tls.load(args.tls_dir or tls.default_dir(), args.node_name, Role.NODE)
+        except FerryError as e:
+            e.hint = (
+                f"issue one with `ferry certs node {args.node_name} --host HOST --dir DIR` and pass "
+                "--tls-dir DIR; or serve plaintext on loopback with --insecure"
+            )
+            raise
     args.state_dir.mkdir(parents=True, exist_ok=True)
-    serve(args.listen, args.state_dir.resolve(), args.node_name, staging, args.insecure)
+    socket_path = None if args.socket == "none" else Path(args.socket)
+    serve(
+        args.listen, args.state_dir.resolve(), args.node_name, staging, args.insecure, identity, socket_path
+    )
     return EXIT_OK
 
 
@@ -215,7 +270,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise Usage("ferry run: no command given (usage: ferry run --name NAME -- CMD [ARGS...])")
     cwd = os.path.abspath(args.cwd or os.getcwd())
     req = pb.RunRequest(name=args.name, command=command, cwd=cwd, env=args.env)
-    job = _call(args.agent, "Run", req, 30)
+    job = _call(args, "Run", req, 30)
     _job_out(job, args.json, f"job {job.name} running as pid {job.pid} on {job.node_name}")
     return EXIT_OK
 
@@ -224,7 +279,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
     from agent.render import job_dict, jobs_table
     from agent.rpc import pb
 
-    jobs = list(_call(args.agent, "ListJobs", pb.ListJobsRequest(), 10).jobs)
+    jobs = list(_call(args, "ListJobs", pb.ListJobsRequest(), 10).jobs)
     _print_json([job_dict(j) for j in jobs]) if args.json else print(jobs_table(jobs))
     return EXIT_OK
 
@@ -233,7 +288,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     from agent.rpc import pb
 
     req = pb.LogsRequest(name=args.name, follow=args.follow)
-    for chunk in _stream(args.agent, "Logs", req, None if args.follow else 60):
+    for chunk in _stream(args, "Logs", req, None if args.follow else 60):
         out = sys.stdout if chunk.stream == pb.LOG_STREAM_STDOUT else sys.stderr
         out.buffer.write(chunk.data)
         out.flush()
@@ -243,9 +298,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
 def cmd_stop(args: argparse.Namespace) -> int:
     from agent.rpc import pb
 
-    job = _call(
-        args.agent, "StopJob", pb.StopJobRequest(name=args.name, timeout_s=args.timeout), args.timeout + 30
-    )
+    job = _call(args, "StopJob", pb.StopJobRequest(name=args.name, timeout_s=args.timeout), args.timeout + 30)
     _job_out(job, args.json, f"job {job.name} stopped")
     return EXIT_OK
 
@@ -253,7 +306,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 def cmd_adopt(args: argparse.Namespace) -> int:
     from agent.rpc import pb
 
-    job = _call(args.agent, "Adopt", pb.AdoptRequest(name=args.name, pid=args.pid), 30)
+    job = _call(args, "Adopt", pb.AdoptRequest(name=args.name, pid=args.pid), 30)
     _job_out(job, args.json, f"job {job.name} adopted (pid {job.pid})")
     return EXIT_OK
 
@@ -286,7 +339,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         split_address(args.to)
     except InvalidArgumentError as e:
         raise Usage(f"ferry migrate: --to: {e.cause}") from e
-    events = _stream(args.agent, "Migrate", pb.MigrateRequest(name=args.name, target=args.to), 3600)
+    events = _stream(args, "Migrate", pb.MigrateRequest(name=args.name, target=args.to), 3600)
     return _follow_progress(events, args.json)
 
 
@@ -296,14 +349,14 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     req = pb.CheckpointRequest(
         name=args.name, out_dir=str(args.out.absolute()), leave_running=args.leave_running
     )
-    return _follow_progress(_stream(args.agent, "Checkpoint", req, 3600), args.json)
+    return _follow_progress(_stream(args, "Checkpoint", req, 3600), args.json)
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
     from agent.rpc import pb
 
     req = pb.RestoreRequest(image_dir=str(args.dir.absolute()), name=args.name)
-    job = _call(args.agent, "Restore", req, 600)
+    job = _call(args, "Restore", req, 600)
     _job_out(job, args.json, f"job {job.name} restored as pid {job.pid} on {job.node_name}")
     return EXIT_OK
 
@@ -345,7 +398,7 @@ def cmd_gpus(args: argparse.Namespace) -> int:
     from agent.render import gpus_dict, gpus_text
     from agent.rpc import pb
 
-    inv = _call(args.agent, "ListGpus", pb.ListGpusRequest(), 30)
+    inv = _call(args, "ListGpus", pb.ListGpusRequest(), 30)
     _print_json(gpus_dict(inv)) if args.json else print(gpus_text(inv))
     return EXIT_OK
 
@@ -391,26 +444,38 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 # -- plumbing -------------------------------------------------------------------------
 
 
-def _call(address: str, method: str, req: Any, timeout: float) -> Any:
+def _dial(args: argparse.Namespace) -> Any:
+    """Credentials for --agent: none for the unix socket or --insecure, else our client certificate."""
+    from agent import tls
+    from agent.client import Dial
+
+    if args.agent.startswith("unix:") or args.insecure:
+        return Dial(insecure=args.insecure)
+    return Dial(tls.load(args.tls_dir or tls.default_dir(), args.tls_name))
+
+
+def _call(args: argparse.Namespace, method: str, req: Any, timeout: float) -> Any:
     import grpc
 
     from agent.client import from_rpc_error, stub
 
+    dial = _dial(args)
     try:
-        return getattr(stub(address), method)(req, timeout=timeout)
+        return getattr(stub(args.agent, dial), method)(req, timeout=timeout)
     except grpc.RpcError as e:
-        raise from_rpc_error(e, address, method) from e
+        raise from_rpc_error(e, args.agent, method, dial) from e
 
 
-def _stream(address: str, method: str, req: Any, timeout: float | None) -> Iterator[Any]:
+def _stream(args: argparse.Namespace, method: str, req: Any, timeout: float | None) -> Iterator[Any]:
     import grpc
 
     from agent.client import from_rpc_error, stub
 
+    dial = _dial(args)
     try:
-        yield from getattr(stub(address), method)(req, timeout=timeout)
+        yield from getattr(stub(args.agent, dial), method)(req, timeout=timeout)
     except grpc.RpcError as e:
-        raise from_rpc_error(e, address, method) from e
+        raise from_rpc_error(e, args.agent, method, dial) from e
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {

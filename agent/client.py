@@ -1,23 +1,29 @@
 """gRPC channels to agents, and the peer view a source agent has of a target.
 
-Until mutual TLS lands, only loopback addresses are reachable (plaintext).
+An agent is reached at `unix:PATH` (the local, root-only socket), over mutual
+TLS at HOST:PORT, or in plaintext at a loopback HOST:PORT when both sides
+say `--insecure`.
 """
 
 from __future__ import annotations
 
 import ipaddress
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import grpc
 
+from agent import tls
 from agent.errors import (
     AlreadyExistsError,
     FerryError,
     InvalidArgumentError,
     NotFoundError,
+    PermissionDeniedError,
     RefusedError,
     StepTimeoutError,
     TransferError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from agent.rpc import pb, pb_grpc
@@ -25,9 +31,19 @@ from agent.rpc import pb, pb_grpc
 #: Deadlines per call, in seconds. Commit covers a CRIU restore of a large image.
 DEADLINES = {"info": 10.0, "prepare": 60.0, "push": 3600.0, "commit": 600.0, "abort": 30.0, "status": 10.0}
 MAX_MESSAGE = 16 << 20
+#: Keepalive pings find a peer that vanished without a FIN (a cut link) in about 20 s,
+#: instead of a stream waiting out its deadline.
+KEEPALIVE_MS = 10_000
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
     ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+]
+SERVER_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 
 _ERROR_BY_CODE: dict[grpc.StatusCode, type[FerryError]] = {
@@ -38,6 +54,8 @@ _ERROR_BY_CODE: dict[grpc.StatusCode, type[FerryError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: StepTimeoutError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.ABORTED: TransferError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
 }
 
 
@@ -63,24 +81,48 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def channel(address: str) -> grpc.Channel:
+@dataclass(frozen=True)
+class Dial:
+    """How this process reaches agents at HOST:PORT: with its certificate, or plaintext on loopback."""
+
+    identity: tls.Identity | None = None
+    insecure: bool = False
+
+
+def channel(address: str, dial: Dial) -> grpc.Channel:
+    if address.startswith("unix:"):
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     host, _ = split_address(address)
+    if dial.identity is not None:
+        return grpc.secure_channel(address, dial.identity.channel_credentials(), options=CHANNEL_OPTIONS)
+    if not dial.insecure:
+        raise UnauthenticatedError(
+            f"no client certificate to reach {address} over TLS",
+            hint="pass --tls-dir/--tls-name (or FERRY_TLS_DIR/FERRY_TLS_NAME), or --insecure for a "
+            "loopback agent that serves plaintext",
+        )
     if not is_loopback(host):
         raise InvalidArgumentError(
-            f"{address} is not a loopback address; agents speak plaintext only on loopback "
-            "until mutual TLS is available"
+            f"{address} is not a loopback address; plaintext (--insecure) is allowed only on loopback"
         )
     return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
-def stub(address: str) -> pb_grpc.AgentStub:
-    return pb_grpc.AgentStub(channel(address))
+def stub(address: str, dial: Dial) -> pb_grpc.AgentStub:
+    return pb_grpc.AgentStub(channel(address, dial))
 
 
-def from_rpc_error(e: grpc.RpcError, address: str, step: str) -> FerryError:
-    """A remote agent's error as ours: its message already names step, node and cause."""
+def from_rpc_error(e: grpc.RpcError, address: str, step: str, dial: Dial | None = None) -> FerryError:
+    """A remote agent's error as ours: its message already names step, node and cause.
+
+    A TLS connection that fails is checked once more by hand: gRPC shows a refused
+    certificate as an unreachable agent, which would send a user looking in the wrong place.
+    """
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     detail = (e.details() if hasattr(e, "details") else "") or str(code)
+    tls_failed = code is grpc.StatusCode.UNAVAILABLE and dial and dial.identity and ":" in address
+    if tls_failed and not address.startswith("unix:") and (refused := tls.diagnose(address, dial.identity)):
+        return refused.at(step=step)
     if code is grpc.StatusCode.UNAVAILABLE:
         detail = f"agent {address} is unreachable ({detail})"
     elif code is grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -94,15 +136,16 @@ def from_rpc_error(e: grpc.RpcError, address: str, step: str) -> FerryError:
 class PeerClient:
     """The target agent, for a source agent's migration (agent.migrate.Peer)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, dial: Dial) -> None:
         self.address = address
-        self._stub = stub(address)
+        self.dial = dial
+        self._stub = stub(address, dial)
 
     def _call(self, step: str, fn: object, req: object) -> object:
         try:
             return fn(req, timeout=DEADLINES[step])  # type: ignore[operator]
         except grpc.RpcError as e:
-            raise from_rpc_error(e, self.address, step) from e
+            raise from_rpc_error(e, self.address, step, self.dial) from e
 
     def info(self) -> pb.NodeInfo:
         return self._call("info", self._stub.GetInfo, pb.GetInfoRequest())  # type: ignore[return-value]

@@ -14,7 +14,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 #: What `make` builds and installs locally: ferry-init, and CRIU when the host lacks one.
 LOCAL_PREFIX = REPO_ROOT / ".ferry"
 
-DEFAULT_AGENT = "127.0.0.1:7070"
+#: The agent's root-only unix socket: the local CLI's default way in.
+DEFAULT_SOCKET = Path("/run/ferry/agent.sock")
+DEFAULT_AGENT = f"unix:{DEFAULT_SOCKET}"
 DEFAULT_STAGING_ROOT = Path("/dev/shm/ferry")
 
 

@@ -17,6 +17,7 @@ import re
 import socket
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,8 +122,12 @@ class Criu:
         leave_stopped: bool = True,
         shell_job: bool = False,
         timeout_s: int = 0,
+        on_start: Callable[[int], None] | None = None,
     ) -> DumpResult:
-        """Dump the tree rooted at `pid` into `images_dir` (log: criu-dump.log there)."""
+        """Dump the tree rooted at `pid` into `images_dir` (log: criu-dump.log there).
+
+        on_start gets CRIU's pid as soon as it runs (the migration journal keeps it).
+        """
         opts = self._opts(images_dir, DUMP_LOG)
         opts.pid = pid
         if leave_running:
@@ -135,7 +140,7 @@ class Criu:
         opts.file_locks = True
         if timeout_s:
             opts.timeout = timeout_s
-        self._call("dump", rpc_pb2.DUMP, opts, images_dir, DUMP_LOG)
+        self._call("dump", rpc_pb2.DUMP, opts, images_dir, DUMP_LOG, on_start=on_start)
         return DumpResult(stats=read_stats(images_dir / STATS_DUMP, "dump"))
 
     def restore(
@@ -145,6 +150,7 @@ class Criu:
         inherit: list[InheritFd] = (),  # type: ignore[assignment]
         shell_job: bool = False,
         log_dir: Path | None = None,
+        on_start: Callable[[int], None] | None = None,
     ) -> RestoreResult:
         """Restore the tree as a sibling of CRIU, i.e. as a child of this process."""
         opts = self._opts(images_dir, RESTORE_LOG)
@@ -163,6 +169,7 @@ class Criu:
             RESTORE_LOG,
             pass_fds=[i.fd for i in inherit],
             log_dir=log_dir,
+            on_start=on_start,
         )
         return RestoreResult(pid=resp.restore.pid, stats=read_stats(images_dir / STATS_RESTORE, "restore"))
 
@@ -185,6 +192,7 @@ class Criu:
         *,
         pass_fds: list[int] = (),  # type: ignore[assignment]
         log_dir: Path | None = None,
+        on_start: Callable[[int], None] | None = None,
     ) -> rpc_pb2.criu_resp:
         log_path = str((log_dir or images_dir) / log_name)
         # CRIU opens directories through /proc/<our pid>/fd/N: they stay open here until it answers.
@@ -196,13 +204,19 @@ class Criu:
                 # Saved images may be read-only: CRIU then writes its log in work_dir.
                 opts.work_dir_fd = _open_dir(log_dir, op, self.node)
                 dir_fds.append(opts.work_dir_fd)
-            return self._exchange(op, req_type, opts, log_path, pass_fds)
+            return self._exchange(op, req_type, opts, log_path, pass_fds, on_start)
         finally:
             for fd in dir_fds:
                 os.close(fd)
 
     def _exchange(
-        self, op: str, req_type: int, opts: rpc_pb2.criu_opts, log_path: str, pass_fds: list[int]
+        self,
+        op: str,
+        req_type: int,
+        opts: rpc_pb2.criu_opts,
+        log_path: str,
+        pass_fds: list[int],
+        on_start: Callable[[int], None] | None,
     ) -> rpc_pb2.criu_resp:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -220,6 +234,8 @@ class Criu:
         finally:
             theirs.close()
         try:
+            if on_start is not None:
+                on_start(proc.pid)
             req = rpc_pb2.criu_req(type=req_type, opts=opts)
             ours.send(req.SerializeToString())
             data = ours.recv(_MAX_MSG)

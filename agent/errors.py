@@ -60,6 +60,18 @@ class UnavailableError(FerryError):
     kind = "unavailable"
 
 
+class UnauthenticatedError(FerryError):
+    """The caller (or the agent it dialled) has no certificate this cluster accepts."""
+
+    kind = "unauthenticated"
+
+
+class PermissionDeniedError(FerryError):
+    """The caller is authenticated, but its role may not do this."""
+
+    kind = "permission_denied"
+
+
 class CriuError(FerryError):
     """CRIU failed; the log path says where to read why."""
 

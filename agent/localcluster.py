@@ -1,7 +1,10 @@
 """Agents on this machine, for the demo, the benchmark and the integration tests.
 
-Each agent is a real `ferry agent` process on loopback with its own state and
-staging directories: two of them are two "nodes" on one host.
+Each agent is a real `ferry agent` process with its own state and staging
+directories and its own local socket: two of them are two "nodes" on one host.
+Agents speak plaintext on loopback (`--insecure`) unless given a TLS directory
+holding certificates from `ferry certs`; the CLI reaches each through its
+unix socket, as an operator on the node would.
 """
 
 from __future__ import annotations
@@ -14,24 +17,39 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from itertools import count
 from pathlib import Path
 
 from agent import procs
 
 _LISTENING = re.compile(r"listening on ([0-9.]+:\d+)")
+_SEQ = count()
 
 
 class LocalAgent:
-    def __init__(self, root: Path, node: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        node: str,
+        env: dict[str, str] | None = None,
+        tls_dir: Path | None = None,
+        host: str = "127.0.0.1",
+        staging_dir: Path | None = None,
+    ) -> None:
         self.root = root / node
         self.node = node
         self.state_dir = self.root / "state"
-        self.staging_dir = Path("/dev/shm") / f"ferry-{os.getpid()}-{node}"
+        self.staging_dir = staging_dir or Path("/dev/shm") / f"ferry-{os.getpid()}-{node}"
+        # Unix socket paths are short (108 bytes): not under a test's deep tmp_path.
+        self.socket = Path(tempfile.gettempdir()) / f"ferry-{os.getpid()}-{next(_SEQ)}" / "agent.sock"
         self.log_path = self.root / "agent.log"
         self.env = {**os.environ, **(env or {})}
+        self.tls_dir = tls_dir
         self.proc: subprocess.Popen[bytes] | None = None
         self.address = ""
+        self.host = host
 
     def start(self, prefix: list[str] | None = None, timeout_s: float = 30.0) -> LocalAgent:
         """Start the agent (optionally under a wrapper such as `unshare`) and wait until it listens."""
@@ -43,14 +61,16 @@ class LocalAgent:
             "agent.cli",
             "agent",
             "--listen",
-            self.address or "127.0.0.1:0",
+            self.address or f"{self.host}:0",
             "--state-dir",
             str(self.state_dir),
             "--node-name",
             self.node,
             "--staging-dir",
             str(self.staging_dir),
-            "--insecure",
+            "--socket",
+            str(self.socket),
+            *(["--tls-dir", str(self.tls_dir)] if self.tls_dir else ["--insecure"]),
         ]
         log = open(self.log_path, "ab")  # noqa: SIM115 - the agent owns it until it exits
         seen = log.tell()  # a restarted agent appends: read only what this start writes
@@ -78,8 +98,12 @@ class LocalAgent:
                 self.proc.wait()
         code = self.proc.returncode
         self.proc = None
-        shutil.rmtree(self.staging_dir, ignore_errors=True)
         return code
+
+    def cleanup(self) -> None:
+        """After the last stop: staging and the socket's directory."""
+        shutil.rmtree(self.staging_dir, ignore_errors=True)
+        shutil.rmtree(self.socket.parent, ignore_errors=True)
 
     def kill_jobs(self) -> None:
         """SIGKILL every process this agent's records name (test and demo cleanup)."""
@@ -92,10 +116,10 @@ class LocalAgent:
     def cli(
         self, *args: str, check: bool = True, timeout_s: float = 300.0
     ) -> subprocess.CompletedProcess[str]:
-        """Run `ferry ARGS --agent <this agent>` as a user would."""
+        """Run `ferry ARGS` against this agent's local socket, as root on its node would."""
         cmd = [sys.executable, "-m", "agent.cli", *args]
-        if args and args[0] not in ("inspect", "doctor"):
-            cmd[4:4] = ["--agent", self.address]
+        if args and args[0] not in ("inspect", "doctor", "certs"):
+            cmd[4:4] = ["--agent", f"unix:{self.socket}"]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=self.env, check=False)
         if check and p.returncode != 0:
             raise RuntimeError(f"`ferry {' '.join(args)}` failed ({p.returncode}): {p.stderr.strip()}")

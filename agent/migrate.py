@@ -14,7 +14,6 @@ import contextlib
 import logging
 import os
 import shutil
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -30,7 +29,6 @@ from agent.criu_images import bound_socket_dirs
 from agent.cudajob import CudaJobs, Footprint, ProcView, restore_plan
 from agent.errors import (
     FerryError,
-    ImageError,
     InvalidArgumentError,
     MigrationAbortedError,
     NotFoundError,
@@ -39,7 +37,7 @@ from agent.errors import (
     TransferError,
     UnavailableError,
 )
-from agent.gpus import GpuNeed, Nvml, gib
+from agent.gpus import Nvml, gib
 from agent.image import (
     STDERR_LOG,
     STDOUT_LOG,
@@ -51,15 +49,14 @@ from agent.image import (
     verify,
 )
 from agent.jobs import JobKind, JobRecord, JobRegistry, JobState
+from agent.journal import SOURCE, Journal, MigrationRecord
 from agent.rpc import pb
-from agent.transfer import Intake, SendStats, send_image
+from agent.transfer import SendStats, send_image
 
 log = logging.getLogger(__name__)
 
 #: How long a target waits after restore for the job's first output (for the downtime figure).
 PROGRESS_WAIT_S = 3.0
-LEASE_S = 600.0
-MAX_INCOMING = 2
 
 
 class MigrationState(StrEnum):
@@ -177,8 +174,10 @@ class SourceMigration:
         agent_id: str,
         emit: Emit = lambda p: None,
         cuda_jobs: CudaJobs | None = None,
+        journal: Journal | None = None,
     ) -> None:
         self.spec = spec
+        self.journal = journal or Journal(registry.root.parent)
         self.cuda = cuda_jobs or default_cuda_jobs(node)
         self.footprint = Footprint()
         self.cuda_frozen = False
@@ -192,15 +191,26 @@ class SourceMigration:
         self.state = MigrationState.PREPARING
         self.phases = _Phases()
         self.result = MigrationResult(spec.migration_id, spec.job, node, target=spec.target)
+        self.record = MigrationRecord(
+            spec.migration_id, SOURCE, spec.job, self.state.value, peer=spec.target, staging=str(self.staging)
+        )
+
+    def _journal(self, **changes: object) -> None:
+        """Durable before acting: after a crash the record names the furthest this may have got."""
+        for k, v in changes.items():
+            setattr(self.record, k, v)
+        self.journal.save(self.record)
 
     def _set(self, state: MigrationState, phase: str, message: str) -> None:
         self.state = state
+        self._journal(state=state.value)
         log.info("migration %s (job %s): %s", self.spec.migration_id, self.spec.job, message)
         self.emit(Progress(phase, message))
 
     def run(self) -> MigrationResult:
         t_start = time.monotonic()
         rec = self.registry.begin_move(self.spec.job, self.spec.migration_id, "migration")
+        self.record.pids = [rec.pid]
         try:
             self._set(MigrationState.PREPARING, "prepare", f"asking {self.spec.target} for a lease")
             self.phases.run("prepare", lambda: self._prepare(rec))
@@ -210,6 +220,7 @@ class SourceMigration:
                 rec.name, state=JobState.RUNNING, migration_id="", note=f"migration refused: {e}"
             )
             self.state = MigrationState.ABORTED
+            self._journal(state=self.state.value, note=str(e))
             e.at(step="prepare", node=self.node)
             if e is exc:
                 raise
@@ -224,11 +235,18 @@ class SourceMigration:
             frozen_at = time.monotonic()
             if self.footprint.processes:
                 self.emit(Progress("dump", f"copying {gib(self.footprint.gpu_bytes)} of GPU memory to host"))
+                self._journal(cuda_pids=self.footprint.pids)  # before: a crash mid-freeze must unfreeze
                 self.cuda.freeze(self.footprint, self.phases.times)
                 self.cuda_frozen = True
             shell_job = _needs_shell_job(rec, procs.tree_pids(rec.pid))
-            dump = self.phases.run("dump", lambda: self.criu.dump(rec.pid, self.staging, shell_job=shell_job))
+            dump = self.phases.run(
+                "dump",
+                lambda: self.criu.dump(
+                    rec.pid, self.staging, shell_job=shell_job, on_start=self._criu_started
+                ),
+            )
             pids = procs.tree_pids(rec.pid)  # the stopped tree
+            self._journal(pids=pids)
             last_progress = _log_mtime(rec)
             _copy_logs(rec, self.staging)
 
@@ -286,12 +304,16 @@ class SourceMigration:
         )
         shutil.rmtree(self.staging, ignore_errors=True)
         self.state = MigrationState.COMMITTED
+        self._journal(state=self.state.value)
         self.result.phases = dict(self.phases.times)
         self.result.total_s = time.monotonic() - t_start
         xfer = self.phases.times.get("transfer", 0.0)
         self.result.transfer_gbps = self.result.image_bytes / xfer / 1e9 if xfer > 0 else 0.0
         self._set(MigrationState.COMMITTED, "done", f"job {rec.name} runs on {self.result.target_node}")
         return self.result
+
+    def _criu_started(self, pid: int) -> None:
+        self._journal(criu_pid=pid, criu_started=procs.create_time(pid))
 
     def _prepare(self, rec: JobRecord) -> None:
         try:
@@ -362,16 +384,9 @@ class SourceMigration:
         phase = self.state.value
         if isinstance(err, _Unresolved):
             self.state = MigrationState.UNRESOLVED
-            note = (
-                f"target {self.spec.target} stopped answering while restoring; the job is kept frozen "
-                "here so that two copies never run. Check `ferry ps --agent "
-                f"{self.spec.target}`: if the job does not run there, resume this copy with "
-                f"`kill -CONT {' '.join(map(str, pids))}`; if it does, `kill -KILL {pids[0] if pids else ''}`"
-            )
-            if self.cuda_frozen:
-                cuda_pids = " ".join(map(str, self.footprint.pids))
-                note += f". Its GPU memory is checkpointed: after SIGCONT, restore CUDA for pids {cuda_pids}"
+            note = unresolved_note(rec.name, self.spec.target)
             self.registry.update(rec.name, note=note)
+            self._journal(state=self.state.value, note=note)
             raise _Unresolved(note, step="commit", node=self.node) from err
         self._set(MigrationState.ABORTING, "abort", f"aborting: {err}")
         try:
@@ -397,6 +412,7 @@ class SourceMigration:
         )
         shutil.rmtree(self.staging, ignore_errors=True)
         self.state = MigrationState.ABORTED
+        self._journal(state=self.state.value, note=note)
         raise MigrationAbortedError(
             f"{err}; migration aborted, {outcome}",
             step=err.step or phase,
@@ -408,6 +424,15 @@ class _Unresolved(FerryError):
     kind = "unavailable"
 
 
+def unresolved_note(job: str, target: str) -> str:
+    return (
+        f"UNRESOLVED: target {target} stopped answering while restoring, so whether it runs the job is "
+        "unknown; this copy is kept frozen so that two never run. The agent keeps asking the target and "
+        f"settles it when it answers. To settle it now: `ferry resolve {job} --resume` if the job does "
+        f"not run on {target}, `ferry resolve {job} --finish` if it does"
+    )
+
+
 def as_ferry_error(exc: BaseException, step: str, node: str) -> FerryError:
     """Ours as is; anything else (an OSError on a full tmpfs, say) named by step and node."""
     if isinstance(exc, FerryError):
@@ -416,222 +441,6 @@ def as_ferry_error(exc: BaseException, step: str, node: str) -> FerryError:
     err = FerryError(cause, step=step, node=node)
     err.__cause__ = exc
     return err
-
-
-# -- target side ----------------------------------------------------------------
-
-
-@dataclass
-class Incoming:
-    migration_id: str
-    job: str
-    source_node: str
-    staging: Path
-    max_bytes: int
-    expires_at: float
-    state: int = pb.TARGET_STATE_PREPARED
-    manifest: Manifest | None = None
-    gpu_map: dict[str, str] = field(default_factory=dict)  # the job's GPU → the GPU here
-
-
-class TargetMigrations:
-    """Incoming migrations on this node: leases, intake into staging, restore on commit."""
-
-    def __init__(
-        self,
-        registry: JobRegistry,
-        criu: Criu,
-        staging_root: Path,
-        node: str,
-        cuda_jobs: CudaJobs | None = None,
-    ) -> None:
-        self.registry = registry
-        self.criu = criu
-        self.cuda = cuda_jobs or default_cuda_jobs(node)
-        self.staging_root = staging_root
-        self.node = node
-        self._lock = threading.Lock()
-        self._incoming: dict[str, Incoming] = {}
-
-    def _get(self, mid: str) -> Incoming:
-        with self._lock:
-            inc = self._incoming.get(mid)
-        if inc is None:
-            raise NotFoundError(f"no migration {mid!r} on this node", node=self.node)
-        return inc
-
-    def _refuse(self, cause: str, hint: str = "") -> RefusedError:
-        return RefusedError(cause, step="prepare", node=self.node, hint=hint)
-
-    def prepare(self, req: pb.PrepareRequest) -> pb.Lease:
-        if not req.migration_id or not req.job:
-            raise InvalidArgumentError("prepare needs a migration id and a job name", node=self.node)
-        faults.check("target-prepare", self.node)
-        self.registry.reserve_name(req.job)
-        self.criu.require_usable()
-        self.staging_root.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(self.staging_root).free
-        need = int(req.estimated_bytes * 1.2)
-        if free < need:
-            raise self._refuse(
-                f"staging {self.staging_root} has {free >> 20} MiB free, "
-                f"the image needs about {need >> 20} MiB",
-                "free space or point --staging-dir at a larger tmpfs",
-            )
-        if req.cwd and not os.path.isdir(req.cwd):
-            raise self._refuse(f"the job's working directory {req.cwd} does not exist here")
-        if missing := [p for p in req.paths if not os.path.exists(p)]:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise self._refuse(f"files the job uses are missing here: {shown}", "put them on shared storage")
-        if taken := [p for p in req.pids if psutil.pid_exists(p)]:
-            raise self._refuse(
-                f"the adopted job keeps host PIDs, and PIDs {taken[:5]} are in use here",
-                "choose a target where they are free, or run jobs with `ferry run` (own PID namespace)",
-            )
-        staging = self.staging_root / f"in-{_safe_id(req.migration_id)}"
-        max_bytes = max(2 * req.estimated_bytes, 1 << 30)
-        inc = Incoming(req.migration_id, req.job, req.source_node, staging, max_bytes, time.time() + LEASE_S)
-        with self._lock:
-            self._expire()
-            if req.gpus:
-                # Under the lock, so two incoming jobs are never promised the same GPU.
-                needs = [GpuNeed(g.uuid, g.name, g.memory_bytes) for g in req.gpus]
-                promised = {
-                    u for i in self._incoming.values() if i.state in _IN_FLIGHT for u in i.gpu_map.values()
-                }
-                # A GPU the job holds on this very host (two agents, one node) is freed by its checkpoint.
-                inc.gpu_map = self.cuda.choose_gpus(
-                    needs,
-                    driver_version=req.cuda_driver,
-                    reserved=promised,
-                    releasing={n.uuid: n.memory_bytes for n in needs},
-                )
-            if req.migration_id in self._incoming:
-                raise self._refuse(f"migration {req.migration_id} is already known here")
-            busy = [i for i in self._incoming.values() if i.state in _IN_FLIGHT]
-            if any(i.job == req.job for i in busy):
-                raise self._refuse(f"job {req.job!r} is already coming in from another migration")
-            if len(busy) >= MAX_INCOMING:
-                raise self._refuse(f"{len(busy)} migrations are already coming in", "retry when they finish")
-            staging.mkdir(parents=True)
-            self._incoming[req.migration_id] = inc
-        log.info("migration %s: lease granted for job %s from %s", req.migration_id, req.job, req.source_node)
-        return pb.Lease(
-            migration_id=req.migration_id,
-            node_name=self.node,
-            max_bytes=max_bytes,
-            expires_at=inc.expires_at,
-            gpu_map=[pb.GpuPair(old_uuid=o, new_uuid=n) for o, n in inc.gpu_map.items()],
-        )
-
-    def push(self, chunks: Iterator[pb.ImageChunk]) -> pb.PushImageResponse:
-        first = next(chunks, None)
-        if first is None:
-            raise InvalidArgumentError("empty image stream", step="transfer", node=self.node)
-        inc = self._get(first.migration_id)
-        with self._lock:
-            if inc.state != pb.TARGET_STATE_PREPARED or time.time() > inc.expires_at:
-                raise RefusedError(f"migration {inc.migration_id} is not ready for an image", node=self.node)
-            inc.state = pb.TARGET_STATE_RECEIVING
-        intake = Intake(inc.staging, inc.max_bytes, self.node)
-        try:
-            intake.feed(first)
-            for chunk in chunks:
-                intake.feed(chunk)
-            faults.check("target-transfer", self.node)
-            manifest = intake.finish()
-            if manifest.job.name != inc.job:
-                raise ImageError(f"image is of job {manifest.job.name!r}, the lease is for {inc.job!r}")
-        except BaseException as e:
-            intake.close()
-            self._drop(inc)
-            if isinstance(e, OSError):  # a full staging tmpfs, say: a transfer failure, not a crash
-                raise TransferError(
-                    f"cannot write the image into {inc.staging}: {e.strerror}", node=self.node
-                ) from e
-            raise
-        inc.manifest = manifest
-        inc.state = pb.TARGET_STATE_VERIFIED
-        return pb.PushImageResponse(bytes=intake.bytes, files=len(intake.received))
-
-    def commit(self, req: pb.CommitRequest) -> pb.CommitResponse:
-        inc = self._get(req.migration_id)
-        with self._lock:
-            if inc.manifest is None or inc.state != pb.TARGET_STATE_VERIFIED:
-                raise RefusedError(
-                    f"migration {inc.migration_id} has no verified image to restore", node=self.node
-                )
-            inc.state = pb.TARGET_STATE_RESTORING
-        times: dict[str, float] = {}
-        try:
-            faults.check("target-restore", self.node)
-            rec = restore_tree(
-                self.registry,
-                self.criu,
-                inc.staging,
-                inc.manifest,
-                inc.job,
-                note=f"moved here from {inc.source_node}",
-                cuda_jobs=self.cuda,
-                gpu_map=inc.gpu_map,
-                times=times,
-            )
-        except BaseException:
-            self._drop(inc)
-            raise
-        inc.state = pb.TARGET_STATE_RUNNING
-        shutil.rmtree(inc.staging, ignore_errors=True)
-        first = wait_for_output(rec, PROGRESS_WAIT_S)
-        log.info("migration %s: job %s runs here as pid %d", inc.migration_id, inc.job, rec.pid)
-        return pb.CommitResponse(
-            node_name=self.node,
-            pid=rec.pid,
-            phases=[pb.PhaseTiming(phase=k, seconds=v) for k, v in times.items()],
-            first_progress_at=first,
-        )
-
-    def abort(self, mid: str, reason: str) -> None:
-        inc = self._get(mid)
-        with self._lock:
-            if inc.state in (pb.TARGET_STATE_RESTORING, pb.TARGET_STATE_RUNNING):
-                what = "is restoring" if inc.state == pb.TARGET_STATE_RESTORING else "already runs"
-                raise RefusedError(
-                    f"migration {mid} {what} the job here; it cannot be aborted", node=self.node
-                )
-            inc.state = pb.TARGET_STATE_ABORTED
-        log.info("migration %s: aborted by the source: %s", mid, reason)
-        self._drop(inc)
-
-    def status(self, mid: str) -> int:
-        with self._lock:
-            inc = self._incoming.get(mid)
-        return pb.TARGET_STATE_UNKNOWN if inc is None else inc.state
-
-    def _drop(self, inc: Incoming) -> None:
-        inc.state = pb.TARGET_STATE_ABORTED
-        shutil.rmtree(inc.staging, ignore_errors=True)
-
-    def _expire(self) -> None:
-        """Leases whose source went silent before commit: free their slot and staging (lock held)."""
-        now = time.time()
-        for inc in self._incoming.values():
-            if inc.state in (pb.TARGET_STATE_PREPARED, pb.TARGET_STATE_VERIFIED) and now > inc.expires_at:
-                log.warning("migration %s: lease expired; dropping its staged image", inc.migration_id)
-                self._drop(inc)
-
-
-_IN_FLIGHT = (
-    pb.TARGET_STATE_PREPARED,
-    pb.TARGET_STATE_RECEIVING,
-    pb.TARGET_STATE_VERIFIED,
-    pb.TARGET_STATE_RESTORING,
-)
-
-
-def _safe_id(mid: str) -> str:
-    if not mid.replace("-", "").isalnum() or len(mid) > 64:
-        raise InvalidArgumentError(f"invalid migration id {mid!r}")
-    return mid
 
 
 def restore_tree(
@@ -645,6 +454,7 @@ def restore_tree(
     cuda_jobs: CudaJobs,
     gpu_map: dict[str, str],
     times: dict[str, float] | None = None,
+    on_criu_start: Callable[[int], None] | None = None,
 ) -> JobRecord:
     """Restore a verified image as job `name` on this node, its logs re-pointed to our job dir.
 
@@ -672,7 +482,9 @@ def restore_tree(
         for d in bound_socket_dirs(image_dir):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
         t = time.monotonic()
-        res = criu.restore(image_dir, inherit=inherit, shell_job=spec.shell_job, log_dir=job_dir)
+        res = criu.restore(
+            image_dir, inherit=inherit, shell_job=spec.shell_job, log_dir=job_dir, on_start=on_criu_start
+        )
         times["restore"] = time.monotonic() - t
     finally:
         for fd in fds:

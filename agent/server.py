@@ -20,23 +20,25 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from agent import __version__, client
+from agent import __version__, access, client, tls
 from agent.criu import Criu
 from agent.cuda import DriverInfo
 from agent.cudajob import CudaJobs
 from agent.errors import FerryError, InvalidArgumentError
 from agent.gpus import Inventory
+from agent.incoming import TargetMigrations
 from agent.jobs import JobRecord, JobRegistry, JobState, check_job_name
+from agent.journal import Journal
 from agent.migrate import (
     MigrationResult,
     MigrationSpec,
     Progress,
     SourceMigration,
-    TargetMigrations,
     checkpoint,
     default_cuda_jobs,
     restore_image,
 )
+from agent.recovery import SourceRecovery
 from agent.rpc import pb, pb_grpc
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,8 @@ STATUS_BY_KIND = {
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "aborted": grpc.StatusCode.ABORTED,
     "internal": grpc.StatusCode.INTERNAL,
+    "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
+    "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
 }
 
 _PHASES = {
@@ -64,6 +68,8 @@ _PHASES = {
 _STATES = {s: getattr(pb, f"JOB_STATE_{s.name}") for s in JobState}
 
 F = TypeVar("F", bound=Callable[..., Any])
+#: How often an agent expires leases and asks about unresolved migrations.
+HOUSEKEEPING_S = float(os.environ.get("FERRY_HOUSEKEEPING_S", "5"))
 
 
 def status_for(err: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -83,9 +89,12 @@ def _abort_with(context: grpc.ServicerContext, err: BaseException, node: str) ->
 
 
 def rpc(fn: F) -> F:
+    """A unary-answer RPC: the caller is authorized first; every error becomes a status."""
+
     @functools.wraps(fn)
     def wrapper(self: AgentService, request: Any, context: grpc.ServicerContext) -> Any:
         try:
+            access.authorize(context, fn.__name__, self.insecure, self.node)
             return fn(self, request, context)
         except Exception as e:
             _abort_with(context, e, self.node)
@@ -97,6 +106,7 @@ def stream_rpc(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(self: AgentService, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         try:
+            access.authorize(context, fn.__name__, self.insecure, self.node)
             yield from fn(self, request, context)
         except Exception as e:
             _abort_with(context, e, self.node)
@@ -182,16 +192,50 @@ class AgentService(pb_grpc.AgentServicer):
         staging_root: Path,
         criu: Criu | None = None,
         cuda_jobs: CudaJobs | None = None,
+        dial: client.Dial | None = None,
     ) -> None:
         self.node = node
+        #: How this agent reaches peers: its node certificate, or plaintext on loopback (--insecure).
+        self.dial = dial or client.Dial(insecure=True)
+        #: Plaintext loopback callers are trusted only when the agent was started with --insecure.
+        self.insecure = self.dial.identity is None
         self.agent_id = uuid.uuid4().hex
         self.staging_root = staging_root
         self.criu = criu or Criu(node=node)
         self.cuda = cuda_jobs or default_cuda_jobs(node)
         self.registry = JobRegistry(state_dir, node)
-        self.targets = TargetMigrations(self.registry, self.criu, staging_root, node, self.cuda)
+        self.journal = Journal(state_dir)
+        self.targets = TargetMigrations(self.registry, self.criu, staging_root, node, self.cuda, self.journal)
+        self.recovery = SourceRecovery(
+            self.registry, self.journal, self.cuda.driver, node, lambda a: client.PeerClient(a, self.dial)
+        )
         self._moves = 0
         self._moves_lock = threading.Condition()
+        self._stopping = threading.Event()
+
+    # -- start and housekeeping ----------------------------------------------------------
+
+    def recover(self) -> None:
+        """Before serving: unwind incoming migrations the last run left; then, in the background
+        (it asks peers), settle outgoing ones, and keep expiring leases and asking about
+        unresolved migrations."""
+        for line in self.targets.recover():
+            log.warning("recovered incoming migration %s", line)
+
+        def loop() -> None:
+            for line in self.recovery.recover():
+                log.warning("recovered outgoing migration %s", line)
+            while not self._stopping.wait(HOUSEKEEPING_S):
+                try:
+                    self.targets.expire()
+                    self.recovery.poll()
+                except Exception:
+                    log.exception("housekeeping failed; trying again in %.0f s", HOUSEKEEPING_S)
+
+        threading.Thread(target=loop, name="housekeeping", daemon=True).start()
+
+    def stop_housekeeping(self) -> None:
+        self._stopping.set()
 
     # -- bookkeeping for graceful stop -------------------------------------------------
 
@@ -321,7 +365,7 @@ class AgentService(pb_grpc.AgentServicer):
         client.split_address(request.target)
         self.registry.get(request.name)  # NOT_FOUND before anything starts
         spec = MigrationSpec(request.name, request.target, uuid.uuid4().hex[:16])
-        peer = client.PeerClient(request.target)
+        peer = client.PeerClient(request.target, self.dial)
 
         def work(emit: Callable[[Progress], None]) -> MigrationResult:
             m = SourceMigration(
@@ -373,51 +417,74 @@ class AgentService(pb_grpc.AgentServicer):
         )
         return job_pb(rec, self.node)
 
+    @rpc
+    def Resolve(self, request: pb.ResolveRequest, context: grpc.ServicerContext) -> pb.Job:
+        check_job_name(request.name)
+        if request.action not in ("", "resume", "finish"):
+            raise InvalidArgumentError(f"unknown action {request.action!r}: expected resume or finish")
+        self.recovery.resolve(request.name, request.action)
+        return job_pb(self.registry.get(request.name), self.node)
+
     # -- peer protocol -----------------------------------------------------------------
+
+    def _peer_name(self, context: grpc.ServicerContext) -> str:
+        """The calling node's certificate name ("" on the insecure loopback)."""
+        return access.identify(context, self.insecure).name
 
     @rpc
     def Prepare(self, request: pb.PrepareRequest, context: grpc.ServicerContext) -> pb.Lease:
-        return self.targets.prepare(request)
+        return self.targets.prepare(request, self._peer_name(context))
 
     @rpc
     def PushImage(
         self, request_iterator: Iterator[pb.ImageChunk], context: grpc.ServicerContext
     ) -> pb.PushImageResponse:
-        return self.targets.push(request_iterator)
+        return self.targets.push(request_iterator, self._peer_name(context))
 
     @rpc
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
-        return self.targets.commit(request)
+        return self.targets.commit(request, self._peer_name(context))
 
     @rpc
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
-        self.targets.abort(request.migration_id, request.reason)
+        self.targets.abort(request.migration_id, request.reason, self._peer_name(context))
         return pb.AbortResponse()
 
     @rpc
     def GetMigration(
         self, request: pb.GetMigrationRequest, context: grpc.ServicerContext
     ) -> pb.MigrationStatus:
-        return pb.MigrationStatus(
-            migration_id=request.migration_id, state=self.targets.status(request.migration_id)
-        )
+        state = self.targets.status(request.migration_id, self._peer_name(context))
+        return pb.MigrationStatus(migration_id=request.migration_id, state=state)
 
 
-def check_listen(address: str, insecure: bool) -> None:
+def check_listen(address: str, insecure: bool, identity: tls.Identity | None) -> None:
     host, _ = client.split_address(address, listen=True)
-    if not insecure:
-        raise InvalidArgumentError(
-            "mutual TLS is not available yet; plaintext needs --insecure and a loopback --listen address"
-        )
-    if not client.is_loopback(host):
+    if insecure and identity is not None:
+        raise InvalidArgumentError("--insecure and --tls-dir exclude each other: serve TLS or plaintext")
+    if insecure and not client.is_loopback(host):
         raise InvalidArgumentError(f"--insecure serves plaintext only on loopback, not on {host}")
+    if not insecure and identity is None:
+        raise InvalidArgumentError(
+            "serving on TCP needs this node's certificate (--tls-dir), or --insecure on loopback"
+        )
 
 
-def create_server(address: str, service: AgentService, max_workers: int = 32) -> tuple[grpc.Server, int]:
-    """Bind the agent, health and reflection services; port 0 picks a free port."""
+def create_server(
+    address: str,
+    service: AgentService,
+    max_workers: int = 32,
+    identity: tls.Identity | None = None,
+    socket_path: Path | None = None,
+) -> tuple[grpc.Server, int]:
+    """Bind the agent, health and reflection services; port 0 picks a free port.
+
+    TCP is mutual TLS with `identity`, else plaintext; `socket_path` adds the local
+    root-only unix socket.
+    """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-        options=client.CHANNEL_OPTIONS,
+        options=client.SERVER_OPTIONS,
     )
     pb_grpc.add_AgentServicer_to_server(service, server)
     health_servicer = health.HealthServicer()
@@ -430,22 +497,66 @@ def create_server(address: str, service: AgentService, max_workers: int = 32) ->
         reflection.SERVICE_NAME,
     )
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(address)
+    if identity is not None:
+        port = server.add_secure_port(address, identity.server_credentials())
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise InvalidArgumentError(f"cannot listen on {address} (in use or not a local address)")
+    if socket_path is not None:
+        bind_local_socket(server, socket_path)
     return server, port
 
 
-def serve(address: str, state_dir: Path, node: str, staging_root: Path, insecure: bool) -> None:
+def bind_local_socket(server: grpc.Server, path: Path) -> None:
+    """The local CLI's way in: a socket only root can open, in a directory only root can enter."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.is_socket():
+        path.unlink()  # a previous agent's; a live one would still hold its TCP port
+    elif path.exists() or path.is_symlink():
+        raise InvalidArgumentError(f"--socket {path} exists and is not a socket; remove it or pick another")
+    old = os.umask(0o177)
+    try:
+        if not server.add_insecure_port(f"unix:{path}"):
+            raise InvalidArgumentError(f"cannot listen on unix socket {path}")
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+
+
+def serve(
+    address: str,
+    state_dir: Path,
+    node: str,
+    staging_root: Path,
+    insecure: bool,
+    identity: tls.Identity | None = None,
+    socket_path: Path | None = None,
+) -> None:
     """Run until SIGTERM/SIGINT; in-flight moves finish (or abort) before the agent exits."""
-    check_listen(address, insecure)
-    service = AgentService(state_dir, node, staging_root)
-    server, port = create_server(address, service)
+    check_listen(address, insecure, identity)
+    if identity is not None and identity.name != node:
+        raise InvalidArgumentError(
+            f"this node is {node!r} but its certificate names {identity.name!r}; peers check that they match",
+            hint=f"pass --node-name {identity.name}, or issue a certificate for {node}",
+        )
+    service = AgentService(state_dir, node, staging_root, dial=client.Dial(identity, insecure))
+    server, port = create_server(address, service, identity=identity, socket_path=socket_path)
+    service.recover()
     server.start()
     host, _ = client.split_address(address, listen=True)
+    mode = f"mutual TLS as {identity.name}" if identity else "plaintext (--insecure)"
     log.info(
-        "ferry agent %s (node %s) listening on %s:%d, state in %s", __version__, node, host, port, state_dir
+        "ferry agent %s (node %s) listening on %s:%d (%s), state in %s",
+        __version__,
+        node,
+        host,
+        port,
+        mode,
+        state_dir,
     )
+    if socket_path is not None:
+        log.info("local socket %s (root only)", socket_path)
     print(f"ferry agent: node {node} listening on {host}:{port}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -454,5 +565,8 @@ def serve(address: str, state_dir: Path, node: str, staging_root: Path, insecure
     log.info("stopping: waiting for in-flight migrations")
     if not service.wait_idle(timeout_s=600):
         log.warning("in-flight migrations did not finish in 600 s; stopping anyway")
+    service.stop_housekeeping()
     server.stop(grace=10).wait()
+    if socket_path is not None:
+        socket_path.unlink(missing_ok=True)
     log.info("stopped")

@@ -91,8 +91,9 @@ def main() -> int:
         print("\ndemo passed: the job moved mid-run and finished bit-identical to an uninterrupted run")
         return 0
     finally:
-        a.stop()
-        b.stop()
+        for agent in (a, b):
+            agent.stop()
+            agent.cleanup()
 
 
 if __name__ == "__main__":

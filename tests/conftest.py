@@ -15,8 +15,10 @@ def agents(tmp_path: Path) -> Iterator[Callable[..., LocalAgent]]:
     """Start agents on loopback; each is stopped and its jobs killed afterwards."""
     started: list[LocalAgent] = []
 
-    def start(node: str, env: dict[str, str] | None = None, prefix: list[str] | None = None) -> LocalAgent:
-        agent = LocalAgent(tmp_path, node, env={"PYTHONWARNINGS": "ignore", **(env or {})})
+    def start(
+        node: str, env: dict[str, str] | None = None, prefix: list[str] | None = None, **kw: object
+    ) -> LocalAgent:
+        agent = LocalAgent(tmp_path, node, env={"PYTHONWARNINGS": "ignore", **(env or {})}, **kw)  # type: ignore[arg-type]
         started.append(agent.start(prefix=prefix))
         return agent
 
@@ -24,3 +26,4 @@ def agents(tmp_path: Path) -> Iterator[Callable[..., LocalAgent]]:
     for agent in started:
         agent.kill_jobs()
         agent.stop()
+        agent.cleanup()

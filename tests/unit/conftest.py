@@ -14,6 +14,13 @@ from agent.jobs import JobRegistry
 from agent.server import AgentService, create_server
 
 
+@pytest.fixture(autouse=True)
+def _plaintext_loopback_cli(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The in-process agents here serve plaintext on loopback, so the CLI dials them --insecure.
+    Tests of the TLS path remove this (monkeypatch.delenv)."""
+    monkeypatch.setenv("FERRY_INSECURE", "1")
+
+
 @pytest.fixture
 def sleeper(tmp_path: Path) -> Iterator[Callable[[], tuple[subprocess.Popen[bytes], Path, Path]]]:
     """Start harmless `sleep 60` children with stdout/stderr in files; killed at teardown."""

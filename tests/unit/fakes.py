@@ -100,6 +100,7 @@ class FakeCriu:
         leave_stopped: bool = True,
         shell_job: bool = False,
         timeout_s: int = 0,
+        on_start: Callable[[int], None] | None = None,
     ) -> DumpResult:
         self.dumps.append({"pid": pid, "images_dir": images_dir, "shell_job": shell_job})
         if self.dump_error is not None:
@@ -123,6 +124,7 @@ class FakeCriu:
         inherit: list[InheritFd] = (),  # type: ignore[assignment]
         shell_job: bool = False,
         log_dir: Path | None = None,
+        on_start: Callable[[int], None] | None = None,
     ) -> RestoreResult:
         self.restores.append(
             {

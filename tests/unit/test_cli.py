@@ -113,7 +113,7 @@ def test_version(capsys) -> None:
 )
 def test_unreachable_agent_is_one_line_naming_the_address(capsys, argv: list[str]) -> None:
     # --agent right after the command: `run` takes everything after `--` as the job's command.
-    code, out, err = run(capsys, argv[0], "--agent", "127.0.0.1:1", *argv[1:])
+    code, out, err = run(capsys, argv[0], "--agent", "127.0.0.1:1", "--insecure", *argv[1:])
     assert code == cli.EXIT_ERROR == 1
     line = one_line(err)
     assert line.startswith("ferry: ")

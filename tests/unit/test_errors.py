@@ -18,9 +18,11 @@ from agent.errors import (
     InvalidArgumentError,
     MigrationAbortedError,
     NotFoundError,
+    PermissionDeniedError,
     RefusedError,
     StepTimeoutError,
     TransferError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from agent.server import STATUS_BY_KIND, status_for
@@ -40,6 +42,8 @@ EXPECTED = {
     TransferError: S.ABORTED,
     MigrationAbortedError: S.ABORTED,
     CudaCheckpointError: S.ABORTED,
+    UnauthenticatedError: S.UNAUTHENTICATED,
+    PermissionDeniedError: S.PERMISSION_DENIED,
 }
 
 
@@ -222,4 +226,9 @@ def test_is_loopback(host: str, loop: bool) -> None:
 
 def test_channel_refuses_a_non_loopback_address() -> None:
     with pytest.raises(InvalidArgumentError, match=r"10\.0\.0\.5:7070 is not a loopback address"):
-        client.channel("10.0.0.5:7070")
+        client.channel("10.0.0.5:7070", client.Dial(insecure=True))
+
+
+def test_channel_without_a_certificate_or_insecure_is_refused() -> None:
+    with pytest.raises(UnauthenticatedError, match="no client certificate"):
+        client.channel("10.0.0.5:7070", client.Dial())

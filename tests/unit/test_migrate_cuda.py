@@ -33,8 +33,9 @@ from fakes import FakeCriu, is_dead, is_stopped, launched_record, wait_running
 
 from agent import cli, migrate
 from agent.errors import MigrationAbortedError, RefusedError
+from agent.incoming import TargetMigrations
 from agent.jobs import JobRegistry, JobState
-from agent.migrate import MigrationSpec, SourceMigration, TargetMigrations, checkpoint, restore_image
+from agent.migrate import MigrationSpec, SourceMigration, checkpoint, restore_image
 from agent.rpc import pb
 
 MID = "feedc0de00000001"
@@ -254,7 +255,7 @@ def test_a_second_incoming_job_is_not_promised_the_same_gpu(nodes: TwoNodes) -> 
 
     def prepare(mid: str) -> pb.Lease:
         return nodes.target.prepare(
-            pb.PrepareRequest(migration_id=mid, job=mid, estimated_bytes=1, gpus=[need])
+            pb.PrepareRequest(migration_id=mid, job=mid, source_node="nodea", estimated_bytes=1, gpus=[need])
         )
 
     first, second = prepare("aa01"), prepare("aa02")

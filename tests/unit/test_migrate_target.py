@@ -30,8 +30,8 @@ from agent.errors import (
 )
 from agent.faults import InjectedFault
 from agent.image import MANIFEST, STDERR_LOG, STDOUT_LOG, FileEntry, JobSpec, Manifest, host_bytes, verify
+from agent.incoming import TargetMigrations
 from agent.jobs import JobKind, JobRecord, JobRegistry, JobState
-from agent.migrate import TargetMigrations
 from agent.rpc import pb
 from agent.transfer import SendStats, send_image
 
@@ -241,7 +241,7 @@ def test_prepare_refuses_unsafe_migration_ids(target: TargetMigrations, tmp_path
 
 @pytest.mark.parametrize("missing", ["migration_id", "job"])
 def test_prepare_needs_an_id_and_a_job(target: TargetMigrations, missing: str) -> None:
-    with pytest.raises(InvalidArgumentError, match="needs a migration id and a job name"):
+    with pytest.raises(InvalidArgumentError, match="needs a migration id, a job name and the source node"):
         target.prepare(prepare_req(**{missing: ""}))
 
 
@@ -418,7 +418,7 @@ def test_push_of_an_empty_stream(target: TargetMigrations) -> None:
 
 def test_push_twice_is_refused(target: TargetMigrations, tmp_path: Path) -> None:
     chunks = delivered(target, tmp_path)
-    with pytest.raises(RefusedError, match="not ready for an image"):
+    with pytest.raises(RefusedError, match="is verified, not waiting for an image"):
         target.push(iter(chunks))
     assert state(target) == pb.TARGET_STATE_VERIFIED  # the verified image is kept
 
@@ -426,7 +426,7 @@ def test_push_twice_is_refused(target: TargetMigrations, tmp_path: Path) -> None
 def test_push_after_the_lease_expired_is_refused(target: TargetMigrations, tmp_path: Path) -> None:
     target.prepare(prepare_req())
     target._get(MID).expires_at = time.time() - 1
-    with pytest.raises(RefusedError, match="not ready for an image"):
+    with pytest.raises(RefusedError, match=r"lease of migration \w+ expired"):
         target.push(iter(chunks_for(make_image(tmp_path))))
 
 
@@ -551,9 +551,11 @@ def test_abort_of_a_verified_migration_drops_the_image(target: TargetMigrations,
         target.commit(pb.CommitRequest(migration_id=MID))
 
 
-def test_abort_of_an_unknown_migration(target: TargetMigrations) -> None:
-    with pytest.raises(NotFoundError):
-        target.abort("nope", "why not")
+def test_abort_of_an_unknown_migration_fences_its_id(target: TargetMigrations) -> None:
+    target.abort("nope", "why not")
+    assert target.status("nope") == pb.TARGET_STATE_ABORTED
+    with pytest.raises(RefusedError, match="never reused"):
+        target.prepare(prepare_req("nope"))
 
 
 def test_status_of_an_unknown_migration(target: TargetMigrations) -> None:

@@ -148,7 +148,11 @@ def test_unknown_job_is_not_found_and_named(stub, method: str, request_) -> None
         ("Checkpoint", pb.CheckpointRequest(name="train", out_dir="relative/dir"), "absolute"),
         ("Restore", pb.RestoreRequest(image_dir="relative/dir"), "absolute"),
         ("Prepare", pb.PrepareRequest(migration_id="", job="train"), "needs a migration id"),
-        ("Prepare", pb.PrepareRequest(migration_id="../x", job="train", cwd="/"), "invalid migration id"),
+        (
+            "Prepare",
+            pb.PrepareRequest(migration_id="../x", job="train", source_node="a", cwd="/"),
+            "invalid migration id",
+        ),
     ],
 )
 def test_bad_input_is_invalid_argument(stub, method: str, request_, words: str) -> None:
@@ -185,20 +189,31 @@ def test_restore_of_a_tampered_image_is_invalid_argument(stub, tmp_path: Path) -
 def test_peer_rpcs_on_an_unknown_migration(stub) -> None:
     for call, req in [
         (stub.Commit, pb.CommitRequest(migration_id="nope")),
-        (stub.Abort, pb.AbortRequest(migration_id="nope")),
     ]:
         err = rpc_error(call, req)
         assert err.code() is S.NOT_FOUND
         assert "'nope'" in err.details()
     status = stub.GetMigration(pb.GetMigrationRequest(migration_id="nope"), timeout=10)
     assert status.state == pb.TARGET_STATE_UNKNOWN
+    # Aborting an id never prepared fences it: it can never be prepared afterwards.
+    stub.Abort(pb.AbortRequest(migration_id="nope", reason="source gave up"), timeout=10)
+    status = stub.GetMigration(pb.GetMigrationRequest(migration_id="nope"), timeout=10)
+    assert status.state == pb.TARGET_STATE_ABORTED
+    err = rpc_error(
+        stub.Prepare, pb.PrepareRequest(migration_id="nope", job="train", source_node="a", cwd="/")
+    )
+    assert err.code() is S.FAILED_PRECONDITION
+    assert "never reused" in err.details()
 
 
 def test_push_image_errors(stub) -> None:
     err = rpc_error(stub.PushImage, iter([]))
     assert err.code() is S.INVALID_ARGUMENT
 
-    stub.Prepare(pb.PrepareRequest(migration_id="m1", job="train", cwd="/", estimated_bytes=1), timeout=10)
+    stub.Prepare(
+        pb.PrepareRequest(migration_id="m1", job="train", source_node="a", cwd="/", estimated_bytes=1),
+        timeout=10,
+    )
     bad = pb.ImageChunk(
         migration_id="m1",
         file="pages-1.img",
@@ -215,7 +230,9 @@ def test_push_image_errors(stub) -> None:
 
 
 def test_prepare_refusal_is_failed_precondition(stub) -> None:
-    req = pb.PrepareRequest(migration_id="m1", job="train", cwd="/", paths=["/nonexistent-ferry/data"])
+    req = pb.PrepareRequest(
+        migration_id="m1", job="train", source_node="a", cwd="/", paths=["/nonexistent-ferry/data"]
+    )
     err = rpc_error(stub.Prepare, req)
     assert err.code() is S.FAILED_PRECONDITION
     assert "/nonexistent-ferry/data" in err.details()

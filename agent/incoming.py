@@ -1,0 +1,481 @@
+"""The target side of a migration: leases, a checked intake into staging, restore on commit.
+
+Every step is written to the migration journal before it acts, and only the
+node that prepared a migration (by its certificate) may push, commit, abort or
+ask about it. After a restart, `recover()` unwinds whatever was in flight: no
+lease outlives the agent that granted it, and a restore the agent did not see
+finish is killed, so the source may safely resume its frozen copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from agent import faults, procs
+from agent.criu import Criu
+from agent.cudajob import CudaJobs
+from agent.errors import (
+    ImageError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    RefusedError,
+    TransferError,
+)
+from agent.gpus import GpuNeed
+from agent.image import Manifest
+from agent.jobs import JobRegistry, JobState
+from agent.journal import TARGET, Journal, MigrationRecord
+from agent.migrate import PROGRESS_WAIT_S, default_cuda_jobs, restore_tree, wait_for_output
+from agent.rpc import pb
+from agent.transfer import Intake
+
+log = logging.getLogger(__name__)
+
+LEASE_S = 600.0
+MAX_INCOMING = 2
+#: Staging must hold the estimate plus this share (page-aligned files, logs, the manifest).
+STAGING_SLACK = 1.2
+#: How long recovery waits for a CRIU restore that outlived its agent.
+CRIU_WAIT_S = 60.0
+
+_NAMES = {
+    pb.TARGET_STATE_PREPARED: "prepared",
+    pb.TARGET_STATE_RECEIVING: "receiving",
+    pb.TARGET_STATE_VERIFIED: "verified",
+    pb.TARGET_STATE_RESTORING: "restoring",
+    pb.TARGET_STATE_RUNNING: "running",
+    pb.TARGET_STATE_ABORTED: "aborted",
+}
+_BY_NAME = {v: k for k, v in _NAMES.items()}
+_IN_FLIGHT = (
+    pb.TARGET_STATE_PREPARED,
+    pb.TARGET_STATE_RECEIVING,
+    pb.TARGET_STATE_VERIFIED,
+    pb.TARGET_STATE_RESTORING,
+)
+
+
+@dataclass
+class Incoming:
+    migration_id: str
+    job: str
+    source_node: str
+    staging: Path
+    max_bytes: int
+    expires_at: float
+    peer_name: str = ""  # the certificate that prepared it: the only one that may go on
+    state: int = pb.TARGET_STATE_PREPARED
+    manifest: Manifest | None = None
+    gpu_map: dict[str, str] = field(default_factory=dict)  # the job's GPU → the GPU here
+    pids: list[int] = field(default_factory=list)  # an adopted job's host PIDs
+    reserved_bytes: int = 0
+    criu_pid: int = 0
+    criu_started: float = 0.0
+
+    def record(self) -> MigrationRecord:
+        return MigrationRecord(
+            migration_id=self.migration_id,
+            role=TARGET,
+            job=self.job,
+            state=_NAMES[self.state],
+            peer=self.source_node,
+            peer_name=self.peer_name,
+            staging=str(self.staging),
+            pids=list(self.pids),
+            criu_pid=self.criu_pid,
+            criu_started=self.criu_started,
+            expires_at=self.expires_at,
+            max_bytes=self.max_bytes,
+            reserved_bytes=self.reserved_bytes,
+            gpu_map=dict(self.gpu_map),
+        )
+
+
+class TargetMigrations:
+    """Incoming migrations on this node."""
+
+    def __init__(
+        self,
+        registry: JobRegistry,
+        criu: Criu,
+        staging_root: Path,
+        node: str,
+        cuda_jobs: CudaJobs | None = None,
+        journal: Journal | None = None,
+    ) -> None:
+        self.registry = registry
+        self.criu = criu
+        self.cuda = cuda_jobs or default_cuda_jobs(node)
+        self.staging_root = staging_root
+        self.node = node
+        self.journal = journal or Journal(registry.root.parent)
+        self._lock = threading.Lock()
+        self._incoming: dict[str, Incoming] = {}
+
+    # -- the protocol ------------------------------------------------------------
+
+    def prepare(self, req: pb.PrepareRequest, caller: str = "") -> pb.Lease:
+        if not req.migration_id or not req.job or not req.source_node:
+            raise InvalidArgumentError(
+                "prepare needs a migration id, a job name and the source node", node=self.node
+            )
+        _safe_id(req.migration_id)
+        if caller and req.source_node != caller:
+            raise PermissionDeniedError(
+                f"node {caller!r} may not prepare a migration on behalf of {req.source_node!r}",
+                step="prepare",
+                node=self.node,
+            )
+        faults.check("target-prepare", self.node)
+        self.registry.reserve_name(req.job)
+        self.criu.require_usable()
+        self.staging_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if req.cwd and not os.path.isdir(req.cwd):
+            raise self._refuse(f"the job's working directory {req.cwd} does not exist here")
+        if missing := [p for p in req.paths if not os.path.exists(p)]:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise self._refuse(f"files the job uses are missing here: {shown}", "put them on shared storage")
+        if taken := [p for p in req.pids if psutil.pid_exists(p)]:
+            raise self._refuse(
+                f"the adopted job keeps host PIDs, and PIDs {taken[:5]} are in use here",
+                "choose a target where they are free, or run jobs with `ferry run` (own PID namespace)",
+            )
+        staging = self.staging_root / f"in-{req.migration_id}"
+        need = int(req.estimated_bytes * STAGING_SLACK)
+        inc = Incoming(
+            req.migration_id,
+            req.job,
+            req.source_node,
+            staging,
+            max_bytes=max(2 * req.estimated_bytes, 1 << 30),
+            expires_at=time.time() + LEASE_S,
+            peer_name=caller,
+            pids=list(req.pids),
+            reserved_bytes=need,
+        )
+        with self._lock:
+            self._expire_locked()
+            if req.migration_id in self._incoming or self.journal.get(TARGET, req.migration_id):
+                raise self._refuse(
+                    f"migration {req.migration_id} is already known here; ids are never reused"
+                )
+            busy = [i for i in self._incoming.values() if i.state in _IN_FLIGHT]
+            if req.gpus:
+                # Under the lock, so two incoming jobs are never promised the same GPU.
+                needs = [GpuNeed(g.uuid, g.name, g.memory_bytes) for g in req.gpus]
+                promised_gpus = {u for i in busy for u in i.gpu_map.values()}
+                # A GPU the job holds on this very host (two agents, one node) is freed by its checkpoint.
+                inc.gpu_map = self.cuda.choose_gpus(
+                    needs,
+                    driver_version=req.cuda_driver,
+                    reserved=promised_gpus,
+                    releasing={n.uuid: n.memory_bytes for n in needs},
+                )
+            if any(i.job == req.job for i in busy):
+                raise self._refuse(f"job {req.job!r} is already coming in from another migration")
+            if len(busy) >= MAX_INCOMING:
+                raise self._refuse(f"{len(busy)} migrations are already coming in", "retry when they finish")
+            # Space already promised to other leases counts as used: two images that each
+            # fit alone must not both be accepted into a staging area that holds one.
+            free = shutil.disk_usage(self.staging_root).free
+            promised = sum(i.reserved_bytes for i in busy if i.state != pb.TARGET_STATE_RESTORING)
+            if free - promised < need:
+                others = (
+                    f" ({promised >> 20} MiB of it promised to {len(busy)} other leases)" if promised else ""
+                )
+                raise self._refuse(
+                    f"staging {self.staging_root} has {free >> 20} MiB free{others}; "
+                    f"the image needs about {need >> 20} MiB",
+                    "free space or point --staging-dir at a larger tmpfs",
+                )
+            staging.mkdir(mode=0o700)
+            self.journal.save(inc.record())
+            self._incoming[req.migration_id] = inc
+        log.info(
+            "migration %s: lease granted for job %s from %s (%s)",
+            req.migration_id,
+            req.job,
+            req.source_node,
+            f"certificate {caller}" if caller else "insecure loopback",
+        )
+        return pb.Lease(
+            migration_id=req.migration_id,
+            node_name=self.node,
+            max_bytes=inc.max_bytes,
+            expires_at=inc.expires_at,
+            gpu_map=[pb.GpuPair(old_uuid=o, new_uuid=n) for o, n in inc.gpu_map.items()],
+        )
+
+    def push(self, chunks: Iterator[pb.ImageChunk], caller: str = "") -> pb.PushImageResponse:
+        first = next(chunks, None)
+        if first is None:
+            raise InvalidArgumentError("empty image stream", step="transfer", node=self.node)
+        inc = self._get(first.migration_id, caller)
+        with self._lock:
+            if inc.state != pb.TARGET_STATE_PREPARED:
+                raise RefusedError(
+                    f"migration {inc.migration_id} is {_NAMES.get(inc.state, 'unknown')}, not waiting "
+                    "for an image",
+                    step="transfer",
+                    node=self.node,
+                )
+            if time.time() > inc.expires_at:
+                self._drop(inc, "its lease expired before the image came")
+                raise RefusedError(f"the lease of migration {inc.migration_id} expired", node=self.node)
+            self._set(inc, pb.TARGET_STATE_RECEIVING)
+        intake = Intake(inc.staging, inc.max_bytes, self.node)
+        try:
+            intake.feed(first)
+            for chunk in chunks:
+                intake.feed(chunk)
+            faults.check("target-transfer", self.node)
+            manifest = intake.finish()
+            if manifest.job.name != inc.job:
+                raise ImageError(f"image is of job {manifest.job.name!r}, the lease is for {inc.job!r}")
+        except BaseException as e:
+            intake.close()
+            self._drop(inc, f"intake failed: {e}")
+            if isinstance(e, OSError):  # a full staging tmpfs, say: a transfer failure, not a crash
+                raise TransferError(
+                    f"cannot write the image into {inc.staging}: {e.strerror}", node=self.node
+                ) from e
+            raise
+        with self._lock:
+            if inc.state != pb.TARGET_STATE_RECEIVING:  # aborted while the last bytes came in
+                raise RefusedError(f"migration {inc.migration_id} was aborted", node=self.node)
+            inc.manifest = manifest
+            inc.expires_at = time.time() + LEASE_S  # the commit must come within a lease from now
+            self._set(inc, pb.TARGET_STATE_VERIFIED)
+        return pb.PushImageResponse(bytes=intake.bytes, files=len(intake.received))
+
+    def commit(self, req: pb.CommitRequest, caller: str = "") -> pb.CommitResponse:
+        inc = self._get(req.migration_id, caller)
+        with self._lock:
+            if inc.manifest is None or inc.state != pb.TARGET_STATE_VERIFIED:
+                raise RefusedError(
+                    f"migration {inc.migration_id} has no verified image to restore", node=self.node
+                )
+            self._set(inc, pb.TARGET_STATE_RESTORING)
+        times: dict[str, float] = {}
+
+        def criu_started(pid: int) -> None:
+            inc.criu_pid, inc.criu_started = pid, procs.create_time(pid)
+            self.journal.save(inc.record())
+
+        try:
+            faults.check("target-restore", self.node)
+            rec = restore_tree(
+                self.registry,
+                self.criu,
+                inc.staging,
+                inc.manifest,
+                inc.job,
+                note=f"moved here from {inc.source_node}",
+                cuda_jobs=self.cuda,
+                gpu_map=inc.gpu_map,
+                times=times,
+                on_criu_start=criu_started,
+            )
+            faults.check("target-restored", self.node)
+        except BaseException as e:
+            self._drop(inc, f"restore failed: {e}")
+            raise
+        with self._lock:
+            self._set(inc, pb.TARGET_STATE_RUNNING)
+        shutil.rmtree(inc.staging, ignore_errors=True)
+        first = wait_for_output(rec, PROGRESS_WAIT_S)
+        log.info("migration %s: job %s runs here as pid %d", inc.migration_id, inc.job, rec.pid)
+        return pb.CommitResponse(
+            node_name=self.node,
+            pid=rec.pid,
+            phases=[pb.PhaseTiming(phase=k, seconds=v) for k, v in times.items()],
+            first_progress_at=first,
+        )
+
+    def abort(self, mid: str, reason: str, caller: str = "") -> None:
+        _safe_id(mid)
+        with self._lock:
+            inc = self._incoming.get(mid)
+            if inc is None:
+                if self.journal.get(TARGET, mid) is None:
+                    # Fencing: an id aborted before it arrived can never be prepared later.
+                    tomb = MigrationRecord(mid, TARGET, "", "aborted", peer_name=caller, note=reason)
+                    self.journal.save(tomb)
+                    log.info("migration %s: aborted before it reached this node: %s", mid, reason)
+                    return
+                inc = self._from_journal(mid)
+        self._check_caller(inc, caller)
+        with self._lock:
+            if inc.state in (pb.TARGET_STATE_RESTORING, pb.TARGET_STATE_RUNNING):
+                what = "is restoring" if inc.state == pb.TARGET_STATE_RESTORING else "already runs"
+                raise RefusedError(
+                    f"migration {mid} {what} the job here; it cannot be aborted", node=self.node
+                )
+            if inc.state == pb.TARGET_STATE_ABORTED:
+                return
+            self._drop(inc, f"aborted by the source: {reason}")
+
+    def status(self, mid: str, caller: str = "") -> int:
+        _safe_id(mid)
+        with self._lock:
+            inc = self._incoming.get(mid)
+        if inc is None:
+            rec = self.journal.get(TARGET, mid)
+            if rec is None:
+                return pb.TARGET_STATE_UNKNOWN
+            inc = self._from_journal(mid)
+        self._check_caller(inc, caller)
+        return inc.state
+
+    # -- housekeeping --------------------------------------------------------------
+
+    def expire(self) -> None:
+        """Leases whose source went silent: free their slot and staging (run periodically)."""
+        with self._lock:
+            self._expire_locked()
+
+    def recover(self) -> list[str]:
+        """After a restart: unwind every migration the last run of this agent left in flight.
+
+        A lease or an image waiting for commit is dropped (its source's stream or
+        commit died with us, and the source resumes its copy on ABORTED). A restore
+        we did not see finish is killed, for the same reason. Returns what was done.
+        """
+        done = []
+        for rec in self.journal.load(TARGET):
+            state = _BY_NAME.get(rec.state)
+            if state not in _IN_FLIGHT:
+                continue
+            if state == pb.TARGET_STATE_RESTORING:
+                killed = self._kill_unfinished_restore(rec)
+                what = (
+                    f"killed its half-finished restore ({len(killed)} processes)" if killed else "nothing ran"
+                )
+            else:
+                what = f"dropped its {rec.state} image"
+            shutil.rmtree(rec.staging, ignore_errors=True)
+            rec.state, rec.note = "aborted", f"agent restarted while {rec.state}: {what}"
+            self.journal.save(rec)
+            log.warning("migration %s (job %s): %s", rec.migration_id, rec.job, rec.note)
+            done.append(f"{rec.migration_id}: {rec.note}")
+        return done
+
+    def _kill_unfinished_restore(self, rec: MigrationRecord) -> list[int]:
+        if rec.criu_pid and procs.alive(rec.criu_pid, rec.criu_started):
+            log.warning(
+                "migration %s: waiting for its CRIU restore (pid %d) to end", rec.migration_id, rec.criu_pid
+            )
+            deadline = time.monotonic() + CRIU_WAIT_S
+            while procs.alive(rec.criu_pid, rec.criu_started) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if procs.alive(rec.criu_pid, rec.criu_started):
+                os.kill(rec.criu_pid, signal.SIGKILL)
+        victims = restored_processes(self.registry.job_dir(rec.job), rec.pids, rec.updated_at)
+        procs.signal_all(victims, signal.SIGKILL)
+        try:
+            job = self.registry.get(rec.job)
+        except NotFoundError:
+            return victims
+        if job.state.active and job.pid in victims:
+            self.registry.update(
+                rec.job,
+                state=JobState.LOST,
+                note="its restore was cut short by an agent restart; killed here",
+            )
+        return victims
+
+    # -- internals -------------------------------------------------------------------
+
+    def _get(self, mid: str, caller: str = "") -> Incoming:
+        _safe_id(mid)
+        with self._lock:
+            inc = self._incoming.get(mid)
+        if inc is None:
+            if self.journal.get(TARGET, mid) is None:
+                raise NotFoundError(f"no migration {mid!r} on this node", node=self.node)
+            inc = self._from_journal(mid)
+        self._check_caller(inc, caller)
+        return inc
+
+    def _from_journal(self, mid: str) -> Incoming:
+        """A migration this run of the agent did not serve (finished, or unwound by recover())."""
+        rec = self.journal.get(TARGET, mid)
+        assert rec is not None
+        return Incoming(
+            rec.migration_id,
+            rec.job,
+            rec.peer,
+            Path(rec.staging),
+            rec.max_bytes,
+            rec.expires_at,
+            peer_name=rec.peer_name,
+            state=_BY_NAME.get(rec.state, pb.TARGET_STATE_ABORTED),
+        )
+
+    def _check_caller(self, inc: Incoming, caller: str) -> None:
+        if inc.peer_name and caller != inc.peer_name:
+            log.warning(
+                "migration %s: %r tried to act on %r's migration", inc.migration_id, caller, inc.peer_name
+            )
+            raise PermissionDeniedError(
+                f"migration {inc.migration_id} belongs to node {inc.peer_name!r}, "
+                f"not {caller or 'this caller'!r}",
+                node=self.node,
+            )
+
+    def _refuse(self, cause: str, hint: str = "") -> RefusedError:
+        return RefusedError(cause, step="prepare", node=self.node, hint=hint)
+
+    def _set(self, inc: Incoming, state: int) -> None:
+        """Durable first: the journal knows a state before the agent acts on it."""
+        inc.state = state
+        self.journal.save(inc.record())
+
+    def _drop(self, inc: Incoming, why: str) -> None:
+        inc.state = pb.TARGET_STATE_ABORTED
+        rec = inc.record()
+        rec.note = why
+        self.journal.save(rec)
+        shutil.rmtree(inc.staging, ignore_errors=True)
+        log.info("migration %s: dropped (%s)", inc.migration_id, why)
+
+    def _expire_locked(self) -> None:
+        now = time.time()
+        for inc in self._incoming.values():
+            if inc.state in (pb.TARGET_STATE_PREPARED, pb.TARGET_STATE_VERIFIED) and now > inc.expires_at:
+                log.warning("migration %s: lease expired; dropping its staged image", inc.migration_id)
+                self._drop(inc, "lease expired")
+
+
+def restored_processes(job_dir: Path, adopted_pids: list[int], since: float) -> list[int]:
+    """A restore's processes, found without CRIU's answer: a launched job's hold its log here
+    open (no other process does: the job directory is this agent's); an adopted job's are its
+    own PIDs, created after the restore began."""
+    logs = {str(job_dir / "stdout.log"), str(job_dir / "stderr.log")}
+    found = []
+    for p in psutil.process_iter(["pid", "create_time"]):
+        try:
+            if (p.info["pid"] in adopted_pids and p.info["create_time"] >= since - 1) or (
+                logs and any(f.path in logs for f in p.open_files())
+            ):
+                found.append(p.info["pid"])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _safe_id(mid: str) -> str:
+    if not mid or not mid.replace("-", "").isalnum() or len(mid) > 64:
+        raise InvalidArgumentError(f"invalid migration id {mid!r}: 1-64 letters, digits and '-'")
+    return mid

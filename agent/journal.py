@@ -1,0 +1,105 @@
+"""Migration records on disk: what each side of a migration had done when it last wrote.
+
+Each side writes its record before it acts on a phase (a source records
+RESTORING before it sends commit; a target records RESTORING before CRIU
+starts), so after a crash the record names the furthest the migration may
+have got. An agent reads them at start (agent.recovery) and finishes or
+unwinds each one. Writes are atomic (rename) and durable (fsync).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE, TARGET = "source", "target"
+#: Finished records are kept this long so a peer that asks late still gets an answer.
+KEEP_FINISHED_S = 7 * 24 * 3600
+
+
+@dataclass
+class MigrationRecord:
+    migration_id: str
+    role: str  # source | target
+    job: str
+    state: str  # source: MigrationState value; target: TargetState value
+    peer: str = ""  # source: the target's address; target: the source's node name
+    peer_name: str = ""  # target: the source's certificate name ("" on insecure loopback)
+    staging: str = ""
+    pids: list[int] = field(default_factory=list)  # source: the frozen tree; target: adopted PIDs
+    cuda_pids: list[int] = field(default_factory=list)  # source: processes whose CUDA state is checkpointed
+    criu_pid: int = 0  # the CRIU process of the dump or restore in progress
+    criu_started: float = 0.0
+    expires_at: float = 0.0
+    max_bytes: int = 0
+    reserved_bytes: int = 0
+    gpu_map: dict[str, str] = field(default_factory=dict)
+    note: str = ""
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+
+
+FINISHED = {"committed", "aborted", "running"}
+
+
+class Journal:
+    """One JSON file per migration and side, under STATE_DIR/migrations."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.root = state_dir / "migrations"
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, role: str, mid: str) -> Path:
+        return self.root / f"{role}-{mid}.json"
+
+    def save(self, rec: MigrationRecord) -> None:
+        rec.updated_at = time.time()
+        path = self._path(rec.role, rec.migration_id)
+        tmp = path.with_suffix(".tmp")
+        data = json.dumps(asdict(rec), indent=1, sort_keys=True).encode()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        dfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def get(self, role: str, mid: str) -> MigrationRecord | None:
+        path = self._path(role, mid)
+        try:
+            return MigrationRecord(**json.loads(path.read_bytes()))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, TypeError) as e:
+            log.warning("unreadable migration record %s: %s", path, e)
+            return None
+
+    def load(self, role: str) -> list[MigrationRecord]:
+        """Every record of one side, oldest first; finished ones past their keep time are removed."""
+        out = []
+        now = time.time()
+        for path in sorted(self.root.glob(f"{role}-*.json")):
+            try:
+                rec = MigrationRecord(**json.loads(path.read_bytes()))
+            except (OSError, ValueError, TypeError) as e:
+                log.warning("skipping unreadable migration record %s: %s", path, e)
+                continue
+            if rec.state in FINISHED and now - rec.updated_at > KEEP_FINISHED_S:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                continue
+            out.append(rec)
+        return sorted(out, key=lambda r: r.created_at)

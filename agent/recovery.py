@@ -1,0 +1,204 @@
+"""Settling outgoing migrations that a crash or a silent target left open.
+
+The rule that keeps one copy of a job: the source resumes its frozen copy only
+when the target is known not to run the job, and ends it only when the target
+is known to run it. What the source's journal record says decides which is
+possible:
+
+- preparing, dumping, transferring, aborting: commit was never sent, so the
+  target cannot run the job. Tell it to abort (a tombstone fences the id
+  there), wait for a CRIU dump that outlived us, and resume.
+- restoring, unresolved: commit may have reached the target. Ask it. RUNNING:
+  end the frozen copy. ABORTED or UNKNOWN: resume. No answer: stay frozen,
+  marked UNRESOLVED with the reason and the command that settles it, and ask
+  again every few seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable
+
+from agent import cuda, procs
+from agent.errors import FerryError, InvalidArgumentError, NotFoundError, RefusedError
+from agent.jobs import JobRegistry, JobState
+from agent.journal import SOURCE, Journal, MigrationRecord
+from agent.migrate import MigrationState, Peer, unresolved_note
+from agent.rpc import pb
+
+log = logging.getLogger(__name__)
+
+CRIU_WAIT_S = 120.0
+_NOT_SENT = {
+    MigrationState.PREPARING.value,
+    MigrationState.DUMPING.value,
+    MigrationState.TRANSFERRING.value,
+    MigrationState.ABORTING.value,
+}
+_MAYBE_SENT = {MigrationState.RESTORING.value, MigrationState.UNRESOLVED.value}
+
+
+class SourceRecovery:
+    def __init__(
+        self,
+        registry: JobRegistry,
+        journal: Journal,
+        driver: cuda.CudaDriver,
+        node: str,
+        peer_for: Callable[[str], Peer],
+    ) -> None:
+        self.registry = registry
+        self.journal = journal
+        self.driver = driver
+        self.node = node
+        self.peer_for = peer_for
+
+    def open_records(self) -> list[MigrationRecord]:
+        return [r for r in self.journal.load(SOURCE) if r.state in _NOT_SENT | _MAYBE_SENT]
+
+    def recover(self) -> list[str]:
+        """At agent start: settle (or mark unresolved) every migration the last run left open."""
+        done = []
+        for rec in self.open_records():
+            try:
+                done.append(f"{rec.migration_id}: {self.settle(rec, restarted=True)}")
+            except Exception as e:
+                log.exception("migration %s (job %s): recovery failed", rec.migration_id, rec.job)
+                done.append(f"{rec.migration_id}: recovery failed: {e}")
+        return done
+
+    def poll(self) -> None:
+        """Ask again about unresolved migrations; a definite answer settles them."""
+        for rec in self.open_records():
+            if rec.state == MigrationState.UNRESOLVED.value:
+                with contextlib.suppress(FerryError):
+                    self.settle(rec)
+
+    def resolve(self, job: str, action: str) -> str:
+        """`ferry resolve JOB [--resume|--finish]`: ask the target, or take the operator's word."""
+        rec = next((r for r in self.open_records() if r.job == job), None)
+        if rec is None:
+            self.registry.get(job)  # NOT_FOUND for an unknown job
+            raise RefusedError(f"job {job!r} has no unsettled migration on this node", node=self.node)
+        if rec.state != MigrationState.UNRESOLVED.value:
+            raise RefusedError(
+                f"migration {rec.migration_id} of job {job!r} is {rec.state}, still in progress",
+                node=self.node,
+                hint="wait for it; only an unresolved migration can be settled by hand",
+            )
+        if action == "resume":
+            return self._resume(
+                rec, "the operator said the target does not run it (`ferry resolve --resume`)"
+            )
+        if action == "finish":
+            return self._finish(rec, "the operator said the target runs it (`ferry resolve --finish`)")
+        if action:
+            raise InvalidArgumentError(f"unknown resolve action {action!r}: expected resume or finish")
+        return self.settle(rec)
+
+    def settle(self, rec: MigrationRecord, restarted: bool = False) -> str:
+        why = "the agent restarted" if restarted else "asked again"
+        if rec.state in _NOT_SENT:
+            self._wait_for_criu(rec)
+            self._tell_target_abort(rec, f"source {self.node} restarted while {rec.state}")
+            return self._resume(
+                rec, f"{why} while {rec.state}; commit was never sent, so the target cannot run it"
+            )
+        state = self._ask_target(rec)
+        if state == pb.TARGET_STATE_RUNNING:
+            return self._finish(rec, f"{why}: the target reports that it runs the job")
+        if state in (pb.TARGET_STATE_ABORTED, pb.TARGET_STATE_UNKNOWN):
+            what = "aborted it" if state == pb.TARGET_STATE_ABORTED else "has no record of it"
+            return self._resume(rec, f"{why}: the target {what}")
+        if state in (pb.TARGET_STATE_PREPARED, pb.TARGET_STATE_RECEIVING, pb.TARGET_STATE_VERIFIED):
+            # It never started restoring: fence it, then the copy here is the only one.
+            self._tell_target_abort(rec, "source settles an interrupted commit")
+            if self._ask_target(rec) == pb.TARGET_STATE_ABORTED:
+                return self._resume(rec, f"{why}: the target had not started restoring; aborted there")
+        if rec.state != MigrationState.UNRESOLVED.value:
+            rec.state = MigrationState.UNRESOLVED.value
+            rec.note = unresolved_note(rec.job, rec.peer)
+            self.journal.save(rec)
+            with contextlib.suppress(NotFoundError):
+                self.registry.update(rec.job, note=rec.note)
+            log.warning("migration %s (job %s): %s", rec.migration_id, rec.job, rec.note)
+        return f"still unresolved: target {rec.peer} gave no definite answer"
+
+    # -- outcomes ----------------------------------------------------------------------
+
+    def _resume(self, rec: MigrationRecord, why: str) -> str:
+        job = self.registry.get(rec.job)
+        pids = procs.tree_pids(job.pid) if procs.alive(job.pid, job.pid_started) else []
+        procs.resume(pids)  # first: the CUDA driver's restore thread must run
+        problems = self._cuda_back(rec.cuda_pids)
+        note = f"migration to {rec.peer} settled: {why}; the job resumed here"
+        if problems:
+            note += f", but its CUDA state could not be restored ({'; '.join(problems)})"
+        running = bool(pids) and procs.alive(job.pid, job.pid_started)
+        self.registry.update(
+            rec.job, state=JobState.RUNNING if running else JobState.LOST, migration_id="", note=note
+        )
+        shutil.rmtree(rec.staging, ignore_errors=True)
+        rec.state, rec.note = MigrationState.ABORTED.value, note
+        self.journal.save(rec)
+        log.warning("migration %s (job %s): %s", rec.migration_id, rec.job, note)
+        return note
+
+    def _finish(self, rec: MigrationRecord, why: str) -> str:
+        job = self.registry.get(rec.job)
+        if procs.alive(job.pid, job.pid_started):
+            self.registry.kill_tree(job, procs.tree_pids(job.pid))
+        note = f"moved to {rec.peer}: {why}"
+        self.registry.update(rec.job, state=JobState.MOVED, moved_to=rec.peer, migration_id="", note=note)
+        shutil.rmtree(rec.staging, ignore_errors=True)
+        rec.state, rec.note = MigrationState.COMMITTED.value, note
+        self.journal.save(rec)
+        log.warning("migration %s (job %s): %s", rec.migration_id, rec.job, note)
+        return note
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _ask_target(self, rec: MigrationRecord) -> int | None:
+        try:
+            return self.peer_for(rec.peer).status(rec.migration_id)
+        except FerryError as e:
+            log.info("migration %s: target %s gave no answer: %s", rec.migration_id, rec.peer, e)
+            return None
+
+    def _tell_target_abort(self, rec: MigrationRecord, reason: str) -> None:
+        try:
+            self.peer_for(rec.peer).abort(rec.migration_id, reason)
+        except FerryError as e:
+            # Commit was never sent: the target cannot restore, and its lease runs out.
+            log.info("migration %s: could not tell target %s to abort: %s", rec.migration_id, rec.peer, e)
+
+    def _wait_for_criu(self, rec: MigrationRecord) -> None:
+        """A CRIU dump that outlived its agent finishes (leaving the tree stopped) before we resume."""
+        if not (rec.criu_pid and procs.alive(rec.criu_pid, rec.criu_started)):
+            return
+        log.warning(
+            "migration %s: waiting for CRIU (pid %d) to finish its dump", rec.migration_id, rec.criu_pid
+        )
+        deadline = time.monotonic() + CRIU_WAIT_S
+        while procs.alive(rec.criu_pid, rec.criu_started) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if procs.alive(rec.criu_pid, rec.criu_started):
+            os.kill(rec.criu_pid, signal.SIGKILL)
+
+    def _cuda_back(self, pids: list[int]) -> list[str]:
+        """Undo whatever part of the CUDA freeze happened: restore if checkpointed, unlock if locked."""
+        problems = []
+        for pid in pids:
+            try:
+                if self.driver.state(pid) is cuda.ProcessState.CHECKPOINTED:
+                    self.driver.restore(pid, None)
+                if self.driver.state(pid) is cuda.ProcessState.LOCKED:
+                    self.driver.unlock(pid)
+            except Exception as e:
+                problems.append(f"pid {pid}: {e}")
+        return problems
