@@ -168,6 +168,22 @@ def build_parser() -> Parser:
     rs.add_argument("--name", default="", help="run it under another name")
     _json_arg(rs)
 
+    rv = sub.add_parser(
+        "resolve",
+        help="settle a migration left unresolved",
+        description="A migration is UNRESOLVED when the target stopped answering while it restored "
+        "the job: the source keeps its copy frozen so that two never run, and keeps asking. This asks "
+        "the target once more and acts only on a definite answer. If the target node is gone for good "
+        "or you checked it yourself, say what you know: --resume (the job does not run there) resumes "
+        "the frozen copy here; --finish (it does) ends it.",
+    )
+    _agent_arg(rv)
+    rv.add_argument("name", help="the job (on the source agent)")
+    how = rv.add_mutually_exclusive_group()
+    how.add_argument("--resume", action="store_true", help="the target does not run the job: resume it here")
+    how.add_argument("--finish", action="store_true", help="the target runs the job: end the copy here")
+    _json_arg(rv)
+
     ins = sub.add_parser(
         "inspect",
         help="describe a saved image",
@@ -361,6 +377,16 @@ def cmd_restore(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_resolve(args: argparse.Namespace) -> int:
+    from agent.render import job_state
+    from agent.rpc import pb
+
+    action = "resume" if args.resume else "finish" if args.finish else ""
+    job = _call(args, "Resolve", pb.ResolveRequest(name=args.name, action=action), 60)
+    _job_out(job, args.json, f"job {job.name} is {job_state(job)}: {job.note}")
+    return EXIT_OK
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from agent.image import inspect_data
     from agent.render import human_bytes, table
@@ -488,6 +514,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "migrate": cmd_migrate,
     "checkpoint": cmd_checkpoint,
     "restore": cmd_restore,
+    "resolve": cmd_resolve,
     "inspect": cmd_inspect,
     "gpus": cmd_gpus,
     "certs": cmd_certs,

@@ -65,7 +65,17 @@ def test_sigterm_lets_an_in_flight_migration_finish(agents):
     a, b = agents("node-a"), agents("node-b")
     run_training(a, "graceful", steps=40)
     wait_steps(a, "graceful", 5)
-    cmd = [sys.executable, "-m", "agent.cli", "migrate", "graceful", "--agent", a.address, "--to", b.address]
+    cmd = [
+        sys.executable,
+        "-m",
+        "agent.cli",
+        "migrate",
+        "graceful",
+        "--agent",
+        f"unix:{a.socket}",
+        "--to",
+        b.address,
+    ]
     migrating = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
     while job(a, "graceful")["state"] != "migrating":
