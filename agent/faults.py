@@ -1,14 +1,26 @@
-"""Fault injection for tests: FERRY_FAULTS=point[,point...] makes those points fail.
+"""Fault injection for tests. Never set in production; each point costs a dict lookup.
 
-Points: prepare, dump, transfer, commit (source side); target-prepare,
-target-transfer, target-restore (target side).
+FERRY_FAULTS=point[,point...] makes those points fail. Points: prepare, dump,
+transfer, commit (source side); target-prepare, target-transfer, target-restore,
+target-restored (target side). Two more corrupt the stream the source sends:
+corrupt-chunk (one byte of the first data chunk flipped after its digest) and
+truncate-image (the stream ends before the manifest).
+
+FERRY_PAUSE=point=SECONDS[,...] sleeps at a point instead, which gives a test a
+window to kill an agent or cut a link at a known step. Pause-only points:
+source-dumped (tree frozen, image on disk), source-transferring and
+target-receiving (after the first chunk).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 
 from agent.errors import FerryError
+
+log = logging.getLogger(__name__)
 
 
 class InjectedFault(FerryError):
@@ -19,6 +31,18 @@ def active() -> set[str]:
     return {p.strip() for p in os.environ.get("FERRY_FAULTS", "").split(",") if p.strip()}
 
 
+def pauses() -> dict[str, float]:
+    out = {}
+    for item in os.environ.get("FERRY_PAUSE", "").split(","):
+        point, sep, seconds = item.partition("=")
+        if sep:
+            out[point.strip()] = float(seconds)
+    return out
+
+
 def check(point: str, node: str = "") -> None:
+    if seconds := pauses().get(point):
+        log.warning("FERRY_PAUSE: pausing %.1f s at %r", seconds, point)
+        time.sleep(seconds)
     if point in active():
         raise InjectedFault(f"injected fault at {point!r} (FERRY_FAULTS)", step=point, node=node)

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -140,7 +141,7 @@ class TargetMigrations:
         faults.check("target-prepare", self.node)
         self.registry.reserve_name(req.job)
         self.criu.require_usable()
-        self.staging_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private_dir(self.staging_root, self.node)
         if req.cwd and not os.path.isdir(req.cwd):
             raise self._refuse(f"the job's working directory {req.cwd} does not exist here")
         if missing := [p for p in req.paths if not os.path.exists(p)]:
@@ -237,6 +238,7 @@ class TargetMigrations:
         intake = Intake(inc.staging, inc.max_bytes, self.node)
         try:
             intake.feed(first)
+            faults.check("target-receiving", self.node)
             for chunk in chunks:
                 intake.feed(chunk)
             faults.check("target-transfer", self.node)
@@ -456,6 +458,29 @@ class TargetMigrations:
             if inc.state in (pb.TARGET_STATE_PREPARED, pb.TARGET_STATE_VERIFIED) and now > inc.expires_at:
                 log.warning("migration %s: lease expired; dropping its staged image", inc.migration_id)
                 self._drop(inc, "lease expired")
+
+
+def private_dir(path: Path, node: str) -> Path:
+    """The staging root: created 0700 if missing, else it must be a real directory of ours that
+    no one else can write, so no other user can plant links or files where images land
+    (/dev/shm is world-writable)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    problem = ""
+    if not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory (a symlink?)"
+    elif st.st_uid != os.geteuid():
+        problem = f"belongs to uid {st.st_uid}, not to this agent (uid {os.geteuid()})"
+    elif st.st_mode & 0o022:
+        problem = f"is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    if problem:
+        raise RefusedError(
+            f"staging directory {path} {problem}",
+            step="staging",
+            node=node,
+            hint="remove it, or point --staging-dir at a directory only root can write",
+        )
+    return path
 
 
 def restored_processes(job_dir: Path, adopted_pids: list[int], since: float) -> list[int]:

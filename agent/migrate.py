@@ -247,6 +247,7 @@ class SourceMigration:
             )
             pids = procs.tree_pids(rec.pid)  # the stopped tree
             self._journal(pids=pids)
+            faults.check("source-dumped", self.node)
             last_progress = _log_mtime(rec)
             _copy_logs(rec, self.staging)
 

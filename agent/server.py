@@ -26,7 +26,7 @@ from agent.cuda import DriverInfo
 from agent.cudajob import CudaJobs
 from agent.errors import FerryError, InvalidArgumentError
 from agent.gpus import Inventory
-from agent.incoming import TargetMigrations
+from agent.incoming import TargetMigrations, private_dir
 from agent.jobs import JobRecord, JobRegistry, JobState, check_job_name
 from agent.journal import Journal
 from agent.migrate import (
@@ -540,6 +540,7 @@ def serve(
             f"this node is {node!r} but its certificate names {identity.name!r}; peers check that they match",
             hint=f"pass --node-name {identity.name}, or issue a certificate for {node}",
         )
+    private_dir(staging_root, node)  # refuse a planted or shared staging dir before serving
     service = AgentService(state_dir, node, staging_root, dial=client.Dial(identity, insecure))
     server, port = create_server(address, service, identity=identity, socket_path=socket_path)
     service.recover()

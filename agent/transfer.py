@@ -8,11 +8,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent import faults
 from agent.errors import ImageError, TransferError
 from agent.image import MANIFEST, FileEntry, Manifest, check_name, image_files
 from agent.rpc import pb
 
 CHUNK_BYTES = 1 << 20
+#: Limits a lease puts on the shape of an image: CRIU writes a few files per process.
+MAX_FILES = 20_000
+MAX_MANIFEST_BYTES = 8 << 20
 
 
 @dataclass
@@ -34,7 +38,10 @@ def send_image(
     those digests, so it can only be sent after the files it describes.
     """
     first = True
-    for path in image_files(image_dir):
+    corrupt = "corrupt-chunk" in faults.active()
+    paths = image_files(image_dir)
+    listing = [pb.ImageFile(name=p.name, size=p.stat().st_size) for p in paths]
+    for path in paths:
         h = hashlib.sha256()
         size = 0
         with open(path, "rb") as f:
@@ -44,13 +51,18 @@ def send_image(
                 h.update(data)
                 size += len(data)
                 last = not nxt
+                if corrupt and data:  # the digest above saw the true bytes
+                    data, corrupt = bytes([data[0] ^ 0xFF]) + data[1:], False
                 yield pb.ImageChunk(
                     migration_id=migration_id if first else "",
                     file=path.name,
                     data=data,
                     last=last,
                     sha256=h.hexdigest() if last else "",
+                    files=listing if first else (),
                 )
+                if first:
+                    faults.check("source-transferring")
                 first = False
                 stats.bytes += len(data)
                 progress(stats.bytes)
@@ -58,6 +70,8 @@ def send_image(
                     break
                 data = nxt
         stats.entries.append(FileEntry(path.name, size, h.hexdigest()))
+    if "truncate-image" in faults.active():
+        return
     raw = make_manifest(stats.entries).to_json()
     yield pb.ImageChunk(
         migration_id=migration_id if first else "",
@@ -65,23 +79,29 @@ def send_image(
         data=raw,
         last=True,
         sha256=hashlib.sha256(raw).hexdigest(),
+        files=listing if first else (),
     )
 
 
 class Intake:
     """Writes one incoming image into its staging dir, refusing anything unsafe.
 
-    Names are plain (no separators, no `..`), files are created exclusively
-    (never through a link), the total is capped by the lease, and each file's
-    digest is checked as it completes. `finish()` checks the manifest against
-    what arrived; nothing is restored from an image that has not passed it.
+    The first chunk lists every file and its size; the list must fit the lease
+    (at most max_bytes in all, MAX_FILES files, plain names) before a byte is
+    written. Then each file must be one listed, at most its listed size, created
+    exclusively (never through a link), and its digest is checked as it
+    completes. Memory holds one chunk: data goes to disk as it arrives.
+    `finish()` checks the manifest against what arrived; nothing is restored
+    from an image that has not passed it.
     """
 
-    def __init__(self, staging: Path, max_bytes: int, node: str = "") -> None:
+    def __init__(self, staging: Path, max_bytes: int, node: str = "", max_files: int = MAX_FILES) -> None:
         self.staging = staging
         self.max_bytes = max_bytes
+        self.max_files = max_files
         self.node = node
         self.bytes = 0
+        self.expected: dict[str, int] | None = None
         self.received: dict[str, FileEntry] = {}
         self._name = ""
         self._fd = -1
@@ -92,6 +112,10 @@ class Intake:
         return TransferError(cause, step="transfer intake", node=self.node)
 
     def feed(self, chunk: pb.ImageChunk) -> None:
+        if self.expected is None:
+            self._announce(chunk.files)
+        elif chunk.files:
+            raise self._fail("the file list may come only with the first chunk")
         if chunk.file and chunk.file != self._name:
             if self._fd >= 0:
                 raise self._fail(f"file {self._name!r} ended without its last chunk")
@@ -99,24 +123,51 @@ class Intake:
         elif self._fd < 0:
             raise self._fail("a chunk arrived without a file name")
         self.bytes += len(chunk.data)
+        self._size += len(chunk.data)
         if self.bytes > self.max_bytes:
             raise self._fail(f"image exceeds the lease's cap of {self.max_bytes} bytes")
+        if self._size > self._limit(self._name):
+            raise self._fail(f"file {self._name!r} is larger than listed ({self._limit(self._name)} bytes)")
         os.write(self._fd, chunk.data)
         self._hash.update(chunk.data)
-        self._size += len(chunk.data)
         if chunk.last:
             os.close(self._fd)
             self._fd = -1
             digest = self._hash.hexdigest()
             if chunk.sha256 != digest:
                 raise self._fail(f"digest mismatch for {self._name!r}: the file was corrupted in transit")
+            if self._name != MANIFEST and self._size != self._limit(self._name):
+                raise self._fail(f"file {self._name!r} is shorter than announced (truncated)")
             self.received[self._name] = FileEntry(self._name, self._size, digest)
+
+    def _announce(self, files: list[pb.ImageFile]) -> None:
+        if not files:
+            raise self._fail("the stream did not start with its file list")
+        if len(files) > self.max_files:
+            raise self._fail(f"the image lists {len(files)} files; a lease allows {self.max_files}")
+        expected: dict[str, int] = {}
+        for f in files:
+            try:
+                check_name(f.name)
+            except ImageError as e:
+                raise self._fail(e.cause) from e
+            if f.name == MANIFEST or f.name in expected:
+                raise self._fail(f"file {f.name!r} is listed twice")
+            expected[f.name] = f.size
+        if (total := sum(expected.values())) > self.max_bytes:
+            raise self._fail(f"the image lists {total} bytes; the lease's cap is {self.max_bytes}")
+        self.expected = expected
+
+    def _limit(self, name: str) -> int:
+        return MAX_MANIFEST_BYTES if name == MANIFEST else (self.expected or {})[name]
 
     def _open(self, name: str) -> None:
         try:
             check_name(name)
         except ImageError as e:
             raise self._fail(e.cause) from e
+        if name != MANIFEST and name not in (self.expected or {}):
+            raise self._fail(f"file {name!r} is not in the stream's file list")
         if name in self.received:
             raise self._fail(f"file {name!r} was sent twice")
         self._name, self._hash, self._size = name, hashlib.sha256(), 0
@@ -133,6 +184,8 @@ class Intake:
         self.close()
         if MANIFEST not in self.received:
             raise self._fail("the stream ended before the manifest arrived (truncated image)")
+        if missing := sorted(set(self.expected or {}) - set(self.received)):
+            raise self._fail(f"the stream ended without listed files: {', '.join(missing[:5])}")
         try:
             m = Manifest.from_json((self.staging / MANIFEST).read_bytes(), where="received manifest")
             listed = {f.name: f for f in m.files}

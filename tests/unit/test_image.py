@@ -316,14 +316,42 @@ def test_send_image_splits_big_files(tmp_path: Path) -> None:
     assert (out / "pages-1.img").read_bytes() == (d / "pages-1.img").read_bytes()
 
 
-def test_intake_stops_at_the_cap_before_writing(tmp_path: Path) -> None:
+def listing(sizes: dict[str, int]) -> list[pb.ImageFile]:
+    """The file list a stream's first chunk carries."""
+    return [pb.ImageFile(name=n, size=s) for n, s in sizes.items()]
+
+
+def test_intake_refuses_a_file_list_beyond_the_cap_before_writing(tmp_path: Path) -> None:
     intake = Intake(tmp_path, max_bytes=100, node="nodeb")
-    intake.feed(pb.ImageChunk(file="pages-1.img", data=b"a" * 60))
-    with pytest.raises(TransferError, match="cap of 100 bytes") as exc:
-        intake.feed(pb.ImageChunk(file="pages-1.img", data=b"b" * 60))
+    first = pb.ImageChunk(
+        file="pages-1.img", data=b"a" * 60, files=listing({"pages-1.img": 60, "core-1.img": 60})
+    )
+    with pytest.raises(TransferError, match="lists 120 bytes; the lease's cap is 100") as exc:
+        intake.feed(first)
     intake.close()
     assert exc.value.node == "nodeb"
-    assert (tmp_path / "pages-1.img").stat().st_size == 60  # nothing beyond the cap was written
+    assert list(tmp_path.iterdir()) == []  # refused before a byte was written
+
+
+def test_intake_stops_a_file_at_its_listed_size(tmp_path: Path) -> None:
+    intake = Intake(tmp_path, max_bytes=100, node="nodeb")
+    intake.feed(pb.ImageChunk(file="pages-1.img", data=b"a" * 60, files=listing({"pages-1.img": 60})))
+    with pytest.raises(TransferError, match="larger than listed"):
+        intake.feed(pb.ImageChunk(file="pages-1.img", data=b"b" * 30))
+    intake.close()
+    assert (tmp_path / "pages-1.img").stat().st_size == 60  # nothing beyond the listing was written
+
+
+def test_intake_refuses_a_file_not_in_the_list(tmp_path: Path) -> None:
+    intake = Intake(tmp_path, max_bytes=100)
+    with pytest.raises(TransferError, match="not in the stream's file list"):
+        intake.feed(pb.ImageChunk(file="core-1.img", data=b"a", files=listing({"pages-1.img": 1})))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_intake_refuses_a_stream_without_a_file_list(tmp_path: Path) -> None:
+    with pytest.raises(TransferError, match="did not start with its file list"):
+        Intake(tmp_path, max_bytes=100).feed(pb.ImageChunk(file="core-1.img", data=b"a"))
 
 
 def test_intake_does_not_write_through_a_planted_symlink(tmp_path: Path) -> None:
@@ -334,7 +362,9 @@ def test_intake_does_not_write_through_a_planted_symlink(tmp_path: Path) -> None
     (staging / "pages-1.img").symlink_to(victim)
     intake = Intake(staging, 1 << 20)
     with pytest.raises(OSError):
-        intake.feed(pb.ImageChunk(file="pages-1.img", data=b"overwrite", last=True))
+        intake.feed(
+            pb.ImageChunk(file="pages-1.img", data=b"overwrite", last=True, files=listing({"pages-1.img": 9}))
+        )
     assert victim.read_bytes() == b"precious"
 
 
@@ -342,7 +372,13 @@ def test_intake_finish_without_a_manifest(tmp_path: Path) -> None:
     intake = Intake(tmp_path, 1 << 20)
     data = b"x"
     intake.feed(
-        pb.ImageChunk(file="core-1.img", data=data, last=True, sha256=hashlib.sha256(data).hexdigest())
+        pb.ImageChunk(
+            file="core-1.img",
+            data=data,
+            last=True,
+            sha256=hashlib.sha256(data).hexdigest(),
+            files=listing({"core-1.img": 1}),
+        )
     )
     with pytest.raises(TransferError, match="truncated"):
         intake.finish()
@@ -359,8 +395,10 @@ def test_intake_finish_with_a_file_the_manifest_omits(image: Path, tmp_path: Pat
             data=extra,
             last=True,
             sha256=hashlib.sha256(extra).hexdigest(),
+            files=[*chunks[0].files, pb.ImageFile(name="extra.img", size=len(extra))],
         ),
     )
+    del chunks[1].files[:]  # the list comes with the first chunk only
     out = tmp_path / "out"
     out.mkdir()
     intake = Intake(out, 1 << 20)

@@ -295,7 +295,7 @@ def test_push_of_a_file_the_manifest_does_not_describe_is_refused(
     target.prepare(prepare_req())
     chunks = chunks_for(make_image(tmp_path))
     i = next(i for i, c in enumerate(chunks) if c.file == "core-1.img")
-    evil = b"not the core image"
+    evil = b"X" * len(chunks[i].data)  # same size as listed: only the manifest can tell
     chunks[i] = replace(chunks[i], data=evil, sha256=hashlib.sha256(evil).hexdigest())
 
     with pytest.raises(TransferError, match="do not match the manifest"):
@@ -376,7 +376,8 @@ def test_push_refuses_an_unsafe_name_in_the_first_chunk(
     target: TargetMigrations, tmp_path: Path, name: str
 ) -> None:
     target.prepare(prepare_req())
-    chunk = pb.ImageChunk(migration_id=MID, file=name, data=b"evil", last=True)
+    files = [pb.ImageFile(name=name, size=4)]
+    chunk = pb.ImageChunk(migration_id=MID, file=name, data=b"evil", last=True, files=files)
     with pytest.raises(TransferError, match="unsafe file name"):
         target.push(iter([chunk]))
     assert staged(target) == []
@@ -387,7 +388,8 @@ def test_push_refuses_an_unsafe_name_in_the_first_chunk(
 def test_push_refuses_a_file_sent_twice(target: TargetMigrations) -> None:
     target.prepare(prepare_req())
     sha = hashlib.sha256(b"x").hexdigest()
-    first = pb.ImageChunk(migration_id=MID, file="core-1.img", data=b"x", last=True, sha256=sha)
+    files = [pb.ImageFile(name="core-1.img", size=1), pb.ImageFile(name="pages-1.img", size=1)]
+    first = pb.ImageChunk(migration_id=MID, file="core-1.img", data=b"x", last=True, sha256=sha, files=files)
     other = pb.ImageChunk(file="pages-1.img", data=b"x", last=True, sha256=sha)
     again = pb.ImageChunk(file="core-1.img", data=b"x", last=True, sha256=sha)
     with pytest.raises(TransferError, match="sent twice"):
@@ -398,7 +400,7 @@ def test_push_refuses_a_file_sent_twice(target: TargetMigrations) -> None:
 def test_push_beyond_the_lease_cap_is_refused(target: TargetMigrations, tmp_path: Path) -> None:
     target.prepare(prepare_req())
     target._get(MID).max_bytes = 64 << 10  # the real floor is 1 GiB; a small cap keeps the test fast
-    with pytest.raises(TransferError, match="exceeds the lease's cap of 65536 bytes"):
+    with pytest.raises(TransferError, match=r"lists \d+ bytes; the lease's cap is 65536"):
         target.push(iter(chunks_for(make_image(tmp_path, pages=200_000))))
     assert staged(target) == []
     assert state(target) == pb.TARGET_STATE_ABORTED

@@ -220,6 +220,7 @@ def test_push_image_errors(stub) -> None:
         data=b"abc",
         last=True,
         sha256=hashlib.sha256(b"abd").hexdigest(),
+        files=[pb.ImageFile(name="pages-1.img", size=3)],
     )
     err = rpc_error(stub.PushImage, iter([bad]))
     assert err.code() is S.ABORTED
