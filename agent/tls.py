@@ -141,15 +141,17 @@ def diagnose(address: str, identity: Identity, timeout_s: float = 5.0) -> Unauth
             try:
                 with ctx.wrap_socket(raw, server_hostname=host) as s:
                     s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
-                    s.recv(1)
+                    if not s.recv(1):  # a gRPC server that accepts us answers with its settings
+                        raise ssl.SSLError("the connection was closed right after the handshake")
             except ssl.SSLCertVerificationError as e:
                 return UnauthenticatedError(
                     f"agent {address} presented a certificate we do not accept: {e.verify_message}",
                     hint=f"its certificate must be signed by the CA in {identity.directory} and name {host}",
                 )
             except ssl.SSLError as e:
+                why = getattr(e, "reason", None) or e.args[0]
                 return UnauthenticatedError(
-                    f"agent {address} refused our certificate ({identity.name}): {e.reason or e}",
+                    f"agent {address} refused our certificate ({identity.name}): {why}",
                     hint=f"use a certificate signed by that agent's cluster CA (ours: {identity.directory})",
                 )
     except OSError:

@@ -1,0 +1,266 @@
+"""The migration journal and what an agent does with it after a restart (agent.journal,
+agent.recovery, TargetMigrations.recover). Real processes stand in for frozen jobs; the
+target agent is a scripted peer; the CUDA driver is the fake one (no GPU here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from fake_cuda import CHECKPOINTED, GPU0, RUNNING, CudaWorld, fake_cuda_jobs
+from fakes import SLEEP, FakeCriu, is_dead, is_stopped, launched_record, wait_stopped
+
+from agent.errors import NotFoundError, RefusedError, UnavailableError
+from agent.incoming import TargetMigrations
+from agent.jobs import JobRegistry, JobState
+from agent.journal import KEEP_FINISHED_S, SOURCE, TARGET, Journal, MigrationRecord
+from agent.recovery import SourceRecovery
+from agent.rpc import pb
+
+
+class ScriptedTarget:
+    """The target agent as a source sees it: answers status from a script, records aborts."""
+
+    def __init__(self, state: int | None) -> None:
+        self.state = state  # None: unreachable
+        self.aborts: list[str] = []
+
+    def status(self, mid: str) -> int:
+        if self.state is None:
+            raise UnavailableError("agent 127.0.0.1:1 is unreachable")
+        return self.state
+
+    def abort(self, mid: str, reason: str) -> None:
+        if self.state is None:
+            raise UnavailableError("agent 127.0.0.1:1 is unreachable")
+        self.aborts.append(mid)
+        if self.state != pb.TARGET_STATE_RUNNING:
+            self.state = pb.TARGET_STATE_ABORTED
+
+
+@pytest.fixture
+def frozen(sleeper, registry: JobRegistry):
+    """A job frozen mid-migration (SIGSTOPped, MIGRATING), as a crashed source agent leaves it."""
+
+    def make(name: str = "train") -> subprocess.Popen[bytes]:
+        proc, out, err = sleeper()
+        rec = launched_record(name, proc, out, err)
+        rec.state, rec.migration_id = JobState.MIGRATING, "m1"
+        registry.save(rec)
+        os.kill(proc.pid, signal.SIGSTOP)
+        wait_stopped(proc.pid)
+        return proc
+
+    return make
+
+
+def source_record(state: str, proc: subprocess.Popen[bytes], tmp_path: Path, **kw: object) -> MigrationRecord:
+    staging = tmp_path / "out-m1"
+    staging.mkdir(exist_ok=True)
+    (staging / "pages-1.img").write_bytes(b"x")
+    return MigrationRecord(
+        "m1", SOURCE, "train", state, peer="127.0.0.1:1", staging=str(staging), pids=[proc.pid], **kw
+    )
+
+
+def recovery(registry: JobRegistry, journal: Journal, peer: ScriptedTarget, world: CudaWorld | None = None):
+    cj, _ = fake_cuda_jobs(world or CudaWorld())
+    return SourceRecovery(registry, journal, cj.driver, "nodea", lambda address: peer)
+
+
+# -- the journal ---------------------------------------------------------------------------
+
+
+def test_journal_round_trip_and_atomic_files(tmp_path: Path) -> None:
+    j = Journal(tmp_path)
+    rec = MigrationRecord("m1", SOURCE, "train", "dumping", pids=[10, 11])
+    j.save(rec)
+    assert j.get(SOURCE, "m1") == rec
+    assert j.get(TARGET, "m1") is None
+    assert [p.name for p in (tmp_path / "migrations").iterdir()] == ["source-m1.json"]  # no temp left
+    assert oct((tmp_path / "migrations" / "source-m1.json").stat().st_mode & 0o777) == "0o600"
+
+
+def test_journal_load_skips_garbage_and_prunes_old_finished_records(tmp_path: Path) -> None:
+    j = Journal(tmp_path)
+    j.save(MigrationRecord("old", TARGET, "a", "aborted"))
+    j.save(MigrationRecord("open", TARGET, "b", "receiving"))
+    path = tmp_path / "migrations" / "target-old.json"
+    data = json.loads(path.read_text())
+    data["updated_at"] = time.time() - KEEP_FINISHED_S - 1
+    path.write_text(json.dumps(data))
+    (tmp_path / "migrations" / "target-bad.json").write_text("{not json")
+    assert [r.migration_id for r in j.load(TARGET)] == ["open"]
+    assert not path.exists()
+
+
+# -- source side -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state", ["preparing", "dumping", "transferring", "aborting"])
+def test_a_source_restarted_before_commit_resumes_its_copy(state, frozen, registry, tmp_path) -> None:
+    proc = frozen()
+    journal = Journal(tmp_path / "state")
+    rec = source_record(state, proc, tmp_path)
+    journal.save(rec)
+    peer = ScriptedTarget(pb.TARGET_STATE_RECEIVING)
+    recovery(registry, journal, peer).recover()
+
+    assert not is_stopped(proc.pid)
+    job = registry.get("train")
+    assert job.state is JobState.RUNNING and job.migration_id == ""
+    assert "commit was never sent" in job.note and "resumed here" in job.note
+    assert peer.aborts == ["m1"]  # the target is fenced
+    assert journal.get(SOURCE, "m1").state == "aborted"
+    assert not Path(rec.staging).exists()
+
+
+def test_a_source_before_commit_resumes_even_if_the_target_is_unreachable(frozen, registry, tmp_path) -> None:
+    proc = frozen()
+    journal = Journal(tmp_path / "state")
+    journal.save(source_record("transferring", proc, tmp_path))
+    recovery(registry, journal, ScriptedTarget(None)).recover()
+    assert not is_stopped(proc.pid)
+    assert registry.get("train").state is JobState.RUNNING
+
+
+def test_a_source_after_commit_ends_its_copy_when_the_target_runs_the_job(frozen, registry, tmp_path) -> None:
+    proc = frozen()
+    journal = Journal(tmp_path / "state")
+    journal.save(source_record("restoring", proc, tmp_path))
+    recovery(registry, journal, ScriptedTarget(pb.TARGET_STATE_RUNNING)).recover()
+    assert is_dead(proc.pid)
+    job = registry.get("train")
+    assert job.state is JobState.MOVED and job.moved_to == "127.0.0.1:1"
+    assert journal.get(SOURCE, "m1").state == "committed"
+
+
+@pytest.mark.parametrize("answer", [pb.TARGET_STATE_ABORTED, pb.TARGET_STATE_UNKNOWN])
+def test_a_source_after_commit_resumes_when_the_target_does_not_run_it(answer, frozen, registry, tmp_path):
+    proc = frozen()
+    journal = Journal(tmp_path / "state")
+    journal.save(source_record("restoring", proc, tmp_path))
+    recovery(registry, journal, ScriptedTarget(answer)).recover()
+    assert not is_stopped(proc.pid)
+    assert registry.get("train").state is JobState.RUNNING
+
+
+def test_a_target_that_never_started_restoring_is_fenced_then_the_copy_resumes(frozen, registry, tmp_path):
+    proc = frozen()
+    journal = Journal(tmp_path / "state")
+    journal.save(source_record("restoring", proc, tmp_path))
+    peer = ScriptedTarget(pb.TARGET_STATE_VERIFIED)
+    recovery(registry, journal, peer).recover()
+    assert peer.aborts == ["m1"]
+    assert not is_stopped(proc.pid)
+
+
+def test_no_answer_after_commit_keeps_the_copy_frozen_and_says_so(frozen, registry, tmp_path) -> None:
+    proc = frozen()
+    journal = Journal(tmp_path / "state")
+    journal.save(source_record("restoring", proc, tmp_path))
+    peer = ScriptedTarget(None)
+    rec = recovery(registry, journal, peer)
+    rec.recover()
+    assert is_stopped(proc.pid)
+    job = registry.get("train")
+    assert job.state is JobState.MIGRATING
+    assert job.note.startswith("UNRESOLVED") and "ferry resolve train --resume" in job.note
+    assert journal.get(SOURCE, "m1").state == "unresolved"
+
+    rec.poll()  # still no answer: nothing changes
+    assert is_stopped(proc.pid)
+    peer.state = pb.TARGET_STATE_ABORTED
+    rec.poll()  # the target answers: settled without anyone typing anything
+    assert not is_stopped(proc.pid)
+    assert registry.get("train").state is JobState.RUNNING
+
+
+@pytest.mark.parametrize(("action", "resumed"), [("resume", True), ("finish", False)])
+def test_the_operator_settles_an_unresolved_migration(action, resumed, frozen, registry, tmp_path) -> None:
+    proc = frozen()
+    journal = Journal(tmp_path / "state")
+    journal.save(source_record("unresolved", proc, tmp_path))
+    r = recovery(registry, journal, ScriptedTarget(None))
+    note = r.resolve("train", action)
+    assert f"ferry resolve --{action}" in note
+    if resumed:
+        assert not is_stopped(proc.pid) and registry.get("train").state is JobState.RUNNING
+    else:
+        assert is_dead(proc.pid) and registry.get("train").state is JobState.MOVED
+
+
+def test_resolve_refuses_a_migration_that_is_not_unresolved(frozen, registry, tmp_path) -> None:
+    proc = frozen()
+    journal = Journal(tmp_path / "state")
+    journal.save(source_record("transferring", proc, tmp_path))
+    r = recovery(registry, journal, ScriptedTarget(None))
+    with pytest.raises(RefusedError, match="is transferring, still in progress"):
+        r.resolve("train", "resume")
+    with pytest.raises(NotFoundError, match="no job named 'other'"):
+        r.resolve("other", "")
+    assert is_stopped(proc.pid)
+
+
+def test_a_resumed_cuda_job_gets_its_gpu_state_back(frozen, registry, tmp_path) -> None:
+    proc = frozen()
+    world = CudaWorld()
+    world.add_cuda_process(proc.pid, [GPU0])
+    world.procs[proc.pid].state = CHECKPOINTED
+    journal = Journal(tmp_path / "state")
+    journal.save(source_record("dumping", proc, tmp_path, cuda_pids=[proc.pid]))
+    recovery(registry, journal, ScriptedTarget(None), world).recover()
+    assert world.state(proc.pid) == RUNNING
+    assert not is_stopped(proc.pid)
+
+
+# -- target side -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def target(registry: JobRegistry, tmp_path: Path):
+    criu = FakeCriu("nodeb")
+    cj, _ = fake_cuda_jobs(CudaWorld(), "nodeb")
+    yield TargetMigrations(registry, criu, tmp_path / "tstaging", "nodeb", cj)
+    criu.cleanup()
+
+
+@pytest.mark.parametrize("state", ["prepared", "receiving", "verified"])
+def test_a_restarted_target_drops_images_in_flight(state, target, tmp_path) -> None:
+    staging = tmp_path / "tstaging" / "in-m1"
+    staging.mkdir(parents=True)
+    (staging / "pages-1.img").write_bytes(b"x")
+    target.journal.save(MigrationRecord("m1", TARGET, "train", state, peer="nodea", staging=str(staging)))
+    [line] = target.recover()
+    assert f"agent restarted while {state}" in line
+    assert not staging.exists()
+    assert target.status("m1") == pb.TARGET_STATE_ABORTED
+
+
+def test_a_restarted_target_kills_a_restore_it_did_not_see_finish(target, registry, tmp_path) -> None:
+    job_dir = registry.job_dir("train")
+    job_dir.mkdir(parents=True)
+    with open(job_dir / "stdout.log", "ab") as out:  # what a restored job holds: our log
+        restored = subprocess.Popen([SLEEP, "60"], stdout=out, start_new_session=True)
+    bystander = subprocess.Popen([SLEEP, "60"], start_new_session=True)
+    try:
+        target.journal.save(MigrationRecord("m1", TARGET, "train", "restoring", peer="nodea"))
+        [line] = target.recover()
+        assert "killed its half-finished restore (1 processes)" in line
+        assert is_dead(restored.pid)
+        assert bystander.poll() is None
+        assert target.status("m1") == pb.TARGET_STATE_ABORTED
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_a_restarted_target_leaves_finished_migrations_alone(target) -> None:
+    target.journal.save(MigrationRecord("m1", TARGET, "train", "running", peer="nodea"))
+    assert target.recover() == []
+    assert target.status("m1") == pb.TARGET_STATE_RUNNING
