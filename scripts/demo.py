@@ -18,6 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from agent import certs  # noqa: E402
 from agent.localcluster import LocalAgent  # noqa: E402
 
 WORKLOAD = REPO / "scripts" / "workloads" / "train_mlp.py"
@@ -44,9 +45,15 @@ def wait_for(pred, timeout_s: float, what: str):  # type: ignore[no-untyped-def]
 
 def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="ferry-demo-"))
-    a, b = LocalAgent(root, "node-a"), LocalAgent(root, "node-b")
+    pki = root / "pki"
+    say("ferry certs: a cluster CA and a certificate per node")
+    certs.create_ca(pki)
+    for node in ("node-a", "node-b"):
+        issued = certs.issue(pki, node, certs.Role.NODE, ["127.0.0.1"])
+        print(f"{issued.cert} ({issued.subject}, valid until {issued.not_after:%Y-%m-%d})")
+    a, b = LocalAgent(root, "node-a", tls_dir=pki), LocalAgent(root, "node-b", tls_dir=pki)
     try:
-        say("starting two agents on loopback")
+        say("starting two agents on loopback, speaking mutual TLS")
         a.start()
         b.start()
         print(f"node-a at {a.address}, node-b at {b.address} (state and logs under {root})")
