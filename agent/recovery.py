@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable
 
@@ -57,6 +58,8 @@ class SourceRecovery:
         self.driver = driver
         self.node = node
         self.peer_for = peer_for
+        #: One settlement at a time: the housekeeping loop and `ferry resolve` may race.
+        self._lock = threading.Lock()
 
     def open_records(self) -> list[MigrationRecord]:
         return [r for r in self.journal.load(SOURCE) if r.state in _NOT_SENT | _MAYBE_SENT]
@@ -91,17 +94,28 @@ class SourceRecovery:
                 node=self.node,
                 hint="wait for it; only an unresolved migration can be settled by hand",
             )
-        if action == "resume":
-            return self._resume(
-                rec, "the operator said the target does not run it (`ferry resolve --resume`)"
-            )
-        if action == "finish":
-            return self._finish(rec, "the operator said the target runs it (`ferry resolve --finish`)")
-        if action:
+        if action not in ("", "resume", "finish"):
             raise InvalidArgumentError(f"unknown resolve action {action!r}: expected resume or finish")
-        return self.settle(rec)
+        if not action:
+            return self.settle(rec)
+        with self._lock:
+            current = self.journal.get(SOURCE, rec.migration_id)
+            if current is None or current.state != MigrationState.UNRESOLVED.value:
+                return "already settled meanwhile"
+            if action == "resume":
+                return self._resume(
+                    current, "the operator said the target does not run it (`ferry resolve --resume`)"
+                )
+            return self._finish(current, "the operator said the target runs it (`ferry resolve --finish`)")
 
     def settle(self, rec: MigrationRecord, restarted: bool = False) -> str:
+        with self._lock:
+            current = self.journal.get(SOURCE, rec.migration_id)
+            if current is None or current.state not in _NOT_SENT | _MAYBE_SENT:
+                return f"already settled ({current.state if current else 'no record'})"
+            return self._settle(current, restarted)
+
+    def _settle(self, rec: MigrationRecord, restarted: bool) -> str:
         why = "the agent restarted" if restarted else "asked again"
         if rec.state in _NOT_SENT:
             self._wait_for_criu(rec)

@@ -36,6 +36,8 @@ class Identity:
     cert: bytes
     key: bytes
     directory: Path
+    cert_path: Path
+    key_path: Path
 
     def server_credentials(self) -> grpc.ServerCredentials:
         # The handshake itself demands a client certificate signed by the CA: a peer
@@ -91,7 +93,16 @@ def load(directory: Path, name: str = "", want: Role | None = None) -> Identity:
         raise InvalidArgumentError(
             f"{files['cert']} is a {role.value} certificate; this needs a {want.value} one", step="tls"
         )
-    return Identity(cert_name(data["cert"]), role, data["ca"], data["cert"], data["key"], directory)
+    return Identity(
+        cert_name(data["cert"]),
+        role,
+        data["ca"],
+        data["cert"],
+        data["key"],
+        directory,
+        files["cert"],
+        files["key"],
+    )
 
 
 @functools.lru_cache(maxsize=256)
@@ -133,10 +144,8 @@ def diagnose(address: str, identity: Identity, timeout_s: float = 5.0) -> Unauth
     host = host.strip("[]")
     ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=identity.ca.decode())
     ctx.set_alpn_protocols(["h2"])
-    key_file = _temp_pem(identity.key)
-    cert_file = _temp_pem(identity.cert)
     try:
-        ctx.load_cert_chain(cert_file, key_file)
+        ctx.load_cert_chain(identity.cert_path, identity.key_path)
         with socket.create_connection((host, int(port)), timeout=timeout_s) as raw:
             try:
                 with ctx.wrap_socket(raw, server_hostname=host) as s:
@@ -156,16 +165,4 @@ def diagnose(address: str, identity: Identity, timeout_s: float = 5.0) -> Unauth
                 )
     except OSError:
         return None
-    finally:
-        os.unlink(key_file)
-        os.unlink(cert_file)
     return None
-
-
-def _temp_pem(data: bytes) -> str:
-    import tempfile
-
-    fd, path = tempfile.mkstemp(prefix="ferry-tls-", suffix=".pem")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    return path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -119,9 +120,7 @@ def test_a_certificate_from_another_ca_is_unauthenticated(pki, tls_agent) -> Non
     _, address = tls_agent
     mallory = tls.load(pki["other"], "mallory")
     # Mallory trusts our CA for the server, but her own certificate is signed by hers.
-    mallory = tls.Identity(
-        mallory.name, mallory.role, tls_agent_ca(tls_agent), mallory.cert, mallory.key, pki["other"]
-    )
+    mallory = dataclasses.replace(mallory, ca=tls_agent_ca(tls_agent))
     with pytest.raises(UnauthenticatedError, match="refused our certificate \\(mallory\\)"):
         call(address, mallory, "ListJobs", pb.ListJobsRequest())
 
