@@ -255,6 +255,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
     staging = args.staging_dir or config.DEFAULT_STAGING_ROOT / args.node_name
     identity = None
+    if args.insecure and args.tls_dir:
+        raise Usage("ferry agent: --insecure serves plaintext and --tls-dir TLS; give one of them")
     if not args.insecure:
         try:
             identity = tls.load(args.tls_dir or tls.default_dir(), args.node_name, Role.NODE)

@@ -133,6 +133,7 @@ class TargetMigrations:
             )
         _safe_id(req.migration_id)
         if caller and req.source_node != caller:
+            log.warning("refused Prepare: node %r claimed to be %r", caller, req.source_node)
             raise PermissionDeniedError(
                 f"node {caller!r} may not prepare a migration on behalf of {req.source_node!r}",
                 step="prepare",
@@ -238,6 +239,15 @@ class TargetMigrations:
         intake = Intake(inc.staging, inc.max_bytes, self.node)
         try:
             intake.feed(first)
+            listed = sum((intake.expected or {}).values())
+            if listed > (free := shutil.disk_usage(inc.staging).free) + intake.bytes:
+                raise TransferError(
+                    f"the image lists {listed >> 20} MiB but staging {self.staging_root} has "
+                    f"{free >> 20} MiB free",
+                    step="transfer intake",
+                    node=self.node,
+                    hint="free space or point --staging-dir at a larger tmpfs",
+                )
             faults.check("target-receiving", self.node)
             for chunk in chunks:
                 intake.feed(chunk)
@@ -462,17 +472,26 @@ class TargetMigrations:
 
 def private_dir(path: Path, node: str) -> Path:
     """The staging root: created 0700 if missing, else it must be a real directory of ours that
-    no one else can write, so no other user can plant links or files where images land
-    (/dev/shm is world-writable)."""
+    no one else can write, and so must every directory above it unless sticky (like /dev/shm):
+    otherwise another user could swap in files or links where images land."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = os.lstat(path)
+    me = os.geteuid()
     problem = ""
     if not stat.S_ISDIR(st.st_mode):
         problem = "is not a directory (a symlink?)"
-    elif st.st_uid != os.geteuid():
-        problem = f"belongs to uid {st.st_uid}, not to this agent (uid {os.geteuid()})"
+    elif st.st_uid != me:
+        problem = f"belongs to uid {st.st_uid}, not to this agent (uid {me})"
     elif st.st_mode & 0o022:
         problem = f"is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    for parent in path.absolute().parents:
+        if problem:
+            break
+        pst = os.stat(parent)
+        if pst.st_uid not in (0, me):
+            problem = f"lies in {parent}, which belongs to uid {pst.st_uid}"
+        elif pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX:
+            problem = f"lies in {parent}, which others can write (mode {stat.S_IMODE(pst.st_mode):o})"
     if problem:
         raise RefusedError(
             f"staging directory {path} {problem}",

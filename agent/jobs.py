@@ -182,7 +182,8 @@ class JobRegistry:
             )
         if not os.path.isdir(cwd):
             raise InvalidArgumentError(f"working directory {cwd!r} does not exist on {self.node}")
-        job_env = dict(os.environ)
+        # The agent's own settings (fault injection in tests, TLS paths) are not the job's business.
+        job_env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
         for item in env:
             key, sep, value = item.partition("=")
             if not sep or not _ENV_KEY.match(key):

@@ -17,10 +17,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from agent.errors import FerryError
+
 log = logging.getLogger(__name__)
 
 SOURCE, TARGET = "source", "target"
-#: Finished records are kept this long so a peer that asks late still gets an answer.
+#: Aborted records (tombstones) are kept this long, so a late message with their id is refused.
 KEEP_FINISHED_S = 7 * 24 * 3600
 
 
@@ -47,6 +49,9 @@ class MigrationRecord:
 
 
 FINISHED = {"committed", "aborted", "running"}
+#: Only these are ever pruned: a target's "running" record is what tells a source, however
+#: late it asks, that the job runs there; forgetting it would read as "never heard of it".
+PRUNABLE = {"aborted"}
 
 
 class Journal:
@@ -84,8 +89,12 @@ class Journal:
         except FileNotFoundError:
             return None
         except (OSError, ValueError, TypeError) as e:
-            log.warning("unreadable migration record %s: %s", path, e)
-            return None
+            # Never "no record": that answer lets a source resume its copy.
+            raise FerryError(
+                f"migration record {path} is unreadable ({e})",
+                step="journal",
+                hint="restore the file from a backup or settle the migration by hand",
+            ) from e
 
     def load(self, role: str) -> list[MigrationRecord]:
         """Every record of one side, oldest first; finished ones past their keep time are removed."""
@@ -97,7 +106,7 @@ class Journal:
             except (OSError, ValueError, TypeError) as e:
                 log.warning("skipping unreadable migration record %s: %s", path, e)
                 continue
-            if rec.state in FINISHED and now - rec.updated_at > KEEP_FINISHED_S:
+            if rec.state in PRUNABLE and now - rec.updated_at > KEEP_FINISHED_S:
                 with contextlib.suppress(OSError):
                     path.unlink()
                 continue

@@ -35,6 +35,7 @@ from agent.errors import (
     RefusedError,
     StepTimeoutError,
     TransferError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from agent.gpus import Nvml, gib
@@ -181,6 +182,7 @@ class SourceMigration:
         self.cuda = cuda_jobs or default_cuda_jobs(node)
         self.footprint = Footprint()
         self.cuda_frozen = False
+        self.target_aborted = False
         self.registry = registry
         self.criu = criu
         self.peer = peer
@@ -231,7 +233,7 @@ class SourceMigration:
         try:
             self._set(MigrationState.DUMPING, "dump", "freezing and dumping the job")
             faults.check("dump", self.node)
-            self.staging.mkdir(parents=True)
+            self.staging.mkdir(mode=0o700, parents=True)
             frozen_at = time.monotonic()
             if self.footprint.processes:
                 self.emit(Progress("dump", f"copying {gib(self.footprint.gpu_bytes)} of GPU memory to host"))
@@ -319,6 +321,8 @@ class SourceMigration:
     def _prepare(self, rec: JobRecord) -> None:
         try:
             info = self.peer.info()
+        except UnauthenticatedError:
+            raise  # a certificate problem, not an unreachable agent
         except FerryError as e:
             raise RefusedError(
                 f"target agent {self.spec.target} is unreachable: {e.cause}",
@@ -371,7 +375,15 @@ class SourceMigration:
                 return pb.CommitResponse(node_name=self.result.target_node)
             if state in (None, pb.TARGET_STATE_RESTORING):
                 raise _Unresolved(str(e)) from e
-            raise TransferError(f"target lost the migration during commit: {e.cause}") from e
+            if state in (pb.TARGET_STATE_ABORTED, pb.TARGET_STATE_UNKNOWN):
+                raise TransferError(f"target lost the migration during commit: {e.cause}") from e
+            # It has not started restoring, but our commit may still be on its way: fence it first.
+            try:
+                self.peer.abort(self.spec.migration_id, f"commit unanswered: {e.cause}")
+            except FerryError as abort_err:
+                raise _Unresolved(f"{e}; and the target could not be told to abort") from abort_err
+            self.target_aborted = True
+            raise TransferError(f"target did not act on the commit ({e.cause}); aborted there") from e
 
     def _ask_target(self) -> int | None:
         for _ in range(5):
@@ -391,7 +403,8 @@ class SourceMigration:
             raise _Unresolved(note, step="commit", node=self.node) from err
         self._set(MigrationState.ABORTING, "abort", f"aborting: {err}")
         try:
-            self.peer.abort(self.spec.migration_id, str(err))
+            if not self.target_aborted:
+                self.peer.abort(self.spec.migration_id, str(err))
         except FerryError as e:
             log.warning("migration %s: target abort failed: %s", self.spec.migration_id, e)
         procs.resume(pids)  # first: the driver's restore thread must run for the CUDA calls below
@@ -568,7 +581,7 @@ def checkpoint(
         tree = procs.tree_pids(rec.pid)
         fp = cj.inspect(tree)
         _require_host_memory(fp, node)
-        out_dir.mkdir(parents=True, exist_ok=True)
+        out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the job's memory: root only
         emit(Progress("dump", f"dumping job {name} to {out_dir}"))
         if fp.processes:
             cj.freeze(fp, phases.times)

@@ -8,6 +8,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -291,7 +292,7 @@ class AgentService(pb_grpc.AgentServicer):
             criu_version = self.criu.require_usable()
         except FerryError as e:
             criu_version = f"unusable: {e.cause}"
-        self.staging_root.mkdir(parents=True, exist_ok=True)
+        self.staging_root.mkdir(mode=0o700, parents=True, exist_ok=True)
         return pb.NodeInfo(
             node_name=self.node,
             version=__version__,
@@ -512,7 +513,17 @@ def bind_local_socket(server: grpc.Server, path: Path) -> None:
     """The local CLI's way in: a socket only root can open, in a directory only root can enter."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     if path.is_socket():
-        path.unlink()  # a previous agent's; a live one would still hold its TCP port
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()  # a previous agent's, left by a crash
+        else:
+            raise InvalidArgumentError(
+                f"another agent serves on {path}", hint="give each agent on a host its own --socket"
+            )
+        finally:
+            probe.close()
     elif path.exists() or path.is_symlink():
         raise InvalidArgumentError(f"--socket {path} exists and is not a socket; remove it or pick another")
     old = os.umask(0o177)

@@ -421,6 +421,26 @@ def test_lost_commit_answer_and_target_without_the_job_resumes(h: Harness, answe
     h.assert_rolled_back()
 
 
+def test_lost_commit_answer_and_target_not_yet_restoring_is_fenced_then_resumes(h: Harness) -> None:
+    h.peer.fail["commit"] = UnavailableError("unreachable")
+    h.peer.status_answers = [pb.TARGET_STATE_VERIFIED]
+    with pytest.raises(MigrationAbortedError, match="did not act on the commit"):
+        h.migration().run()
+    assert h.resumed and h.resumed[0][0] == h.pid
+    h.assert_rolled_back()
+
+
+def test_lost_commit_answer_and_no_way_to_fence_the_target_keeps_the_job_frozen(h: Harness) -> None:
+    """The commit may still be on its way: resuming without a confirmed abort could make two."""
+    h.peer.fail["commit"] = UnavailableError("unreachable")
+    h.peer.fail["abort"] = UnavailableError("unreachable")
+    h.peer.status_answers = [pb.TARGET_STATE_VERIFIED]
+    with pytest.raises(FerryError, match="UNRESOLVED"):
+        h.migration().run()
+    assert is_stopped(h.pid)
+    assert h.resumed == []
+
+
 def test_target_abort_failing_still_resumes_the_source(h: Harness) -> None:
     h.peer.fail["push"] = TransferError("stream broke")
     h.peer.fail["abort"] = UnavailableError("unreachable")
