@@ -67,7 +67,7 @@ def split_address(address: str, listen: bool = False) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     host = host.strip("[]")
     lowest = 0 if listen else 1
-    if not sep or not host or not port.isdigit() or not lowest <= int(port) < 65536:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not lowest <= int(port) < 65536:
         raise InvalidArgumentError(f"invalid agent address {address!r}: expected HOST:PORT")
     return host, int(port)
 

@@ -130,10 +130,16 @@ class Manifest:
                 raise ImageError(f"{where}: manifest is not a JSON object", step="image intake")
             if d.get("version") != MANIFEST_VERSION:
                 raise ImageError(f"{where}: manifest version {d.get('version')!r} is not {MANIFEST_VERSION}")
+            job = JobSpec(**d["job"])
+            _check_types(job, where)
+            files = [FileEntry(**f) for f in d["files"]]
+            for f in files:
+                if not (isinstance(f.name, str) and isinstance(f.size, int) and isinstance(f.sha256, str)):
+                    raise ImageError(f"{where}: malformed file entry {f!r}", step="image intake")
             return cls(
-                job=JobSpec(**d["job"]),
+                job=job,
                 source_node=str(d["source_node"]),
-                files=[FileEntry(**f) for f in d["files"]],
+                files=files,
                 created_at=float(d["created_at"]),
                 host_bytes=int(d["host_bytes"]),
                 gpu_bytes=int(d["gpu_bytes"]),
@@ -143,8 +149,26 @@ class Manifest:
             )
         except ImageError:
             raise
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ImageError(f"{where}: malformed manifest ({e})", step="image intake") from e
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as e:
+            raise ImageError(
+                f"{where}: malformed manifest ({type(e).__name__}: {e})", step="image intake"
+            ) from e
+
+
+def _check_types(job: JobSpec, where: str) -> None:
+    """A manifest is untrusted input: a job it describes must be one this agent can register."""
+    strings = [job.name, job.kind, job.cwd, job.stdout_path, job.stderr_path]
+    lists = [job.command, job.env]
+    ok = (
+        all(isinstance(s, str) for s in strings)
+        and all(isinstance(xs, list) and all(isinstance(x, str) for x in xs) for xs in lists)
+        and isinstance(job.pid, int)
+        and isinstance(job.migrations, int)
+        and isinstance(job.shell_job, bool)
+        and job.kind in ("launched", "adopted")
+    )
+    if not ok:
+        raise ImageError(f"{where}: malformed job description in the manifest", step="image intake")
 
 
 def image_files(image_dir: Path) -> list[Path]:

@@ -143,6 +143,14 @@ class TargetMigrations:
         self.registry.reserve_name(req.job)
         self.criu.require_usable()
         private_dir(self.staging_root, self.node)
+        if relative := [p for p in [req.cwd, *req.paths] if p and not os.path.isabs(p)]:
+            raise InvalidArgumentError(
+                f"paths must be absolute, got {relative[0]!r}", step="prepare", node=self.node
+            )
+        if bad_pids := [p for p in req.pids if p <= 1]:
+            raise InvalidArgumentError(
+                f"invalid PID {bad_pids[0]} for an adopted job", step="prepare", node=self.node
+            )
         if req.cwd and not os.path.isdir(req.cwd):
             raise self._refuse(f"the job's working directory {req.cwd} does not exist here")
         if missing := [p for p in req.paths if not os.path.exists(p)]:
@@ -520,6 +528,6 @@ def restored_processes(job_dir: Path, adopted_pids: list[int], since: float) -> 
 
 
 def _safe_id(mid: str) -> str:
-    if not mid or not mid.replace("-", "").isalnum() or len(mid) > 64:
+    if not mid or not mid.isascii() or not mid.replace("-", "").isalnum() or len(mid) > 64:
         raise InvalidArgumentError(f"invalid migration id {mid!r}: 1-64 letters, digits and '-'")
     return mid

@@ -180,6 +180,10 @@ class JobRegistry:
             raise InvalidArgumentError(
                 "no command given", hint="usage: ferry run --name NAME -- CMD [ARGS...]"
             )
+        if not os.path.isabs(cwd):
+            raise InvalidArgumentError(f"working directory {cwd!r} must be an absolute path")
+        if any("\0" in s for s in [cwd, *command, *env]):
+            raise InvalidArgumentError("command, environment and cwd may not contain null (NUL) bytes")
         if not os.path.isdir(cwd):
             raise InvalidArgumentError(f"working directory {cwd!r} does not exist on {self.node}")
         # The agent's own settings (fault injection in tests, TLS paths) are not the job's business.

@@ -503,15 +503,16 @@ def restore_tree(
     finally:
         for fd in fds:
             os.close(fd)
-    if manifest.cuda is not None:
-        try:
+    # From here the restored tree runs: any failure must take it down, or two copies could run.
+    try:
+        if manifest.cuda is not None:
             plan = restore_plan(cuda_jobs.view, procs.tree_pids(res.pid), manifest.cuda, gpu_map, criu.node)
             cuda_jobs.thaw(plan, times)
-        except BaseException:
-            _kill_restored(res.pid)
-            raise
-    spec_here = JobSpec(**{**spec.__dict__, "name": name})
-    return registry.register_restored(spec_here, res.pid, paths[0], paths[1], note=note)
+        spec_here = JobSpec(**{**spec.__dict__, "name": name})
+        return registry.register_restored(spec_here, res.pid, paths[0], paths[1], note=note)
+    except BaseException:
+        _kill_restored(res.pid)
+        raise
 
 
 def _require_host_memory(fp: Footprint, node: str) -> None:

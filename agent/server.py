@@ -25,7 +25,7 @@ from agent import __version__, access, client, tls
 from agent.criu import Criu
 from agent.cuda import DriverInfo
 from agent.cudajob import CudaJobs
-from agent.errors import FerryError, InvalidArgumentError
+from agent.errors import FerryError, InvalidArgumentError, NotFoundError
 from agent.gpus import Inventory
 from agent.incoming import TargetMigrations, private_dir
 from agent.jobs import JobRecord, JobRegistry, JobState, check_job_name
@@ -325,18 +325,32 @@ class AgentService(pb_grpc.AgentServicer):
 
     @rpc
     def StopJob(self, request: pb.StopJobRequest, context: grpc.ServicerContext) -> pb.Job:
-        return job_pb(self.registry.stop(request.name, request.timeout_s or 10.0), self.node)
+        timeout = request.timeout_s or 10.0
+        if not 0 < timeout <= 3600:  # NaN fails this too
+            raise InvalidArgumentError(
+                f"invalid stop timeout {request.timeout_s}: expected 0 < seconds <= 3600"
+            )
+        return job_pb(self.registry.stop(request.name, timeout), self.node)
 
     @stream_rpc
     def Logs(self, request: pb.LogsRequest, context: grpc.ServicerContext) -> Iterator[pb.LogChunk]:
         rec = self.registry.get(request.name)
         streams = [(pb.LOG_STREAM_STDOUT, rec.stdout_path), (pb.LOG_STREAM_STDERR, rec.stderr_path)]
         if request.stream:
+            if request.stream not in (pb.LOG_STREAM_STDOUT, pb.LOG_STREAM_STDERR):
+                raise InvalidArgumentError(f"unknown log stream {request.stream}: expected stdout or stderr")
             streams = [s for s in streams if s[0] == request.stream]
         streams = [(k, p) for k, p in streams if p]
         if not streams:
             raise InvalidArgumentError(f"job {rec.name!r} has no log files this agent can read")
-        files = [(kind, open(path, "rb")) for kind, path in streams]  # noqa: SIM115 - closed below
+        files = []
+        try:
+            for kind, path in streams:
+                files.append((kind, open(path, "rb")))  # noqa: SIM115 - closed below
+        except FileNotFoundError as e:
+            for _, f in files:
+                f.close()
+            raise NotFoundError(f"job {rec.name!r}: its log {e.filename} is gone from this node") from e
         try:
             ended = not request.follow
             while context.is_active():
@@ -388,8 +402,10 @@ class AgentService(pb_grpc.AgentServicer):
     def Checkpoint(
         self, request: pb.CheckpointRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.ProgressEvent]:
-        if not request.out_dir or not os.path.isabs(request.out_dir):
+        if not request.out_dir or not os.path.isabs(request.out_dir) or "\0" in request.out_dir:
             raise InvalidArgumentError(f"--out must be an absolute directory path, got {request.out_dir!r}")
+        if os.path.exists(request.out_dir) and not os.path.isdir(request.out_dir):
+            raise InvalidArgumentError(f"--out {request.out_dir} exists and is not a directory")
         self.registry.get(request.name)
         out = Path(request.out_dir)
 
