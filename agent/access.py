@@ -48,6 +48,12 @@ ALLOWED: dict[str, frozenset[str]] = {
 }
 
 
+#: Requests that change something on this node, logged with who made them.
+AUDITED = frozenset(
+    {"Run", "Adopt", "StopJob", "Migrate", "Checkpoint", "Restore", "Resolve", "Prepare", "Commit"}
+)
+
+
 @dataclass(frozen=True)
 class Caller:
     kind: str  # client | node | local | loopback
@@ -89,4 +95,6 @@ def authorize(context: grpc.ServicerContext, method: str, insecure: bool, node: 
             node=node,
             hint="peer RPCs need a ferry-node certificate, job commands a ferry-client one",
         )
+    if method in AUDITED:
+        log.info("%s requested by %s (%s)", method, caller, context.peer())
     return caller
