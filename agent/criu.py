@@ -151,10 +151,14 @@ class Criu:
         shell_job: bool = False,
         log_dir: Path | None = None,
         on_start: Callable[[int], None] | None = None,
+        leave_stopped: bool = False,
     ) -> RestoreResult:
-        """Restore the tree as a sibling of CRIU, i.e. as a child of this process."""
+        """Restore the tree as a sibling of CRIU, i.e. as a child of this process; with
+        leave_stopped, every task waits for SIGCONT."""
         opts = self._opts(images_dir, RESTORE_LOG)
         opts.rst_sibling = True
+        if leave_stopped:
+            opts.leave_stopped = True
         opts.shell_job = shell_job
         opts.tcp_established = True
         opts.ext_unix_sk = True

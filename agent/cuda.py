@@ -292,15 +292,24 @@ def freeze(driver: CudaDriver, pids: Iterable[int], lock_timeout_s: float, times
 
 
 def thaw(
-    driver: CudaDriver, plan: list[tuple[int, Mapping[str, str] | None]], times: dict[str, float]
+    driver: CudaDriver,
+    plan: list[tuple[int, Mapping[str, str] | None]],
+    times: dict[str, float],
+    unlock: bool = True,
 ) -> None:
-    """Restore every checkpointed process (host → device, each onto its own map's GPUs), then unlock all."""
+    """Restore every checkpointed process (host → device, each onto its own map's GPUs), then
+    unlock all (or leave them locked, their CUDA calls blocked, for unlock_all later)."""
     t = time.monotonic()
     for pid, gpu_map in plan:
         driver.restore(pid, gpu_map)
     times["cuda restore"] = time.monotonic() - t
+    if unlock:
+        unlock_all(driver, [pid for pid, _ in plan], times)
+
+
+def unlock_all(driver: CudaDriver, pids: list[int], times: dict[str, float]) -> None:
     t = time.monotonic()
-    for pid, _ in plan:
+    for pid in pids:
         driver.unlock(pid)
     times["cuda unlock"] = time.monotonic() - t
 

@@ -239,9 +239,15 @@ class CudaJobs:
         with self._held_lock:
             self._held.pop(tuple(fp.pids), None)
 
-    def thaw(self, plan: list[tuple[int, Mapping[str, str] | None]], times: dict[str, float]) -> None:
+    def thaw(
+        self, plan: list[tuple[int, Mapping[str, str] | None]], times: dict[str, float], unlock: bool = True
+    ) -> None:
         if plan:
-            cuda.thaw(self.driver, plan, times)
+            cuda.thaw(self.driver, plan, times, unlock)
+
+    def unlock(self, pids: list[int], times: dict[str, float]) -> None:
+        if pids:
+            cuda.unlock_all(self.driver, pids, times)
 
     def unfreeze(self, fp: Footprint) -> list[str]:
         """After an abort: back onto its own GPUs; returns what failed (then the GPUs stay held)."""

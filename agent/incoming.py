@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import psutil
 
 from agent import faults, procs
@@ -265,6 +266,14 @@ class TargetMigrations:
                 raise ImageError(f"image is of job {manifest.job.name!r}, the lease is for {inc.job!r}")
         except BaseException as e:
             intake.close()
+            if isinstance(e, grpc.RpcError):  # the request stream itself broke: the source went away
+                e = TransferError(
+                    "the source's stream broke off before the image was complete",
+                    step="transfer",
+                    node=self.node,
+                )
+                self._drop(inc, e.cause)
+                raise e from None
             self._drop(inc, f"intake failed: {e}")
             if isinstance(e, OSError):  # a full staging tmpfs, say: a transfer failure, not a crash
                 raise TransferError(
@@ -306,13 +315,11 @@ class TargetMigrations:
                 gpu_map=inc.gpu_map,
                 times=times,
                 on_criu_start=criu_started,
+                before_release=lambda _rec: self._commit_point(inc),
             )
-            faults.check("target-restored", self.node)
         except BaseException as e:
             self._drop(inc, f"restore failed: {e}")
             raise
-        with self._lock:
-            self._set(inc, pb.TARGET_STATE_RUNNING)
         shutil.rmtree(inc.staging, ignore_errors=True)
         first = wait_for_output(rec, PROGRESS_WAIT_S)
         log.info("migration %s: job %s runs here as pid %d", inc.migration_id, inc.job, rec.pid)
@@ -322,6 +329,14 @@ class TargetMigrations:
             phases=[pb.PhaseTiming(phase=k, seconds=v) for k, v in times.items()],
             first_progress_at=first,
         )
+
+    def _commit_point(self, inc: Incoming) -> None:
+        """The restored job is registered and still held (stopped or CUDA-locked): once RUNNING is
+        on disk it is the job's one copy. A crash before this line leaves it held, and recovery
+        kills it; after, recovery answers RUNNING."""
+        faults.check("target-restored", self.node)
+        with self._lock:
+            self._set(inc, pb.TARGET_STATE_RUNNING)
 
     def abort(self, mid: str, reason: str, caller: str = "") -> None:
         _safe_id(mid)

@@ -381,7 +381,8 @@ class JobRegistry:
             rec.exit_code = code
             if rec.state is JobState.RUNNING:
                 rec.state = JobState.EXITED
-                rec.note = "" if code is None else f"exited with status {code}"
+                if code is not None:  # unknown for a process we did not start: keep what the note says
+                    rec.note = f"exited with status {code}"
                 log.info("job %s: exited (%s)", name, code)
             self.save(rec)
 

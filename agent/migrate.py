@@ -435,7 +435,8 @@ class SourceMigration:
 
 
 class _Unresolved(FerryError):
-    kind = "unavailable"
+    # Not "unavailable": a client would read that as this agent being unreachable.
+    kind = "aborted"
 
 
 def unresolved_note(job: str, target: str) -> str:
@@ -469,12 +470,16 @@ def restore_tree(
     gpu_map: dict[str, str],
     times: dict[str, float] | None = None,
     on_criu_start: Callable[[int], None] | None = None,
+    before_release: Callable[[JobRecord], None] | None = None,
 ) -> JobRecord:
     """Restore a verified image as job `name` on this node, its logs re-pointed to our job dir.
 
-    CRIU first; then, with the tree running (the driver's restore thread must
-    run), CUDA onto the GPUs of gpu_map. If CUDA fails the restored tree is
-    killed, so no half-restored copy runs.
+    CRIU restores the tree stopped. A CUDA job then gets SIGCONT (the driver's
+    restore thread must run) and its device memory back onto the GPUs of
+    gpu_map, still locked, so its CUDA calls wait. Until `before_release` has
+    returned (a target journals RUNNING there), the job cannot make progress,
+    and any failure kills it: no copy runs that its node has not recorded.
+    Only then the tree continues (SIGCONT, or the CUDA unlock).
     """
     times = {} if times is None else times
     spec = manifest.job
@@ -497,22 +502,42 @@ def restore_tree(
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
         t = time.monotonic()
         res = criu.restore(
-            image_dir, inherit=inherit, shell_job=spec.shell_job, log_dir=job_dir, on_start=on_criu_start
+            image_dir,
+            inherit=inherit,
+            shell_job=spec.shell_job,
+            log_dir=job_dir,
+            on_start=on_criu_start,
+            leave_stopped=True,
         )
         times["restore"] = time.monotonic() - t
     finally:
         for fd in fds:
             os.close(fd)
-    # From here the restored tree runs: any failure must take it down, or two copies could run.
+    # From here a restored tree exists: any failure must take it down, or two copies could run.
+    pids: list[int] = []
     try:
+        pids = procs.tree_pids(res.pid)
         if manifest.cuda is not None:
-            plan = restore_plan(cuda_jobs.view, procs.tree_pids(res.pid), manifest.cuda, gpu_map, criu.node)
-            cuda_jobs.thaw(plan, times)
+            procs.resume(pids)
+            plan = restore_plan(cuda_jobs.view, pids, manifest.cuda, gpu_map, criu.node)
+            cuda_jobs.thaw(plan, times, unlock=False)
         spec_here = JobSpec(**{**spec.__dict__, "name": name})
-        return registry.register_restored(spec_here, res.pid, paths[0], paths[1], note=note)
+        rec = registry.register_restored(spec_here, res.pid, paths[0], paths[1], note=note)
+        if before_release is not None:
+            before_release(rec)
     except BaseException:
         _kill_restored(res.pid)
         raise
+    # Recorded as running: from now on this is the job's one copy, so it is never killed here.
+    try:
+        if manifest.cuda is not None:
+            cuda_jobs.unlock([pid for pid, _ in plan], times)
+        else:
+            procs.resume(pids)
+    except Exception as e:
+        log.error("job %s: restored, but could not be released: %s", name, e)
+        rec = registry.update(name, note=f"{note}; its CUDA calls stay blocked: unlock failed: {e}")
+    return rec
 
 
 def _require_host_memory(fp: Footprint, node: str) -> None:
