@@ -125,6 +125,7 @@ class FakeCriu:
         shell_job: bool = False,
         log_dir: Path | None = None,
         on_start: Callable[[int], None] | None = None,
+        leave_stopped: bool = False,
     ) -> RestoreResult:
         self.restores.append(
             {
@@ -149,6 +150,9 @@ class FakeCriu:
             setsid=True,
         )
         self.spawned.append(pid)
+        if leave_stopped:
+            os.kill(pid, signal.SIGSTOP)
+            wait_stopped(pid)
         if self.cuda_world is not None:
             self.cuda_world.load_image(images_dir, pid)
         return RestoreResult(pid=pid, stats={})
