@@ -38,12 +38,14 @@ from agent.gpus import GpuNeed
 from agent.image import Manifest
 from agent.jobs import JobRegistry, JobState
 from agent.journal import TARGET, Journal, MigrationRecord
-from agent.migrate import PROGRESS_WAIT_S, default_cuda_jobs, restore_tree, wait_for_output
+from agent.migrate import default_cuda_jobs, restore_tree, wait_for_output
 from agent.rpc import pb
 from agent.transfer import Intake
 
 log = logging.getLogger(__name__)
 
+#: How long a target waits after restore for the job's first output (for the downtime figure).
+PROGRESS_WAIT_S = 3.0
 LEASE_S = 600.0
 MAX_INCOMING = 2
 #: Staging must hold the estimate plus this share (page-aligned files, logs, the manifest).

@@ -56,9 +56,6 @@ from agent.transfer import SendStats, send_image
 
 log = logging.getLogger(__name__)
 
-#: How long a target waits after restore for the job's first output (for the downtime figure).
-PROGRESS_WAIT_S = 3.0
-
 
 class MigrationState(StrEnum):
     """PREPARING → DUMPING → TRANSFERRING → RESTORING → COMMITTED.

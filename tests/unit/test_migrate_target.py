@@ -17,7 +17,7 @@ import psutil
 import pytest
 from fakes import FakeCriu, is_dead
 
-from agent import migrate
+from agent import incoming, migrate
 from agent.errors import (
     AlreadyExistsError,
     CriuError,
@@ -43,7 +43,7 @@ SRC_ERR = "/var/lib/ferry/nodea/jobs/train/stderr.log"
 @pytest.fixture
 def target(tmp_path: Path, fake_criu: FakeCriu, monkeypatch: pytest.MonkeyPatch) -> TargetMigrations:
     monkeypatch.delenv("FERRY_FAULTS", raising=False)
-    monkeypatch.setattr(migrate, "PROGRESS_WAIT_S", 2.0)
+    monkeypatch.setattr(incoming, "PROGRESS_WAIT_S", 2.0)
     registry = JobRegistry(tmp_path / "tstate", "nodeb")
     return TargetMigrations(registry, fake_criu, tmp_path / "tstaging", "nodeb")
 

@@ -12,7 +12,7 @@ import pytest
 from fakes import PAGES_BYTES, FakeCriu, is_dead, is_stopped, launched_record
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from agent import __version__, migrate
+from agent import __version__, incoming
 from agent.jobs import JobState
 from agent.rpc import pb, pb_grpc
 from agent.server import AgentService
@@ -23,7 +23,7 @@ S = grpc.StatusCode
 @pytest.fixture(autouse=True)
 def _no_faults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FERRY_FAULTS", raising=False)
-    monkeypatch.setattr(migrate, "PROGRESS_WAIT_S", 2.0)
+    monkeypatch.setattr(incoming, "PROGRESS_WAIT_S", 2.0)
 
 
 @pytest.fixture
