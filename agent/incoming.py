@@ -413,11 +413,7 @@ class TargetMigrations:
             log.warning(
                 "migration %s: waiting for its CRIU restore (pid %d) to end", rec.migration_id, rec.criu_pid
             )
-            deadline = time.monotonic() + CRIU_WAIT_S
-            while procs.alive(rec.criu_pid, rec.criu_started) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if procs.alive(rec.criu_pid, rec.criu_started):
-                os.kill(rec.criu_pid, signal.SIGKILL)
+            procs.end_within(rec.criu_pid, rec.criu_started, CRIU_WAIT_S)
         victims = restored_processes(self.registry.job_dir(rec.job), rec.pids, rec.updated_at)
         procs.signal_all(victims, signal.SIGKILL)
         try:

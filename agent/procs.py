@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 
 import psutil
 
@@ -45,6 +46,16 @@ def alive(pid: int, started: float = 0.0) -> bool:
         return not started or abs(proc.create_time() - started) < 0.05
     except psutil.NoSuchProcess:
         return False
+
+
+def end_within(pid: int, started: float, timeout_s: float) -> None:
+    """Let a process finish on its own for up to timeout_s, then SIGKILL it."""
+    deadline = time.monotonic() + timeout_s
+    while alive(pid, started) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if alive(pid, started):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def tree_rss(root: int) -> int:

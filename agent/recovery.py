@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import shutil
-import signal
 import threading
-import time
 from collections.abc import Callable
 
 from agent import cuda, procs
@@ -198,11 +195,7 @@ class SourceRecovery:
         log.warning(
             "migration %s: waiting for CRIU (pid %d) to finish its dump", rec.migration_id, rec.criu_pid
         )
-        deadline = time.monotonic() + CRIU_WAIT_S
-        while procs.alive(rec.criu_pid, rec.criu_started) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if procs.alive(rec.criu_pid, rec.criu_started):
-            os.kill(rec.criu_pid, signal.SIGKILL)
+        procs.end_within(rec.criu_pid, rec.criu_started, CRIU_WAIT_S)
 
     def _cuda_back(self, pids: list[int]) -> list[str]:
         """Undo whatever part of the CUDA freeze happened: restore if checkpointed, unlock if locked."""
