@@ -11,6 +11,7 @@ import pytest
 from fakes import SLEEP, FakeCriu
 
 from agent.jobs import JobRegistry
+from agent.rpc import pb_grpc
 from agent.server import AgentService, create_server
 
 
@@ -73,3 +74,16 @@ def make_agent(tmp_path: Path) -> Iterator[Callable[..., tuple[AgentService, str
     for server, criu in started:
         server.stop(None).wait()
         criu.cleanup()
+
+
+@pytest.fixture
+def agent(make_agent) -> tuple[AgentService, str, FakeCriu]:
+    """One in-process agent (nodea): (service, address, fake CRIU)."""
+    return make_agent("nodea")
+
+
+@pytest.fixture
+def stub(agent) -> Iterator[pb_grpc.AgentStub]:
+    """A plaintext gRPC stub for `agent`."""
+    with grpc.insecure_channel(agent[1]) as ch:
+        yield pb_grpc.AgentStub(ch)

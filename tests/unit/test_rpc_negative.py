@@ -19,14 +19,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from fakes import SLEEP, FakeCriu, launched_record, wait_for
+from fakes import SLEEP, launched_record, wait_for
 from test_migrate_target import chunks_for, make_image
 
 from agent import incoming
 from agent.image import MANIFEST
 from agent.jobs import JobKind, JobRecord, JobState
-from agent.rpc import pb, pb_grpc
-from agent.server import AgentService
+from agent.rpc import pb
 
 S = grpc.StatusCode
 LONG = "n" * 300
@@ -43,17 +42,6 @@ def _no_faults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FERRY_FAULTS", raising=False)
     monkeypatch.delenv("FERRY_PAUSE", raising=False)
     monkeypatch.setattr(incoming, "PROGRESS_WAIT_S", 2.0)
-
-
-@pytest.fixture
-def agent(make_agent) -> tuple[AgentService, str, FakeCriu]:
-    return make_agent("nodea")
-
-
-@pytest.fixture
-def stub(agent) -> Iterator[pb_grpc.AgentStub]:
-    with grpc.insecure_channel(agent[1]) as ch:
-        yield pb_grpc.AgentStub(ch)
 
 
 @pytest.fixture

@@ -9,13 +9,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from fakes import PAGES_BYTES, FakeCriu, is_dead, is_stopped, launched_record
+from fakes import PAGES_BYTES, is_dead, is_stopped, launched_record
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent import __version__, incoming
 from agent.jobs import JobState
 from agent.rpc import pb, pb_grpc
-from agent.server import AgentService
 
 S = grpc.StatusCode
 
@@ -24,17 +23,6 @@ S = grpc.StatusCode
 def _no_faults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FERRY_FAULTS", raising=False)
     monkeypatch.setattr(incoming, "PROGRESS_WAIT_S", 2.0)
-
-
-@pytest.fixture
-def agent(make_agent) -> tuple[AgentService, str, FakeCriu]:
-    return make_agent("nodea")
-
-
-@pytest.fixture
-def stub(agent) -> Iterator[pb_grpc.AgentStub]:
-    with grpc.insecure_channel(agent[1]) as ch:
-        yield pb_grpc.AgentStub(ch)
 
 
 def rpc_error(call, *args, **kw) -> grpc.RpcError:
