@@ -41,6 +41,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "Restore": USERS,
     "Resolve": USERS,
     "Prepare": PEERS,
+    "StreamPages": PEERS,
     "PushImage": PEERS,
     "Commit": PEERS,
     "Abort": PEERS,

@@ -139,13 +139,19 @@ def build_parser() -> Parser:
     mg = sub.add_parser(
         "migrate",
         help="move a running job to another agent",
-        description="Prepare on the target, freeze and dump, stream the image, restore on the "
-        "target, then end the source copy. Any failure before the target runs the job resumes "
-        "it on the source.",
+        description="Prepare on the target, freeze and dump the job while its memory streams "
+        "into the target's staging, send the rest of the image, restore on the target, then end "
+        "the source copy. Any failure before the target runs the job resumes it on the source.",
     )
     _agent_arg(mg)
     mg.add_argument("name")
     mg.add_argument("--to", required=True, metavar="HOST:PORT", help="the target agent")
+    mg.add_argument(
+        "--staged",
+        action="store_true",
+        help="dump the whole image into staging on this node first, then copy it (slower: the "
+        "pipeline before memory streaming, kept for comparison)",
+    )
     _json_arg(mg)
 
     ck = sub.add_parser(
@@ -357,7 +363,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         split_address(args.to)
     except InvalidArgumentError as e:
         raise Usage(f"ferry migrate: --to: {e.cause}") from e
-    events = _stream(args, "Migrate", pb.MigrateRequest(name=args.name, target=args.to), 3600)
+    req = pb.MigrateRequest(name=args.name, target=args.to, staged=args.staged)
+    events = _stream(args, "Migrate", req, 3600)
     return _follow_progress(events, args.json)
 
 

@@ -8,8 +8,9 @@ say `--insecure`.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -153,6 +154,9 @@ class PeerClient:
     def prepare(self, req: pb.PrepareRequest) -> pb.Lease:
         return self._call("prepare", self._stub.Prepare, req)  # type: ignore[return-value]
 
+    def stream_pages(self, requests: Iterable[pb.PageData]) -> _PageCall:
+        return _PageCall(self._stub.StreamPages(requests, timeout=DEADLINES["push"]), self)
+
     def push(self, chunks: Iterator[pb.ImageChunk]) -> pb.PushImageResponse:
         return self._call("push", self._stub.PushImage, chunks)  # type: ignore[return-value]
 
@@ -167,3 +171,20 @@ class PeerClient:
             "status", self._stub.GetMigration, pb.GetMigrationRequest(migration_id=migration_id)
         )
         return resp.state  # type: ignore[attr-defined]
+
+
+class _PageCall:
+    """A StreamPages call as agent.pagestream.PageCall: its errors are ours."""
+
+    def __init__(self, call: Any, peer: PeerClient) -> None:
+        self._call = call
+        self._peer = peer
+
+    def __iter__(self) -> Iterator[pb.PageData]:
+        try:
+            yield from self._call
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, self._peer.address, "dump", self._peer.dial) from e
+
+    def cancel(self) -> None:
+        self._call.cancel()

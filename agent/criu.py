@@ -32,6 +32,7 @@ except ImportError as e:  # pragma: no cover - only without a build
     raise SystemExit("ferry: CRIU's protos are not compiled (agent/criu_pb); run `make proto`") from e
 
 DUMP_LOG = "criu-dump.log"
+PAGE_SERVER_LOG = "criu-page-server.log"
 RESTORE_LOG = "criu-restore.log"
 STATS_DUMP = "stats-dump"
 STATS_RESTORE = "stats-restore"
@@ -39,6 +40,7 @@ STATS_RESTORE = "stats-restore"
 #: inside the image; CRIU's 1 MiB default is far too small for training jobs.
 GHOST_LIMIT = 1 << 31
 _MAX_MSG = 1 << 20
+START_TIMEOUT_S = 60.0
 MIN_VERSION = (4, 0)
 
 
@@ -123,12 +125,20 @@ class Criu:
         shell_job: bool = False,
         timeout_s: int = 0,
         on_start: Callable[[int], None] | None = None,
+        page_server_fd: int = -1,
     ) -> DumpResult:
         """Dump the tree rooted at `pid` into `images_dir` (log: criu-dump.log there).
 
-        on_start gets CRIU's pid as soon as it runs (the migration journal keeps it).
+        on_start gets CRIU's pid as soon as it runs (the migration journal keeps it). With
+        page_server_fd, a connected stream socket, the memory pages go to a page server on
+        its other end instead of into images_dir; the rest of the image is written there.
         """
         opts = self._opts(images_dir, DUMP_LOG)
+        pass_fds = []
+        if page_server_fd >= 0:
+            opts.ps.fd = page_server_fd
+            opts.ps.port = 0
+            pass_fds.append(page_server_fd)
         opts.pid = pid
         if leave_running:
             opts.leave_running = True
@@ -140,7 +150,7 @@ class Criu:
         opts.file_locks = True
         if timeout_s:
             opts.timeout = timeout_s
-        self._call("dump", rpc_pb2.DUMP, opts, images_dir, DUMP_LOG, on_start=on_start)
+        self._call("dump", rpc_pb2.DUMP, opts, images_dir, DUMP_LOG, pass_fds=pass_fds, on_start=on_start)
         return DumpResult(stats=read_stats(images_dir / STATS_DUMP, "dump"))
 
     def restore(
@@ -176,6 +186,48 @@ class Criu:
             on_start=on_start,
         )
         return RestoreResult(pid=resp.restore.pid, stats=read_stats(images_dir / STATS_RESTORE, "restore"))
+
+    def page_server(self, images_dir: Path, sock_fd: int) -> PageServer:
+        """Start a page server that reads CRIU's page protocol from `sock_fd` (a connected
+        stream socket) and writes the pages into `images_dir` (log: criu-page-server.log).
+
+        It runs until the dumping side closes the protocol; `PageServer.wait` says how it ended.
+        """
+        opts = self._opts(images_dir, PAGE_SERVER_LOG)
+        opts.ps.fd = sock_fd
+        opts.ps.port = 0
+        log_path = str(images_dir / PAGE_SERVER_LOG)
+        # CRIU opens the directory through /proc/<our pid>/fd/N: it stays open until CRIU answers.
+        dir_fd = _open_dir(images_dir, "page-server", self.node)
+        try:
+            opts.images_dir_fd = dir_fd
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                proc = subprocess.Popen(
+                    [self.binary, "swrk", str(theirs.fileno())],
+                    env={**os.environ, "CRIU_LIBS_DIR": no_plugins_dir()},
+                    pass_fds=[theirs.fileno(), sock_fd],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            except OSError as e:
+                ours.close()
+                raise CriuError("page-server", f"cannot start {self.binary}: {e}", node=self.node) from e
+            finally:
+                theirs.close()
+            server = PageServer(proc, ours, log_path, self.node)
+            # keep_open: the same swrk later waits for the server (WAIT_PID) and reports its status.
+            req = rpc_pb2.criu_req(type=rpc_pb2.PAGE_SERVER_CHLD, opts=opts, keep_open=True)
+            resp = server.request(req, START_TIMEOUT_S)
+        finally:
+            os.close(dir_fd)
+        if not resp.success or not resp.ps.pid:
+            server.kill()
+            cause = resp.cr_errmsg or _last_error(Path(log_path)) or "CRIU could not start a page server"
+            raise CriuError("page-server", cause, log_path=log_path, node=self.node)
+        server.pid = resp.ps.pid
+        return server
 
     # -- plumbing -------------------------------------------------------------
 
@@ -262,6 +314,61 @@ class Criu:
             raise CriuError(op, cause, log_path=log_path, errno=resp.cr_errno, node=self.node)
         log.debug("criu %s ok (log %s)", op, log_path)
         return resp
+
+
+class PageServer:
+    """A running `criu page-server` child of a `criu swrk` we hold the RPC socket of."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket, log_path: str, node: str) -> None:
+        self.proc = proc
+        self.sock = sock
+        self.log_path = log_path
+        self.node = node
+        self.pid = 0
+
+    def request(self, req: rpc_pb2.criu_req, timeout_s: float | None = None) -> rpc_pb2.criu_resp:
+        self.sock.settimeout(timeout_s)
+        try:
+            self.sock.send(req.SerializeToString())
+            data = self.sock.recv(_MAX_MSG)
+        except OSError as e:
+            raise CriuError(
+                "page-server",
+                f"lost the RPC connection to criu swrk: {e}",
+                log_path=self.log_path,
+                node=self.node,
+            ) from e
+        if not data:
+            raise CriuError("page-server", "criu swrk exited", log_path=self.log_path, node=self.node)
+        resp = rpc_pb2.criu_resp()
+        resp.ParseFromString(data)
+        return resp
+
+    def wait(self, timeout_s: float | None) -> None:
+        """Until the server has exited; raise unless it wrote every page it was sent."""
+        try:
+            resp = self.request(rpc_pb2.criu_req(type=rpc_pb2.WAIT_PID, pid=self.pid), timeout_s)
+        finally:
+            self.close()
+        status = resp.status if resp.HasField("status") else -1
+        if not resp.success or status != 0:
+            cause = _last_error(Path(self.log_path)) or f"page server ended with wait status {status}"
+            raise CriuError("page-server", cause, log_path=self.log_path, node=self.node)
+
+    def kill(self) -> None:
+        """Stop it now (an aborted migration); its swrk parent then exits too."""
+        if self.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, 9)
+        self.close()
+
+    def close(self) -> None:
+        self.sock.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 @functools.cache

@@ -25,7 +25,7 @@ STDERR_LOG = "ferry-stderr.log"
 #: CRIU writes the process memory into these; they are the "host bytes".
 PAGES_PREFIX = "pages-"
 #: Files CRIU writes for people, not for restore: they never travel.
-LOCAL_ONLY = frozenset({"criu-dump.log", "criu-restore.log", "stats-restore"})
+LOCAL_ONLY = frozenset({"criu-dump.log", "criu-page-server.log", "criu-restore.log", "stats-restore"})
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}$")
 _CHUNK = 1 << 20
@@ -100,6 +100,20 @@ class CudaSection:
         )
 
 
+@dataclass(frozen=True)
+class StreamDigest:
+    """A byte stream that bypassed the image's files: how long it was, and its checksum."""
+
+    bytes: int
+    check: str
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StreamDigest:
+        if not (isinstance(d["bytes"], int) and isinstance(d["check"], str)):
+            raise TypeError(f"malformed page stream {d!r}")
+        return cls(d["bytes"], d["check"])
+
+
 @dataclass
 class Manifest:
     job: JobSpec
@@ -111,6 +125,9 @@ class Manifest:
     criu_stats: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     cuda: CudaSection | None = None  # None: a CPU-only job
+    # The job's memory when it was streamed to the target's page server while dumping
+    # (agent.pagestream): then its pages-/pagemap- files are not in `files`.
+    page_stream: StreamDigest | None = None
     version: int = MANIFEST_VERSION
 
     @property
@@ -146,6 +163,7 @@ class Manifest:
                 criu_stats={str(k): int(v) for k, v in d.get("criu_stats", {}).items()},
                 timings={str(k): float(v) for k, v in d.get("timings", {}).items()},
                 cuda=CudaSection.from_dict(d["cuda"]) if d.get("cuda") else None,
+                page_stream=StreamDigest.from_dict(d["page_stream"]) if d.get("page_stream") else None,
             )
         except ImageError:
             raise

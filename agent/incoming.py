@@ -27,6 +27,7 @@ from agent import faults, procs
 from agent.criu import Criu
 from agent.cudajob import CudaJobs
 from agent.errors import (
+    FerryError,
     ImageError,
     InvalidArgumentError,
     NotFoundError,
@@ -35,10 +36,11 @@ from agent.errors import (
     TransferError,
 )
 from agent.gpus import GpuNeed
-from agent.image import Manifest
+from agent.image import Manifest, StreamDigest
 from agent.jobs import JobRegistry, JobState
 from agent.journal import TARGET, Journal, MigrationRecord
 from agent.migrate import default_cuda_jobs, restore_tree, wait_for_output
+from agent.pagestream import TargetRelay
 from agent.rpc import pb
 from agent.transfer import Intake
 
@@ -86,6 +88,8 @@ class Incoming:
     reserved_bytes: int = 0
     criu_pid: int = 0
     criu_started: float = 0.0
+    relay: TargetRelay | None = None  # the page stream while it runs
+    pages: StreamDigest | None = None  # what the page stream delivered
 
     def record(self) -> MigrationRecord:
         return MigrationRecord(
@@ -228,7 +232,61 @@ class TargetMigrations:
             max_bytes=inc.max_bytes,
             expires_at=inc.expires_at,
             gpu_map=[pb.GpuPair(old_uuid=o, new_uuid=n) for o, n in inc.gpu_map.items()],
+            page_stream=True,
         )
+
+    def stream_pages(self, requests: Iterator[pb.PageData], caller: str = "") -> Iterator[pb.PageData]:
+        """The job's memory, while the source dumps it: relayed into a page server writing staging.
+
+        The last message says what arrived; push must then bring a manifest that names the same.
+        """
+        first = next(requests, None)
+        if first is None or not first.migration_id:
+            raise InvalidArgumentError("a page stream must start with its migration id", step="transfer")
+        inc = self._get(first.migration_id, caller)
+        with self._lock:
+            self._require_lease(inc, pb.TARGET_STATE_PREPARED, "a page stream")
+            if inc.pages is not None:
+                raise RefusedError(
+                    f"migration {inc.migration_id} already has its page stream",
+                    step="transfer",
+                    node=self.node,
+                )
+            self._set(inc, pb.TARGET_STATE_RECEIVING)
+            inc.relay = TargetRelay(self.criu, inc.staging, inc.max_bytes, self.node)
+        try:
+            digest = yield from inc.relay.run(requests)
+        except BaseException as e:
+            inc.relay.kill()
+            with self._lock:
+                if inc.state == pb.TARGET_STATE_RECEIVING:
+                    self._drop(inc, f"page stream failed: {e}")
+            if isinstance(e, GeneratorExit):  # the call was cancelled: nobody to tell
+                raise
+            if isinstance(e, FerryError):
+                raise e.at(step="transfer", node=self.node) from None
+            raise TransferError(f"the page stream failed: {e!r}", step="transfer", node=self.node) from e
+        with self._lock:
+            inc.relay = None
+            if inc.state != pb.TARGET_STATE_RECEIVING:  # aborted while the last bytes came in
+                raise RefusedError(f"migration {inc.migration_id} was aborted", node=self.node)
+            inc.pages = digest
+            # Back to waiting, under the lease's expiry, for the rest of the image.
+            self._set(inc, pb.TARGET_STATE_PREPARED)
+        log.info("migration %s: %d bytes of memory streamed in", inc.migration_id, digest.bytes)
+        yield pb.PageData(end=pb.PageStreamEnd(bytes=digest.bytes, check=digest.check))
+
+    def _require_lease(self, inc: Incoming, state: int, what: str) -> None:
+        """Under the lock: the migration is in `state` and its lease holds."""
+        if inc.state != state:
+            raise RefusedError(
+                f"migration {inc.migration_id} is {_NAMES.get(inc.state, 'unknown')}, not waiting for {what}",
+                step="transfer",
+                node=self.node,
+            )
+        if time.time() > inc.expires_at:
+            self._drop(inc, f"its lease expired before {what} came")
+            raise RefusedError(f"the lease of migration {inc.migration_id} expired", node=self.node)
 
     def push(self, chunks: Iterator[pb.ImageChunk], caller: str = "") -> pb.PushImageResponse:
         first = next(chunks, None)
@@ -236,18 +294,10 @@ class TargetMigrations:
             raise InvalidArgumentError("empty image stream", step="transfer", node=self.node)
         inc = self._get(first.migration_id, caller)
         with self._lock:
-            if inc.state != pb.TARGET_STATE_PREPARED:
-                raise RefusedError(
-                    f"migration {inc.migration_id} is {_NAMES.get(inc.state, 'unknown')}, not waiting "
-                    "for an image",
-                    step="transfer",
-                    node=self.node,
-                )
-            if time.time() > inc.expires_at:
-                self._drop(inc, "its lease expired before the image came")
-                raise RefusedError(f"the lease of migration {inc.migration_id} expired", node=self.node)
+            self._require_lease(inc, pb.TARGET_STATE_PREPARED, "an image")
             self._set(inc, pb.TARGET_STATE_RECEIVING)
-        intake = Intake(inc.staging, inc.max_bytes, self.node)
+        streamed = inc.pages.bytes if inc.pages else 0
+        intake = Intake(inc.staging, inc.max_bytes - streamed, self.node)
         try:
             intake.feed(first)
             listed = sum((intake.expected or {}).values())
@@ -266,6 +316,11 @@ class TargetMigrations:
             manifest = intake.finish()
             if manifest.job.name != inc.job:
                 raise ImageError(f"image is of job {manifest.job.name!r}, the lease is for {inc.job!r}")
+            if manifest.page_stream != inc.pages:
+                raise ImageError(
+                    f"the manifest names a page stream of {manifest.page_stream}, but "
+                    f"{inc.pages or 'none'} arrived"
+                )
         except BaseException as e:
             intake.close()
             if isinstance(e, grpc.RpcError):  # the request stream itself broke: the source went away
@@ -476,11 +531,14 @@ class TargetMigrations:
         self.journal.save(inc.record())
 
     def _drop(self, inc: Incoming, why: str) -> None:
+        if inc.relay is not None:
+            inc.relay.kill()  # a page server still writing into staging
+        # Staging first: "aborted" on disk then also means nothing is left (recovery cleans both ways).
+        shutil.rmtree(inc.staging, ignore_errors=True)
         inc.state = pb.TARGET_STATE_ABORTED
         rec = inc.record()
         rec.note = why
         self.journal.save(rec)
-        shutil.rmtree(inc.staging, ignore_errors=True)
         log.info("migration %s: dropped (%s)", inc.migration_id, why)
 
     def _expire_locked(self) -> None:

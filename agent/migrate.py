@@ -15,7 +15,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -45,12 +45,14 @@ from agent.image import (
     FileEntry,
     JobSpec,
     Manifest,
+    StreamDigest,
     build_manifest,
     host_bytes,
     verify,
 )
 from agent.jobs import JobKind, JobRecord, JobRegistry, JobState
 from agent.journal import SOURCE, Journal, MigrationRecord
+from agent.pagestream import PageCall, SourceRelay
 from agent.rpc import pb
 from agent.transfer import SendStats, send_image
 
@@ -89,6 +91,7 @@ class MigrationSpec:
     job: str
     target: str
     migration_id: str
+    staged: bool = False  # dump into staging here, then copy: no page stream
 
 
 @dataclass
@@ -117,6 +120,7 @@ class Peer(Protocol):
 
     def info(self) -> pb.NodeInfo: ...
     def prepare(self, req: pb.PrepareRequest) -> pb.Lease: ...
+    def stream_pages(self, requests: Iterable[pb.PageData]) -> PageCall: ...
     def push(self, chunks: Iterator[pb.ImageChunk]) -> pb.PushImageResponse: ...
     def commit(self, req: pb.CommitRequest) -> pb.CommitResponse: ...
     def abort(self, migration_id: str, reason: str) -> None: ...
@@ -188,6 +192,8 @@ class SourceMigration:
         self.agent_id = agent_id
         self.emit = emit
         self.state = MigrationState.PREPARING
+        self.lease = pb.Lease()
+        self.relay: SourceRelay | None = None
         self.phases = _Phases()
         self.result = MigrationResult(spec.migration_id, spec.job, node, target=spec.target)
         self.record = MigrationRecord(
@@ -238,14 +244,28 @@ class SourceMigration:
                 self.cuda.freeze(self.footprint, self.phases.times)
                 self.cuda_frozen = True
             shell_job = _needs_shell_job(rec, procs.tree_pids(rec.pid))
+            if self.lease.page_stream and not self.spec.staged:
+                self.relay = SourceRelay(
+                    self.peer.stream_pages,
+                    self.spec.migration_id,
+                    self.node,
+                    lambda n: self.emit(Progress("dump", "streaming the job's memory to the target", n)),
+                )
+            ps_fd = self.relay.criu_fd if self.relay else -1
             dump = self.phases.run(
                 "dump",
                 lambda: self.criu.dump(
-                    rec.pid, self.staging, shell_job=shell_job, on_start=self._criu_started
+                    rec.pid,
+                    self.staging,
+                    shell_job=shell_job,
+                    on_start=self._criu_started,
+                    page_server_fd=ps_fd,
                 ),
             )
             pids = procs.tree_pids(rec.pid)  # the stopped tree
             self._journal(pids=pids)
+            pages = self.phases.run("pages", self.relay.finish) if self.relay else None
+            assert pages is None or isinstance(pages, StreamDigest)
             faults.check("source-dumped", self.node)
             last_progress = _log_mtime(rec)
             _copy_logs(rec, self.staging)
@@ -262,11 +282,12 @@ class SourceMigration:
                     job=job,
                     source_node=self.node,
                     files=entries,
-                    host_bytes=host_bytes(entries),
+                    host_bytes=host_bytes(entries) + (pages.bytes if pages else 0),
                     gpu_bytes=self.footprint.gpu_bytes,
                     criu_stats=dump.stats,  # type: ignore[attr-defined]
                     timings=dict(self.phases.times),
                     cuda=self.footprint.section(),
+                    page_stream=pages,
                 )
 
             def progress(n: int) -> None:
@@ -275,8 +296,9 @@ class SourceMigration:
 
             chunks = send_image(self.spec.migration_id, self.staging, manifest, sent, progress)
             self.phases.run("transfer", lambda: self.peer.push(chunks))
-            self.result.image_bytes = sent.bytes
-            self.result.host_bytes = host_bytes(sent.entries)
+            streamed = pages.bytes if pages else 0
+            self.result.image_bytes = sent.bytes + streamed
+            self.result.host_bytes = host_bytes(sent.entries) + streamed
             self.result.gpu_bytes = self.footprint.gpu_bytes
 
             self._set(MigrationState.RESTORING, "restore", f"target {self.result.target_node} restoring")
@@ -307,7 +329,9 @@ class SourceMigration:
         self._journal(state=self.state.value)
         self.result.phases = dict(self.phases.times)
         self.result.total_s = time.monotonic() - t_start
-        xfer = self.phases.times.get("transfer", 0.0)
+        # Streamed memory crosses during the dump: the copy then spans dump, drain and transfer.
+        copy_phases = ("dump", "pages", "transfer") if "pages" in self.phases.times else ("transfer",)
+        xfer = sum(self.phases.times.get(p, 0.0) for p in copy_phases)
         self.result.transfer_gbps = self.result.image_bytes / xfer / 1e9 if xfer > 0 else 0.0
         self._set(MigrationState.COMMITTED, "done", f"job {rec.name} runs on {self.result.target_node}")
         return self.result
@@ -351,7 +375,7 @@ class SourceMigration:
             ],
             cuda_driver=self.footprint.driver_version,
         )
-        lease = self.peer.prepare(req)
+        lease = self.lease = self.peer.prepare(req)
         if unmapped := sorted({g.uuid for g in self.footprint.gpus} - {p.old_uuid for p in lease.gpu_map}):
             raise RefusedError(
                 f"target {self.spec.target} leased no GPU for {', '.join(unmapped)}",
@@ -399,6 +423,8 @@ class SourceMigration:
             self._journal(state=self.state.value, note=note)
             raise _Unresolved(note, step="commit", node=self.node) from err
         self._set(MigrationState.ABORTING, "abort", f"aborting: {err}")
+        if self.relay is not None:
+            self.relay.close()
         try:
             if not self.target_aborted:
                 self.peer.abort(self.spec.migration_id, str(err))

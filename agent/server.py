@@ -379,7 +379,7 @@ class AgentService(pb_grpc.AgentServicer):
     ) -> Iterator[pb.ProgressEvent]:
         client.split_address(request.target)
         self.registry.get(request.name)  # NOT_FOUND before anything starts
-        spec = MigrationSpec(request.name, request.target, uuid.uuid4().hex[:16])
+        spec = MigrationSpec(request.name, request.target, uuid.uuid4().hex[:16], staged=request.staged)
         peer = client.PeerClient(request.target, self.dial)
 
         def work(emit: Callable[[Progress], None]) -> MigrationResult:
@@ -451,6 +451,12 @@ class AgentService(pb_grpc.AgentServicer):
     @rpc
     def Prepare(self, request: pb.PrepareRequest, context: grpc.ServicerContext) -> pb.Lease:
         return self.targets.prepare(request, self._peer_name(context))
+
+    @stream_rpc
+    def StreamPages(
+        self, request_iterator: Iterator[pb.PageData], context: grpc.ServicerContext
+    ) -> Iterator[pb.PageData]:
+        yield from self.targets.stream_pages(request_iterator, self._peer_name(context))
 
     @rpc
     def PushImage(

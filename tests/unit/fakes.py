@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ import psutil
 
 from agent import procs
 from agent.criu import DumpResult, InheritFd, RestoreResult
-from agent.errors import RefusedError
+from agent.errors import CriuError, RefusedError
 from agent.jobs import JobKind, JobRecord, JobState
 from agent.rpc import pb
 from agent.transfer import Intake
@@ -69,6 +71,36 @@ def is_dead(pid: int) -> bool:
     return proc_status(pid) in ("gone", psutil.STATUS_ZOMBIE)
 
 
+class FakePageServer:
+    """agent.criu.PageServer without CRIU: a thread copying its socket into a pages file."""
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self.sock = socket.socket(fileno=fd)
+        self.path = path
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            with open(self.path, "xb") as out:
+                while data := self.sock.recv(1 << 16):
+                    out.write(data)
+        except OSError as e:
+            self.error = e
+        finally:
+            self.sock.close()
+
+    def wait(self, timeout_s: float | None) -> None:
+        self._thread.join(timeout_s)
+        if self.error is not None:
+            raise CriuError("page-server", f"fake page server failed: {self.error}")
+
+    def kill(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+
 class FakeCriu:
     """agent.criu.Criu without CRIU: records calls, fails on request."""
 
@@ -83,6 +115,7 @@ class FakeCriu:
         self.during_restore: Callable[[], None] | None = None
         #: Pids of the children restore started; the fixture kills them.
         self.spawned: list[int] = []
+        self.page_server_error: BaseException | None = None
         #: A fake_cuda.CudaWorld: dump and restore carry its CUDA state like CRIU carries memory.
         self.cuda_world: Any = None
 
@@ -101,14 +134,22 @@ class FakeCriu:
         shell_job: bool = False,
         timeout_s: int = 0,
         on_start: Callable[[int], None] | None = None,
+        page_server_fd: int = -1,
     ) -> DumpResult:
-        self.dumps.append({"pid": pid, "images_dir": images_dir, "shell_job": shell_job})
+        self.dumps.append(
+            {"pid": pid, "images_dir": images_dir, "shell_job": shell_job, "streamed": page_server_fd >= 0}
+        )
         if self.dump_error is not None:
             raise self.dump_error
         (images_dir / "inventory.img").write_bytes(b"inventory")
         (images_dir / f"core-{pid}.img").write_bytes(b"core" * 100)
         (images_dir / "pstree.img").write_bytes(b"pstree")
-        (images_dir / "pages-1.img").write_bytes(os.urandom(PAGES_BYTES))
+        pages = os.urandom(PAGES_BYTES)
+        if page_server_fd >= 0:  # the memory goes to the page server instead
+            with os.fdopen(os.dup(page_server_fd), "wb") as f:
+                f.write(pages)
+        else:
+            (images_dir / "pages-1.img").write_bytes(pages)
         (images_dir / "criu-dump.log").write_text("a log for people; it never travels\n")
         if self.cuda_world is not None:
             self.cuda_world.save_image(procs.tree_pids(pid), images_dir)
@@ -116,6 +157,12 @@ class FakeCriu:
             os.kill(pid, signal.SIGSTOP)
             wait_stopped(pid)
         return DumpResult(stats={"frozen_time": 1234, "pages_written": 16})
+
+    def page_server(self, images_dir: Path, sock_fd: int) -> FakePageServer:
+        """Writes everything it reads from sock_fd into pages-65537.img until EOF, as CRIU's would."""
+        if self.page_server_error is not None:
+            raise self.page_server_error
+        return FakePageServer(os.dup(sock_fd), images_dir / "pages-65537.img")
 
     def restore(
         self,
@@ -269,3 +316,16 @@ def launched_record(
         stdout_path=str(out),
         stderr_path=str(err),
     )
+
+
+class LocalPageCall:
+    """agent.pagestream.PageCall straight onto a TargetMigrations in this process."""
+
+    def __init__(self, target: Any, requests: Iterable[pb.PageData]) -> None:
+        self._answers = target.stream_pages(iter(requests))
+
+    def __iter__(self) -> Iterator[pb.PageData]:
+        return self._answers
+
+    def cancel(self) -> None:
+        """Nothing to cancel: the source closing its sockets ends the request stream."""

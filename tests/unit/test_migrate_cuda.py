@@ -13,7 +13,7 @@ import contextlib
 import json
 import os
 import types
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -29,7 +29,7 @@ from fake_cuda import (
     R,
     fake_cuda_jobs,
 )
-from fakes import FakeCriu, is_dead, is_stopped, launched_record, wait_running
+from fakes import FakeCriu, LocalPageCall, is_dead, is_stopped, launched_record, wait_running
 
 from agent import cli, incoming, migrate
 from agent.errors import MigrationAbortedError, RefusedError
@@ -54,6 +54,9 @@ class LocalPeer:
 
     def prepare(self, req: pb.PrepareRequest) -> pb.Lease:
         return self.target.prepare(req)
+
+    def stream_pages(self, requests: Iterable[pb.PageData]) -> LocalPageCall:
+        return LocalPageCall(self.target, requests)
 
     def push(self, chunks: Iterator[pb.ImageChunk]) -> pb.PushImageResponse:
         return self.target.push(chunks)
@@ -86,9 +89,9 @@ class TwoNodes:
         )
         self.staging = tmp_path / "a" / "staging"
 
-    def migration(self) -> SourceMigration:
+    def migration(self, staged: bool = False) -> SourceMigration:
         return SourceMigration(
-            MigrationSpec("train", LocalPeer.address, MID),
+            MigrationSpec("train", LocalPeer.address, MID, staged=staged),
             self.src_reg,
             self.src_criu,
             LocalPeer(self.target),
@@ -136,11 +139,24 @@ def test_a_cuda_job_moves_onto_a_gpu_of_the_target(nodes: TwoNodes) -> None:
         "cuda lock",
         "cuda checkpoint",
         "dump",
+        "pages",
         "target restore",
         "target cuda restore",
         "target cuda unlock",
     ):
         assert phase in result.phases, phase
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["streamed", "staged"])
+def test_memory_streams_to_the_target_unless_the_migration_is_staged(nodes: TwoNodes, staged: bool) -> None:
+    result = nodes.migration(staged=staged).run()
+
+    assert nodes.src_criu.dumps[0]["streamed"] is not staged
+    files = nodes.dst_criu.restores[0]["files"]
+    # The page server's file when streamed; the source's own, copied, when staged.
+    assert ("pages-65537.img" in files, "pages-1.img" in files) == (not staged, staged)
+    assert ("pages" in result.phases) is not staged
+    assert result.image_bytes > 0 and result.host_bytes > 0
 
 
 def test_the_lease_maps_the_gpu_and_the_manifest_counts_it(nodes: TwoNodes) -> None:

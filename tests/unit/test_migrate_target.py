@@ -29,7 +29,17 @@ from agent.errors import (
     TransferError,
 )
 from agent.faults import InjectedFault
-from agent.image import MANIFEST, STDERR_LOG, STDOUT_LOG, FileEntry, JobSpec, Manifest, host_bytes, verify
+from agent.image import (
+    MANIFEST,
+    STDERR_LOG,
+    STDOUT_LOG,
+    FileEntry,
+    JobSpec,
+    Manifest,
+    StreamDigest,
+    host_bytes,
+    verify,
+)
 from agent.incoming import TargetMigrations
 from agent.jobs import JobKind, JobRecord, JobRegistry, JobState
 from agent.rpc import pb
@@ -73,7 +83,9 @@ def make_image(root: Path, job: str = "train", pages: int = 200_000) -> Path:
     return d
 
 
-def chunks_for(image_dir: Path, mid: str = MID, job: str = "train") -> list[pb.ImageChunk]:
+def chunks_for(
+    image_dir: Path, mid: str = MID, job: str = "train", page_stream: StreamDigest | None = None
+) -> list[pb.ImageChunk]:
     spec = JobSpec(
         name=job,
         kind="launched",
@@ -87,7 +99,13 @@ def chunks_for(image_dir: Path, mid: str = MID, job: str = "train") -> list[pb.I
     )
 
     def manifest(entries: list[FileEntry]) -> Manifest:
-        return Manifest(job=spec, source_node="nodea", files=entries, host_bytes=host_bytes(entries))
+        return Manifest(
+            job=spec,
+            source_node="nodea",
+            files=entries,
+            host_bytes=host_bytes(entries),
+            page_stream=page_stream,
+        )
 
     return list(send_image(mid, image_dir, manifest, SendStats()))
 
