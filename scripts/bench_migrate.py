@@ -44,8 +44,9 @@ if str(REPO) not in sys.path:
 
 WORKLOAD = REPO / "scripts" / "workloads" / "train_sized.py"
 OUT_DIR = Path("bench-results")
-METHODS = ("ferry", "criu", "ckpt")
-LABELS = {"ferry": "ferry", "criu": "plain CRIU", "ckpt": "checkpoint-restart"}
+METHODS = ("ferry", "criu", "ckpt", "staged")
+#: "staged" is ferry before memory streaming (`ferry migrate --staged`): what streaming bought.
+LABELS = {"ferry": "ferry", "criu": "plain CRIU", "ckpt": "checkpoint-restart", "staged": "ferry --staged"}
 GIB = 1 << 30
 #: Step intervals (the last ones before the move) whose median is "one normal step".
 STEP_WINDOW = 8
@@ -160,6 +161,7 @@ def size_summary(
         "ckpt_over_ferry": _ratio(down.get("ckpt"), down.get("ferry")),
         "total_criu_over_ferry": _ratio(total.get("criu"), total.get("ferry")),
         "total_ckpt_over_ferry": _ratio(total.get("ckpt"), total.get("ferry")),
+        "staged_over_ferry": _ratio(down.get("staged"), down.get("ferry")),
     }
     return {"gib": gib, "median": med, "bandwidth": bandwidth, "bound": bound, "ratios": ratios}
 
@@ -206,7 +208,8 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
             f"{size}: downtime ferry/bound {_num(r['ferry_over_bound_fresh'], '.1f')}x (fresh), "
             f"{_num(r['ferry_over_bound_touched'], '.1f')}x (pre-touched); "
             f"plain CRIU/ferry {_num(r['criu_over_ferry'], '.1f')}x; "
-            f"checkpoint-restart/ferry {_num(r['ckpt_over_ferry'], '.1f')}x"
+            f"checkpoint-restart/ferry {_num(r['ckpt_over_ferry'], '.1f')}x; "
+            f"ferry --staged/ferry {_num(r['staged_over_ferry'], '.1f')}x"
         )
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     lines = [
@@ -411,9 +414,9 @@ class Bench:
 
     # -- (a) ferry
 
-    def run_ferry(self, gib: float, rep: int) -> dict[str, Any]:
+    def run_ferry(self, gib: float, rep: int, staged: bool = False) -> dict[str, Any]:
         a, b = self.agents
-        name = f"bench-{gib:g}g-{rep}".replace(".", "_")
+        name = f"bench-{gib:g}g-{rep}{'-staged' if staged else ''}".replace(".", "_")
         self.say(f"  ferry: starting the job on node-a ({name})")
         try:
             job = json.loads(a.cli("run", "--name", name, "--json", "--", *self.workload(gib)).stdout)
@@ -423,7 +426,14 @@ class Bench:
             self.say(f"  ferry: {self.args.warmup_steps} steps done; ferry migrate {name} --to node-b")
             requested = time.time()
             res = a.cli(
-                "migrate", name, "--to", b.address, "--json", check=False, timeout_s=timeouts(gib)["move"]
+                "migrate",
+                name,
+                "--to",
+                b.address,
+                "--json",
+                *(["--staged"] if staged else []),
+                check=False,
+                timeout_s=timeouts(gib)["move"],
             )
             done = time.time()
             if res.returncode != 0:
@@ -652,7 +662,7 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     xs = [s["gib"] for s in summaries]
-    for m, style in zip(METHODS, ("o-", "s-", "^-"), strict=True):
+    for m, style in zip(METHODS, ("o-", "s-", "^-", "d:"), strict=True):
         pts = [(s["gib"], s["median"][m]["downtime_s"]) for s in summaries if m in s["median"]]
         if pts:
             ax.plot(*zip(*pts, strict=True), style, label=LABELS[m])
@@ -701,7 +711,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_methods,
         default=list(METHODS),
         metavar="M,...",
-        help="which methods to run, a subset of ferry,criu,ckpt (default all three)",
+        help="which methods to run, a subset of ferry,criu,ckpt,staged (default all four; staged is "
+        "`ferry migrate --staged`, the pipeline before memory streaming)",
     )
     p.add_argument(
         "--warmup-steps",
@@ -807,9 +818,14 @@ def run(args: argparse.Namespace, say: Progress) -> dict[str, Any]:
         },
         "sizes": [],
     }
-    runners = {"ferry": bench.run_ferry, "criu": bench.run_criu, "ckpt": bench.run_ckpt}
+    runners = {
+        "ferry": bench.run_ferry,
+        "criu": bench.run_criu,
+        "ckpt": bench.run_ckpt,
+        "staged": lambda gib, rep: bench.run_ferry(gib, rep, staged=True),
+    }
     try:
-        if "ferry" in args.methods:
+        if {"ferry", "staged"} & set(args.methods):
             bench.start_agents()
         for gib in args.sizes:
             runs: dict[str, list[dict[str, Any]]] = {m: [] for m in args.methods}

@@ -163,7 +163,7 @@ def test_format_table_rows_and_ratio_line() -> None:
     assert "bound (pre-touched)" in rows[4] and "1.00 s" in rows[4]
     assert lines[-1] == (
         "2 GiB: downtime ferry/bound 0.5x (fresh), 2.0x (pre-touched); plain CRIU/ferry 4.0x; "
-        "checkpoint-restart/ferry 6.0x"
+        "checkpoint-restart/ferry 6.0x; ferry --staged/ferry -x"  # not run here
     )
 
 
@@ -196,7 +196,7 @@ def test_parser_defaults() -> None:
     args = bench.build_parser().parse_args([])
     assert args.sizes == [1.0, 2.0, 4.0]
     assert args.repeat == 1
-    assert args.methods == ["ferry", "criu", "ckpt"]
+    assert args.methods == ["ferry", "criu", "ckpt", "staged"]
     assert args.json == Path("bench-results/bench.json")
     assert args.plot == Path("bench-results/downtime.png")
     assert args.workdir == Path("/var/tmp")
