@@ -28,6 +28,7 @@ from agent.criu import Criu, InheritFd
 from agent.criu_images import bound_socket_dirs
 from agent.cudajob import CudaJobs, Footprint, ProcView, restore_plan
 from agent.errors import (
+    CriuError,
     FerryError,
     InvalidArgumentError,
     MigrationAbortedError,
@@ -252,16 +253,23 @@ class SourceMigration:
                     lambda n: self.emit(Progress("dump", "streaming the job's memory to the target", n)),
                 )
             ps_fd = self.relay.criu_fd if self.relay else -1
-            dump = self.phases.run(
-                "dump",
-                lambda: self.criu.dump(
-                    rec.pid,
-                    self.staging,
-                    shell_job=shell_job,
-                    on_start=self._criu_started,
-                    page_server_fd=ps_fd,
-                ),
-            )
+            try:
+                dump = self.phases.run(
+                    "dump",
+                    lambda: self.criu.dump(
+                        rec.pid,
+                        self.staging,
+                        shell_job=shell_job,
+                        on_start=self._criu_started,
+                        page_server_fd=ps_fd,
+                    ),
+                )
+            except CriuError:
+                # A target that refused or broke the page stream makes CRIU fail with a broken
+                # pipe; the target's reason is the one to report.
+                if self.relay is not None and self.relay.error is not None:
+                    raise self.relay.error from None
+                raise
             pids = procs.tree_pids(rec.pid)  # the stopped tree
             self._journal(pids=pids)
             pages = self.phases.run("pages", self.relay.finish) if self.relay else None

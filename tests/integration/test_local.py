@@ -59,7 +59,8 @@ def test_restore_refuses_a_tampered_image(agents, tmp_path):
 def test_adopted_process_migrates_to_a_node_with_its_pids_free(agents, tmp_path):
     a = agents("node-a")
     # The second "node" runs in its own PID namespace, so the adopted job's host PIDs are free there.
-    b = agents("node-b", prefix=["unshare", "--pid", "--fork", "--mount-proc"])
+    # --kill-child: stopping the test's agent signals unshare, and the agent must not outlive it.
+    b = agents("node-b", prefix=["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"])
     out = tmp_path / "adopted.log"
     with open(out, "wb") as f:
         proc = subprocess.Popen(

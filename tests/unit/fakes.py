@@ -146,8 +146,11 @@ class FakeCriu:
         (images_dir / "pstree.img").write_bytes(b"pstree")
         pages = os.urandom(PAGES_BYTES)
         if page_server_fd >= 0:  # the memory goes to the page server instead
-            with os.fdopen(os.dup(page_server_fd), "wb") as f:
-                f.write(pages)
+            try:
+                with os.fdopen(os.dup(page_server_fd), "wb") as f:
+                    f.write(pages)
+            except BrokenPipeError as e:  # the far side went away: CRIU's dump fails
+                raise CriuError("dump", f"page-xfer: can't write to the page server: {e}") from e
         else:
             (images_dir / "pages-1.img").write_bytes(pages)
         (images_dir / "criu-dump.log").write_text("a log for people; it never travels\n")

@@ -32,7 +32,7 @@ from fake_cuda import (
 from fakes import FakeCriu, LocalPageCall, is_dead, is_stopped, launched_record, wait_running
 
 from agent import cli, incoming, migrate
-from agent.errors import MigrationAbortedError, RefusedError
+from agent.errors import CriuError, MigrationAbortedError, RefusedError
 from agent.incoming import TargetMigrations
 from agent.jobs import JobRegistry, JobState
 from agent.migrate import MigrationSpec, SourceMigration, checkpoint, restore_image
@@ -157,6 +157,14 @@ def test_memory_streams_to_the_target_unless_the_migration_is_staged(nodes: TwoN
     assert ("pages-65537.img" in files, "pages-1.img" in files) == (not staged, staged)
     assert ("pages" in result.phases) is not staged
     assert result.image_bytes > 0 and result.host_bytes > 0
+
+
+def test_a_target_whose_page_server_fails_aborts_with_its_reason(nodes: TwoNodes) -> None:
+    nodes.dst_criu.page_server_error = CriuError("page-server", "no room for a page server", node="nodeb")
+    with pytest.raises(MigrationAbortedError, match="no room for a page server"):
+        nodes.migration().run()
+    assert nodes.job.state is JobState.RUNNING
+    assert nodes.target.status(MID) == pb.TARGET_STATE_ABORTED
 
 
 def test_the_lease_maps_the_gpu_and_the_manifest_counts_it(nodes: TwoNodes) -> None:
