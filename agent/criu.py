@@ -201,21 +201,7 @@ class Criu:
         dir_fd = _open_dir(images_dir, "page-server", self.node)
         try:
             opts.images_dir_fd = dir_fd
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            try:
-                proc = subprocess.Popen(
-                    [self.binary, "swrk", str(theirs.fileno())],
-                    env={**os.environ, "CRIU_LIBS_DIR": no_plugins_dir()},
-                    pass_fds=[theirs.fileno(), sock_fd],
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-            except OSError as e:
-                ours.close()
-                raise CriuError("page-server", f"cannot start {self.binary}: {e}", node=self.node) from e
-            finally:
-                theirs.close()
+            proc, ours = self._start_swrk("page-server", [sock_fd], stderr=subprocess.DEVNULL)
             server = PageServer(proc, ours, log_path, self.node)
             # keep_open: the same swrk later waits for the server (WAIT_PID) and reports its status.
             req = rpc_pb2.criu_req(type=rpc_pb2.PAGE_SERVER_CHLD, opts=opts, keep_open=True)
@@ -265,6 +251,27 @@ class Criu:
             for fd in dir_fds:
                 os.close(fd)
 
+    def _start_swrk(
+        self, op: str, pass_fds: list[int], stderr: int
+    ) -> tuple[subprocess.Popen[bytes], socket.socket]:
+        """`criu swrk` on one end of a SEQPACKET pair, no plugins; the other end is returned."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            proc = subprocess.Popen(
+                [self.binary, "swrk", str(theirs.fileno())],
+                env={**os.environ, "CRIU_LIBS_DIR": no_plugins_dir()},
+                pass_fds=[theirs.fileno(), *pass_fds],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+            )
+        except OSError as e:
+            ours.close()
+            raise CriuError(op, f"cannot start {self.binary}: {e}", node=self.node) from e
+        finally:
+            theirs.close()
+        return proc, ours
+
     def _exchange(
         self,
         op: str,
@@ -274,21 +281,7 @@ class Criu:
         pass_fds: list[int],
         on_start: Callable[[int], None] | None,
     ) -> rpc_pb2.criu_resp:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            proc = subprocess.Popen(
-                [self.binary, "swrk", str(theirs.fileno())],
-                env={**os.environ, "CRIU_LIBS_DIR": no_plugins_dir()},
-                pass_fds=[theirs.fileno(), *pass_fds],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-            )
-        except OSError as e:
-            ours.close()
-            raise CriuError(op, f"cannot start {self.binary}: {e}", node=self.node) from e
-        finally:
-            theirs.close()
+        proc, ours = self._start_swrk(op, pass_fds, stderr=subprocess.PIPE)
         try:
             if on_start is not None:
                 on_start(proc.pid)
