@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -65,41 +66,62 @@ def steps(log: Path) -> list[int]:
     return [int(line.split()[1]) for line in log.read_text().splitlines() if line.startswith("step ")]
 
 
-def test_memory_streamed_through_both_relays_restores_and_runs_on(tmp_path: Path) -> None:
+@dataclass
+class Move:
+    """A running job, a criu, and a source relay whose target relay writes into `dst`."""
+
+    src: Path
+    dst: Path
+    log: Path
+    job: subprocess.Popen[bytes]
+    criu: Criu
+    relay: SourceRelay
+
+
+def move(tmp_path: Path, cap: int) -> Move:
     src, dst = tmp_path / "src", tmp_path / "dst"
     src.mkdir()
     dst.mkdir()
     log = tmp_path / "job.log"
     job = start_job(tmp_path, log)
     criu = Criu()
-    target = TargetRelay(criu, dst, 1 << 34, "target")
+    target = TargetRelay(criu, dst, cap, "target")
     relay = SourceRelay(lambda reqs: InProcessCall(target, reqs), "m1", "source")
+    return Move(src, dst, log, job, criu, relay)
+
+
+def wait_for_steps(log: Path, more_than: int, timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while len(done := steps(log)) <= more_than:
+        assert time.monotonic() < deadline, log.read_text()[-2000:]
+        time.sleep(0.1)
+    return done
+
+
+def test_memory_streamed_through_both_relays_restores_and_runs_on(tmp_path: Path) -> None:
+    m = move(tmp_path, 1 << 34)
     restored = 0
     try:
-        criu.dump(job.pid, src, leave_stopped=False, page_server_fd=relay.criu_fd)
-        sent = relay.finish(60)
-        job.wait(30)  # dumped and killed: reaped, so its pid is free for the restore
-        before = steps(log)
+        m.criu.dump(m.job.pid, m.src, leave_stopped=False, page_server_fd=m.relay.criu_fd)
+        sent = m.relay.finish(60)
+        m.job.wait(30)  # dumped and killed: reaped, so its pid is free for the restore
+        before = steps(m.log)
 
         # The memory is on the target side only, and all of it arrived.
-        assert not any(p.name.startswith(PAGES_PREFIX) for p in src.iterdir())
-        pages = [p for p in dst.iterdir() if p.name.startswith(PAGES_PREFIX)]
+        assert not any(p.name.startswith(PAGES_PREFIX) for p in m.src.iterdir())
+        pages = [p for p in m.dst.iterdir() if p.name.startswith(PAGES_PREFIX)]
         assert pages and sum(p.stat().st_size for p in pages) > 40 << 20
         assert sent.bytes >= sum(p.stat().st_size for p in pages)
 
-        for p in src.iterdir():
-            if not (dst / p.name).exists():
-                (dst / p.name).write_bytes(p.read_bytes())
-        restored = criu.restore(dst).pid
-        deadline = time.monotonic() + 60
-        while len(steps(log)) < len(before) + 3:
-            assert time.monotonic() < deadline, log.read_text()[-2000:]
-            time.sleep(0.1)
-        after = steps(log)
+        for p in m.src.iterdir():
+            if not (m.dst / p.name).exists():
+                (m.dst / p.name).write_bytes(p.read_bytes())
+        restored = m.criu.restore(m.dst).pid
+        after = wait_for_steps(m.log, len(before) + 2, 60)
         assert after[: len(before)] == before
         assert after[len(before) :] == list(range(before[-1] + 1, after[-1] + 1))  # picked up where it was
     finally:
-        for pid in (job.pid, restored):
+        for pid in (m.job.pid, restored):
             if pid and procs.alive(pid):
                 procs.signal_all(procs.tree_pids(pid), signal.SIGKILL)
         if restored:
@@ -107,25 +129,15 @@ def test_memory_streamed_through_both_relays_restores_and_runs_on(tmp_path: Path
 
 
 def test_a_stream_cut_during_the_dump_fails_it_and_the_job_runs_on(tmp_path: Path) -> None:
-    src, dst = tmp_path / "src", tmp_path / "dst"
-    src.mkdir()
-    dst.mkdir()
-    log = tmp_path / "job.log"
-    job = start_job(tmp_path, log)
-    criu = Criu()
-    target = TargetRelay(criu, dst, 1 << 20, "target")  # far too small: the target cuts it off
-    relay = SourceRelay(lambda reqs: InProcessCall(target, reqs), "m1", "source")
+    m = move(tmp_path, 1 << 20)  # far too small: the target cuts the stream off
     try:
         with pytest.raises(CriuError):
-            criu.dump(job.pid, src, leave_stopped=False, page_server_fd=relay.criu_fd)
+            m.criu.dump(m.job.pid, m.src, leave_stopped=False, page_server_fd=m.relay.criu_fd)
         with pytest.raises(FerryError, match="cap"):
-            relay.finish(60)
+            m.relay.finish(60)
         # CRIU gave up and left the job running, as a failed dump must.
-        n = len(steps(log))
-        deadline = time.monotonic() + 30
-        while len(steps(log)) <= n:
-            assert time.monotonic() < deadline and job.poll() is None
-            time.sleep(0.1)
+        wait_for_steps(m.log, len(steps(m.log)), 30)
+        assert m.job.poll() is None
     finally:
-        job.kill()
-        job.wait()
+        m.job.kill()
+        m.job.wait()
