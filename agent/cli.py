@@ -152,6 +152,14 @@ def build_parser() -> Parser:
         help="dump the whole image into staging on this node first, then copy it (slower: the "
         "pipeline before memory streaming, kept for comparison)",
     )
+    mg.add_argument(
+        "--lazy",
+        action="store_true",
+        help="post-copy: resume the job on the target before its memory has arrived; each page "
+        "follows when the job first touches it. The job is frozen only for the rest of the image, "
+        "but until its last page is in it needs both nodes: if either fails, the target's copy "
+        "is killed and the job resumes here from where it froze. Needs userfaultfd on the target",
+    )
     _json_arg(mg)
 
     ck = sub.add_parser(
@@ -363,7 +371,9 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         split_address(args.to)
     except InvalidArgumentError as e:
         raise Usage(f"ferry migrate: --to: {e.cause}") from e
-    req = pb.MigrateRequest(name=args.name, target=args.to, staged=args.staged)
+    if args.lazy and args.staged:
+        raise Usage("ferry migrate: --lazy and --staged exclude each other (post-copy stages nothing)")
+    req = pb.MigrateRequest(name=args.name, target=args.to, staged=args.staged, lazy=args.lazy)
     events = _stream(args, "Migrate", req, 3600)
     return _follow_progress(events, args.json)
 

@@ -162,11 +162,14 @@ class Criu:
         log_dir: Path | None = None,
         on_start: Callable[[int], None] | None = None,
         leave_stopped: bool = False,
+        lazy_pages: bool = False,
     ) -> RestoreResult:
         """Restore the tree as a sibling of CRIU, i.e. as a child of this process; with
-        leave_stopped, every task waits for SIGCONT."""
+        leave_stopped, every task waits for SIGCONT. With lazy_pages, the memory comes from
+        a `criu lazy-pages` daemon already listening in log_dir (criu_lazy.LazyPagesDaemon)."""
         opts = self._opts(images_dir, RESTORE_LOG)
         opts.rst_sibling = True
+        opts.lazy_pages = lazy_pages
         if leave_stopped:
             opts.leave_stopped = True
         opts.shell_job = shell_job
@@ -210,7 +213,7 @@ class Criu:
             os.close(dir_fd)
         if not resp.success or not resp.ps.pid:
             server.kill()
-            cause = resp.cr_errmsg or _last_error(Path(log_path)) or "CRIU could not start a page server"
+            cause = resp.cr_errmsg or last_error(Path(log_path)) or "CRIU could not start a page server"
             raise CriuError("page-server", cause, log_path=log_path, node=self.node)
         server.pid = resp.ps.pid
         return server
@@ -303,7 +306,7 @@ class Criu:
         resp = rpc_pb2.criu_resp()
         resp.ParseFromString(data)
         if not resp.success:
-            cause = resp.cr_errmsg or _last_error(Path(log_path)) or "CRIU reported failure"
+            cause = resp.cr_errmsg or last_error(Path(log_path)) or "CRIU reported failure"
             raise CriuError(op, cause, log_path=log_path, errno=resp.cr_errno, node=self.node)
         log.debug("criu %s ok (log %s)", op, log_path)
         return resp
@@ -345,7 +348,7 @@ class PageServer:
             self.close()
         status = resp.status if resp.HasField("status") else -1
         if not resp.success or status != 0:
-            cause = _last_error(Path(self.log_path)) or f"page server ended with wait status {status}"
+            cause = last_error(Path(self.log_path)) or f"page server ended with wait status {status}"
             raise CriuError("page-server", cause, log_path=self.log_path, node=self.node)
 
     def kill(self) -> None:
@@ -389,7 +392,7 @@ def _open_dir(path: Path, op: str, node: str) -> int:
         raise CriuError(op, f"cannot open directory {path}: {e.strerror}", node=node) from e
 
 
-def _last_error(log_path: Path) -> str:
+def last_error(log_path: Path) -> str:
     """The last line CRIU marked as an error, for a one-line message."""
     try:
         lines = log_path.read_text(errors="replace").splitlines()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from agent import config
 from agent.criu import Criu
+from agent.criu_lazy import LAZY_PIPE_BYTES, lazy_dump_blocker
 from agent.cuda import CudaDriver
 from agent.cudajob import REMAP_BRANCH
 from agent.errors import FerryError
@@ -67,8 +68,15 @@ def _criu_checks() -> list[Check]:
         Check(
             "userfaultfd (lazy pages)",
             criu.feature("uffd-noncoop"),
-            "post-copy migration",
+            "receiving a post-copy migration (ferry migrate --lazy)",
             "enable CONFIG_USERFAULTFD",
+            required=False,
+        ),
+        Check(
+            "lazy page server",
+            not (blocker := lazy_dump_blocker()),
+            blocker or "sending a post-copy migration (ferry migrate --lazy)",
+            f"sysctl fs.pipe-max-size={LAZY_PIPE_BYTES}",
             required=False,
         ),
         Check(

@@ -2,7 +2,8 @@
 
 FERRY_FAULTS=point[,point...] makes those points fail. Points: prepare, dump,
 transfer, commit (source side); target-prepare, target-transfer, target-restore,
-target-restored (target side). Two more corrupt the stream the source sends:
+target-restored, target-pages (target side; the last breaks a post-copy transfer
+after 16 MiB have arrived). Two more corrupt the stream the source sends:
 corrupt-chunk (one byte of the first data chunk flipped after its digest) and
 truncate-image (the stream ends before the manifest).
 

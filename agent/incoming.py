@@ -24,7 +24,7 @@ import grpc
 import psutil
 
 from agent import faults, procs
-from agent.criu import Criu
+from agent.criu import START_TIMEOUT_S, Criu
 from agent.cudajob import CudaJobs
 from agent.errors import (
     FerryError,
@@ -40,7 +40,7 @@ from agent.image import Manifest, StreamDigest
 from agent.jobs import JobRegistry, JobState
 from agent.journal import TARGET, Journal, MigrationRecord
 from agent.migrate import default_cuda_jobs, restore_tree, wait_for_output
-from agent.pagestream import TargetRelay
+from agent.pagestream import LazyTargetRelay, TargetRelay
 from agent.rpc import pb
 from agent.transfer import Intake
 
@@ -62,6 +62,7 @@ _NAMES = {
     pb.TARGET_STATE_RESTORING: "restoring",
     pb.TARGET_STATE_RUNNING: "running",
     pb.TARGET_STATE_ABORTED: "aborted",
+    pb.TARGET_STATE_POSTCOPY: "postcopy",
 }
 _BY_NAME = {v: k for k, v in _NAMES.items()}
 _IN_FLIGHT = (
@@ -69,6 +70,7 @@ _IN_FLIGHT = (
     pb.TARGET_STATE_RECEIVING,
     pb.TARGET_STATE_VERIFIED,
     pb.TARGET_STATE_RESTORING,
+    pb.TARGET_STATE_POSTCOPY,
 )
 
 
@@ -88,8 +90,10 @@ class Incoming:
     reserved_bytes: int = 0
     criu_pid: int = 0
     criu_started: float = 0.0
-    relay: TargetRelay | None = None  # the page stream while it runs
+    relay: TargetRelay | LazyTargetRelay | None = None  # the page stream while it runs
     pages: StreamDigest | None = None  # what the page stream delivered
+    lazy: bool = False  # post-copy: the memory comes after the restore, on demand
+    postcopy_failed: str = ""  # why the post-copy transfer broke; the job must not run on
 
     def record(self) -> MigrationRecord:
         return MigrationRecord(
@@ -180,7 +184,13 @@ class TargetMigrations:
             peer_name=caller,
             pids=list(req.pids),
             reserved_bytes=need,
+            lazy=req.lazy,
         )
+        if req.lazy and not self.criu.feature("uffd-noncoop"):
+            raise self._refuse(
+                "CRIU here cannot restore lazily: the kernel offers no non-cooperative userfaultfd",
+                "migrate without --lazy, or choose a target whose kernel has CONFIG_USERFAULTFD",
+            )
         with self._lock:
             self._expire_locked()
             if req.migration_id in self._incoming or self.journal.get(TARGET, req.migration_id):
@@ -233,6 +243,7 @@ class TargetMigrations:
             expires_at=inc.expires_at,
             gpu_map=[pb.GpuPair(old_uuid=o, new_uuid=n) for o, n in inc.gpu_map.items()],
             page_stream=True,
+            lazy=inc.lazy,
         )
 
     def stream_pages(self, requests: Iterator[pb.PageData], caller: str = "") -> Iterator[pb.PageData]:
@@ -246,14 +257,20 @@ class TargetMigrations:
         inc = self._get(first.migration_id, caller)
         with self._lock:
             self._require_lease(inc, pb.TARGET_STATE_PREPARED, "a page stream")
-            if inc.pages is not None:
+            if inc.pages is not None or inc.relay is not None:
                 raise RefusedError(
                     f"migration {inc.migration_id} already has its page stream",
                     step="transfer",
                     node=self.node,
                 )
-            self._set(inc, pb.TARGET_STATE_RECEIVING)
-            inc.relay = TargetRelay(self.criu, inc.staging, inc.max_bytes, self.node)
+            if inc.lazy:
+                inc.relay = LazyTargetRelay(inc.max_bytes, self.node)
+            else:
+                self._set(inc, pb.TARGET_STATE_RECEIVING)
+                inc.relay = TargetRelay(self.criu, inc.staging, inc.max_bytes, self.node)
+        if isinstance(inc.relay, LazyTargetRelay):
+            yield from self._post_copy(inc, inc.relay, requests)
+            return
         try:
             digest = yield from inc.relay.run(requests)
         except BaseException as e:
@@ -275,6 +292,55 @@ class TargetMigrations:
             self._set(inc, pb.TARGET_STATE_PREPARED)
         log.info("migration %s: %d bytes of memory streamed in", inc.migration_id, digest.bytes)
         yield pb.PageData(end=pb.PageStreamEnd(bytes=digest.bytes, check=digest.check))
+
+    def _post_copy(
+        self, inc: Incoming, relay: LazyTargetRelay, requests: Iterator[pb.PageData]
+    ) -> Iterator[pb.PageData]:
+        """Post-copy: the stream stays open across push and commit and ends once the restored
+        job has all its memory. Until then the job here needs the source's frozen copy."""
+        try:
+            digest = yield from relay.run(requests)
+        except BaseException as e:
+            relay.kill()
+            self._post_copy_failed(inc, str(e) if isinstance(e, FerryError) else repr(e))
+            if isinstance(e, GeneratorExit):
+                raise
+            if isinstance(e, FerryError):
+                raise e.at(step="pages", node=self.node) from None
+            raise TransferError(f"the post-copy transfer failed: {e!r}", step="pages", node=self.node) from e
+        with self._lock:
+            inc.relay = None
+            inc.pages = digest
+            if inc.state == pb.TARGET_STATE_POSTCOPY:
+                self._set(inc, pb.TARGET_STATE_RUNNING)
+        shutil.rmtree(inc.staging, ignore_errors=True)
+        log.info("migration %s: post-copy done, %d bytes of memory pulled in", inc.migration_id, digest.bytes)
+        yield pb.PageData(end=pb.PageStreamEnd(bytes=digest.bytes, check=digest.check))
+
+    def _post_copy_failed(self, inc: Incoming, why: str) -> None:
+        """The job's missing pages will never come: its copy here must not run on (they would
+        read as zeros), and the source may resume its own once we say ABORTED."""
+        with self._lock:
+            inc.postcopy_failed = why
+            if inc.state == pb.TARGET_STATE_POSTCOPY:
+                try:
+                    job = self.registry.get(inc.job)
+                except NotFoundError:
+                    job = None
+                if job is not None:
+                    # Recorded first, so the job's end reads as this loss, not as an exit.
+                    self.registry.update(
+                        inc.job,
+                        state=JobState.LOST,
+                        note=f"post-copy from {inc.source_node} failed ({why}); killed here, "
+                        "the source resumes its frozen copy",
+                    )
+                    if procs.alive(job.pid, job.pid_started):
+                        procs.signal_all(procs.tree_pids(job.pid), signal.SIGKILL)
+                self._drop(inc, f"post-copy failed: {why}")
+            elif inc.state in (pb.TARGET_STATE_PREPARED, pb.TARGET_STATE_VERIFIED):
+                self._drop(inc, f"page stream failed: {why}")
+            # RESTORING: the commit sees postcopy_failed at its commit point and kills the restore.
 
     def _require_lease(self, inc: Incoming, state: int, what: str) -> None:
         """Under the lock: the migration is in `state` and its lease holds."""
@@ -352,6 +418,11 @@ class TargetMigrations:
                 raise RefusedError(
                     f"migration {inc.migration_id} has no verified image to restore", node=self.node
                 )
+            if inc.lazy and not isinstance(inc.relay, LazyTargetRelay):
+                raise RefusedError(
+                    f"post-copy migration {inc.migration_id} has no page stream to take memory from",
+                    node=self.node,
+                )
             self._set(inc, pb.TARGET_STATE_RESTORING)
         times: dict[str, float] = {}
 
@@ -361,6 +432,10 @@ class TargetMigrations:
 
         try:
             faults.check("target-restore", self.node)
+            if isinstance(inc.relay, LazyTargetRelay):
+                work_dir = self.registry.job_dir(inc.job)  # the restore's work dir: the daemon listens there
+                work_dir.mkdir(parents=True, exist_ok=True)
+                inc.relay.attach(self.criu, inc.staging, work_dir, START_TIMEOUT_S)
             rec = restore_tree(
                 self.registry,
                 self.criu,
@@ -373,11 +448,13 @@ class TargetMigrations:
                 times=times,
                 on_criu_start=criu_started,
                 before_release=lambda _rec: self._commit_point(inc),
+                lazy_pages=inc.lazy,
             )
         except BaseException as e:
             self._drop(inc, f"restore failed: {e}")
             raise
-        shutil.rmtree(inc.staging, ignore_errors=True)
+        if not inc.lazy:  # post-copy: the daemon reads the page maps there until it is done
+            shutil.rmtree(inc.staging, ignore_errors=True)
         first = wait_for_output(rec, PROGRESS_WAIT_S)
         log.info("migration %s: job %s runs here as pid %d", inc.migration_id, inc.job, rec.pid)
         return pb.CommitResponse(
@@ -393,7 +470,9 @@ class TargetMigrations:
         kills it; after, recovery answers RUNNING."""
         faults.check("target-restored", self.node)
         with self._lock:
-            self._set(inc, pb.TARGET_STATE_RUNNING)
+            if inc.postcopy_failed:  # the job would run on memory that is not there
+                raise TransferError(f"the post-copy transfer failed: {inc.postcopy_failed}", step="restore")
+            self._set(inc, pb.TARGET_STATE_POSTCOPY if inc.lazy else pb.TARGET_STATE_RUNNING)
 
     def abort(self, mid: str, reason: str, caller: str = "") -> None:
         _safe_id(mid)
@@ -409,7 +488,7 @@ class TargetMigrations:
                 inc = self._from_journal(mid)
         self._check_caller(inc, caller)
         with self._lock:
-            if inc.state in (pb.TARGET_STATE_RESTORING, pb.TARGET_STATE_RUNNING):
+            if inc.state in (pb.TARGET_STATE_RESTORING, pb.TARGET_STATE_RUNNING, pb.TARGET_STATE_POSTCOPY):
                 what = "is restoring" if inc.state == pb.TARGET_STATE_RESTORING else "already runs"
                 raise RefusedError(
                     f"migration {mid} {what} the job here; it cannot be aborted", node=self.node
@@ -449,7 +528,8 @@ class TargetMigrations:
             state = _BY_NAME.get(rec.state)
             if state not in _IN_FLIGHT:
                 continue
-            if state == pb.TARGET_STATE_RESTORING:
+            if state in (pb.TARGET_STATE_RESTORING, pb.TARGET_STATE_POSTCOPY):
+                # Post-copy: the pages still missing went with the daemon; the source has them all.
                 killed = self._kill_unfinished_restore(rec)
                 what = (
                     f"killed its half-finished restore ({len(killed)} processes)" if killed else "nothing ran"

@@ -24,8 +24,9 @@ import psutil
 
 from agent import cuda, faults, procs
 from agent.compat import StrEnum
-from agent.criu import Criu, InheritFd
+from agent.criu import Criu, DumpResult, InheritFd
 from agent.criu_images import bound_socket_dirs
+from agent.criu_lazy import LazyDump, lazy_dump_blocker
 from agent.cudajob import CudaJobs, Footprint, ProcView, restore_plan
 from agent.errors import (
     CriuError,
@@ -67,6 +68,9 @@ class MigrationState(StrEnum):
     the source's frozen copy resumed. UNRESOLVED: the target stopped answering
     during commit, so whether it runs the job is unknown; the frozen copy is
     kept (never resumed blindly) and the job's note says so.
+
+    Post-copy (--lazy) stays RESTORING after the commit answer until the target has
+    pulled every page: the job then runs there on memory partly still here.
     """
 
     PREPARING = "preparing"
@@ -77,6 +81,14 @@ class MigrationState(StrEnum):
     ABORTING = "aborting"
     ABORTED = "aborted"
     UNRESOLVED = "unresolved"
+
+
+#: How long a lazy dump may take to write all but the memory (and to end once its stream is cut).
+LAZY_READY_S = 300.0
+#: The slowest post-copy ferry waits for before it gives up on the target (bytes per second).
+POSTCOPY_MIN_BPS = 20e6
+#: After a broken post-copy: how long the target may take to kill its copy and say so.
+POSTCOPY_SETTLE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -93,6 +105,7 @@ class MigrationSpec:
     target: str
     migration_id: str
     staged: bool = False  # dump into staging here, then copy: no page stream
+    lazy: bool = False  # post-copy: resume on the target first, its memory follows on demand
 
 
 @dataclass
@@ -195,6 +208,8 @@ class SourceMigration:
         self.state = MigrationState.PREPARING
         self.lease = pb.Lease()
         self.relay: SourceRelay | None = None
+        self.lazy_dump: LazyDump | None = None
+        self.estimated_bytes = 0
         self.phases = _Phases()
         self.result = MigrationResult(spec.migration_id, spec.job, node, target=spec.target)
         self.record = MigrationRecord(
@@ -252,27 +267,16 @@ class SourceMigration:
                     self.node,
                     lambda n: self.emit(Progress("dump", "streaming the job's memory to the target", n)),
                 )
-            ps_fd = self.relay.criu_fd if self.relay else -1
-            try:
-                dump = self.phases.run(
-                    "dump",
-                    lambda: self.criu.dump(
-                        rec.pid,
-                        self.staging,
-                        shell_job=shell_job,
-                        on_start=self._criu_started,
-                        page_server_fd=ps_fd,
-                    ),
-                )
-            except CriuError:
-                # A target that refused or broke the page stream makes CRIU fail with a broken
-                # pipe; the target's reason is the one to report.
-                if self.relay is not None and self.relay.error is not None:
-                    raise self.relay.error from None
-                raise
-            pids = procs.tree_pids(rec.pid)  # the stopped tree
-            self._journal(pids=pids)
-            pages = self.phases.run("pages", self.relay.finish) if self.relay else None
+            if self.spec.lazy:
+                pids = procs.tree_pids(rec.pid)
+                self._journal(pids=pids)
+                dump = self.phases.run("dump", lambda: self._start_lazy_dump(rec.pid, pids, shell_job))
+                pages = None
+            else:
+                dump = self.phases.run("dump", lambda: self._dump(rec.pid, shell_job))
+                pids = procs.tree_pids(rec.pid)  # the stopped tree
+                self._journal(pids=pids)
+                pages = self.phases.run("pages", self.relay.finish) if self.relay else None
             assert pages is None or isinstance(pages, StreamDigest)
             faults.check("source-dumped", self.node)
             last_progress = _log_mtime(rec)
@@ -315,6 +319,10 @@ class SourceMigration:
         except Exception as exc:
             self._abort(rec, pids, as_ferry_error(exc, self.state.value, self.node))
             raise AssertionError("unreachable") from exc  # _abort always raises
+        if self.lazy_dump is not None:
+            pages = self._post_copy(rec, pids)
+            self.result.image_bytes += pages.bytes
+            self.result.host_bytes += pages.bytes
 
         # Committed: the target runs the job. Only now the frozen copy goes.
         self.registry.kill_tree(rec, pids)
@@ -344,10 +352,85 @@ class SourceMigration:
         self._set(MigrationState.COMMITTED, "done", f"job {rec.name} runs on {self.result.target_node}")
         return self.result
 
+    def _dump(self, root: int, shell_job: bool) -> DumpResult:
+        try:
+            return self.criu.dump(
+                root,
+                self.staging,
+                shell_job=shell_job,
+                on_start=self._criu_started,
+                page_server_fd=self.relay.criu_fd if self.relay else -1,
+            )
+        except CriuError:
+            # A target that refused or broke the page stream makes CRIU fail with a broken
+            # pipe; the target's reason is the one to report.
+            if self.relay is not None and self.relay.error is not None:
+                raise self.relay.error from None
+            raise
+
+    def _start_lazy_dump(self, root: int, pids: list[int], shell_job: bool) -> DumpResult:
+        """Dump all but the memory, which the target pulls after its restore (post-copy)."""
+        assert self.relay is not None
+        # Stopped first: when a lazy transfer breaks, CRIU lets the tree go, and it must then
+        # stay stopped until the target is known not to run it.
+        procs.stop(pids)
+        self.lazy_dump = LazyDump(self.criu, root, self.staging, self.relay.criu_fd, shell_job=shell_job)
+        self._criu_started(self.lazy_dump.pid)
+        try:
+            self.lazy_dump.ready(LAZY_READY_S)
+        except FerryError:
+            if self.relay.error is not None:
+                raise self.relay.error from None
+            raise
+        return DumpResult()  # CRIU's stats come once the last page is out
+
+    def _post_copy(self, rec: JobRecord, pids: list[int]) -> StreamDigest:
+        """The job runs on the target; serve its memory from the frozen tree until all is there."""
+        assert self.lazy_dump is not None and self.relay is not None
+        self.emit(Progress("pages", f"the job runs on {self.result.target_node}; its memory follows"))
+        timeout = LAZY_READY_S + self.estimated_bytes / POSTCOPY_MIN_BPS
+        try:
+            self.phases.run("pages", lambda: self.lazy_dump.wait(timeout))  # type: ignore[union-attr]
+            return self.relay.finish()
+        except Exception as exc:
+            err = as_ferry_error(exc, "pages", self.node)
+        # The transfer broke after the target resumed the job. The tree here is stopped: it runs
+        # nowhere until the target says whether its copy (missing pages, so it kills it) is gone.
+        state = self._target_settled()
+        if state == pb.TARGET_STATE_RUNNING:
+            log.warning("migration %s: post-copy reported %s, but the target has every page", rec.name, err)
+            return StreamDigest(self.relay.sent.bytes, "")
+        if state in (pb.TARGET_STATE_ABORTED, pb.TARGET_STATE_UNKNOWN):
+            self.target_aborted = True
+            err = TransferError(
+                f"post-copy to {self.result.target_node} failed ({err}); the target killed its copy, so "
+                "the job goes on here from where it froze",
+                step="pages",
+                node=self.node,
+            )
+        else:
+            err = _Unresolved(f"post-copy failed ({err.cause}) and the target has not settled its copy")
+        self._abort(rec, pids, err)
+        raise AssertionError("unreachable")
+
+    def _target_settled(self) -> int | None:
+        """The target's state once it has left POSTCOPY (None: no answer in time)."""
+        deadline = time.monotonic() + POSTCOPY_SETTLE_S
+        while time.monotonic() < deadline:
+            state = self._ask_target()
+            if state is not None and state != pb.TARGET_STATE_POSTCOPY:
+                return state
+            time.sleep(0.5)
+        return None
+
     def _criu_started(self, pid: int) -> None:
         self._journal(criu_pid=pid, criu_started=procs.create_time(pid))
 
     def _prepare(self, rec: JobRecord) -> None:
+        if self.spec.lazy and (why := lazy_dump_blocker()):
+            raise RefusedError(
+                f"cannot serve post-copy from {self.node}: {why}", hint="or migrate without --lazy"
+            )
         try:
             info = self.peer.info()
         except UnauthenticatedError:
@@ -368,13 +451,14 @@ class SourceMigration:
         self.footprint = self.cuda.inspect(pids)
         _require_host_memory(self.footprint, self.node)
         own = {rec.stdout_path, rec.stderr_path} if rec.kind is JobKind.LAUNCHED else set()
+        self.estimated_bytes = procs.tree_rss(rec.pid) + self.footprint.gpu_bytes
         req = pb.PrepareRequest(
             migration_id=self.spec.migration_id,
             job=rec.name,
             source_node=self.node,
             kind=pb.JOB_KIND_ADOPTED if rec.kind is JobKind.ADOPTED else pb.JOB_KIND_LAUNCHED,
             # The checkpoint copies device memory into the job's host memory: the image holds both.
-            estimated_bytes=procs.tree_rss(rec.pid) + self.footprint.gpu_bytes,
+            estimated_bytes=self.estimated_bytes,
             paths=sorted(procs.open_paths(rec.pid) - own),
             pids=pids if rec.kind is JobKind.ADOPTED else [],
             cwd=rec.cwd,
@@ -382,8 +466,14 @@ class SourceMigration:
                 pb.GpuNeed(uuid=g.uuid, name=g.name, memory_bytes=g.memory_bytes) for g in self.footprint.gpus
             ],
             cuda_driver=self.footprint.driver_version,
+            lazy=self.spec.lazy,
         )
         lease = self.lease = self.peer.prepare(req)
+        if self.spec.lazy and not lease.lazy:
+            raise RefusedError(
+                f"target {self.spec.target} does not offer post-copy",
+                hint="upgrade the target agent, or migrate without --lazy",
+            )
         if unmapped := sorted({g.uuid for g in self.footprint.gpus} - {p.old_uuid for p in lease.gpu_map}):
             raise RefusedError(
                 f"target {self.spec.target} leased no GPU for {', '.join(unmapped)}",
@@ -433,6 +523,8 @@ class SourceMigration:
         self._set(MigrationState.ABORTING, "abort", f"aborting: {err}")
         if self.relay is not None:
             self.relay.close()
+        if self.lazy_dump is not None:
+            self._end_lazy_dump()
         try:
             if not self.target_aborted:
                 self.peer.abort(self.spec.migration_id, str(err))
@@ -459,10 +551,20 @@ class SourceMigration:
         self.state = MigrationState.ABORTED
         self._journal(state=self.state.value, note=note)
         raise MigrationAbortedError(
-            f"{err}; migration aborted, {outcome}",
+            f"{err.cause}; migration aborted, {outcome}",
             step=err.step or phase,
             node=err.node or self.node,
+            hint=err.hint,
         ) from err
+
+    def _end_lazy_dump(self) -> None:
+        """Its page stream is closed, so CRIU fails and lets the (stopped) tree go: wait for that,
+        or a SIGCONT sent meanwhile is undone when CRIU puts the tree back the way it found it."""
+        assert self.lazy_dump is not None
+        try:
+            self.lazy_dump.wait(LAZY_READY_S)
+        except FerryError as e:
+            log.info("migration %s: lazy dump ended: %s", self.spec.migration_id, e)
 
 
 class _Unresolved(FerryError):
@@ -502,6 +604,7 @@ def restore_tree(
     times: dict[str, float] | None = None,
     on_criu_start: Callable[[int], None] | None = None,
     before_release: Callable[[JobRecord], None] | None = None,
+    lazy_pages: bool = False,
 ) -> JobRecord:
     """Restore a verified image as job `name` on this node, its logs re-pointed to our job dir.
 
@@ -539,6 +642,7 @@ def restore_tree(
             log_dir=job_dir,
             on_start=on_criu_start,
             leave_stopped=True,
+            lazy_pages=lazy_pages,
         )
         times["restore"] = time.monotonic() - t
     finally:

@@ -26,7 +26,9 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
+from agent import faults
 from agent.criu import Criu, PageServer
+from agent.criu_lazy import LazyPagesDaemon
 from agent.errors import FerryError, StepTimeoutError, TransferError
 from agent.image import StreamDigest
 from agent.rpc import pb
@@ -39,6 +41,8 @@ CHUNK = 1 << 20
 SOCKET_BUFFER = 8 << 20
 #: After CRIU is done, how long the far side may take to report (the page server flushing).
 DRAIN_S = 120.0
+#: Where the target-pages fault point breaks a post-copy transfer (tests only).
+FAULT_AFTER = 16 << 20
 
 
 class _Counter:
@@ -262,6 +266,85 @@ class TargetRelay:
             self.server.kill()
         if self._local is not None:
             _shutdown(self._local)
+
+
+class LazyTargetRelay:
+    """Post-copy on the target: a StreamPages call between the source's lazy page server and
+    a `criu lazy-pages` daemon that `attach()` starts at commit.
+
+    Here the daemon asks and the source's CRIU answers, so until the daemon runs the
+    stream idles. The transfer is over when the daemon exits: 0 means every page of the
+    restored tree arrived. Anything else means some did not, and those would read as
+    zeros, so whoever runs this kills the job first (incoming.py).
+    """
+
+    def __init__(self, max_bytes: int, node: str) -> None:
+        self.max_bytes = max_bytes
+        self.node = node
+        self.received = _Counter()
+        self.daemon: LazyPagesDaemon | None = None
+        self.refusal: FerryError | None = None
+        self.error: FerryError | None = None
+        self._local, self._daemon_end = _socketpair()
+
+    def attach(self, criu: Criu, images_dir: Path, work_dir: Path, timeout_s: float) -> LazyPagesDaemon:
+        """Start the daemon on our socket; a restore in work_dir then takes its pages from it."""
+        self.daemon = LazyPagesDaemon(criu, images_dir, work_dir, self._daemon_end.fileno(), timeout_s)
+        self._daemon_end.close()
+        return self.daemon
+
+    def run(self, requests: Iterator[pb.PageData]) -> Iterator[pb.PageData]:
+        """Yield the daemon's requests; return (via StopIteration) what the source sent."""
+        local = self._local
+        writer = threading.Thread(target=self._write, args=(requests,), name="lazy-writer", daemon=True)
+        writer.start()
+        try:
+            buf = bytearray(1 << 16)
+            while n := local.recv_into(buf):
+                yield pb.PageData(data=bytes(buf[:n]))
+            # EOF: the daemon exited (closing its end), or kill() shut ours.
+            if self.refusal is not None:
+                raise self.refusal
+            if self.daemon is None:
+                raise self.error or TransferError("the page stream ended before the restore began")
+            if code := self.daemon.wait():
+                raise self.daemon.error(f"the lazy-pages daemon failed (exit {code})")
+            writer.join(DRAIN_S)  # the source ends its stream once its dump returns
+            if writer.is_alive():
+                raise StepTimeoutError(f"the source did not end the page stream within {DRAIN_S:.0f} s")
+            if self.error is not None:
+                raise self.error
+            return self.received.digest()
+        finally:
+            local.close()
+            self._daemon_end.close()
+
+    def _write(self, requests: Iterator[pb.PageData]) -> None:
+        try:
+            for msg in requests:
+                if msg.migration_id or msg.HasField("end"):
+                    raise TransferError("a page stream message came out of order", step="transfer intake")
+                if self.received.bytes + len(msg.data) > self.max_bytes:
+                    raise TransferError(
+                        f"the page stream exceeds the lease's cap of {self.max_bytes} bytes",
+                        step="transfer intake",
+                    )
+                before = self.received.bytes
+                self.received.update(msg.data)
+                if before < FAULT_AFTER <= self.received.bytes:
+                    faults.check("target-pages", self.node)  # tests: a transfer broken mid-way
+                self._local.sendall(msg.data)
+        except FerryError as e:
+            self.refusal = e
+            _shutdown(self._local)
+        except Exception as e:  # the source's stream broke off, or the daemon died
+            self.error = TransferError(f"the page stream broke off: {e!r}", step="pages")
+            _shutdown(self._local)  # a daemon waiting for pages fails instead of waiting forever
+
+    def kill(self) -> None:
+        if self.daemon is not None:
+            self.daemon.kill()
+        _shutdown(self._local)
 
 
 def _shutdown(s: socket.socket) -> None:

@@ -83,3 +83,28 @@ def session_id(pid: int) -> int:
         return os.getsid(pid)
     except ProcessLookupError:
         return -1
+
+
+def stop(pids: list[int], timeout_s: float = 10.0) -> None:
+    """SIGSTOP every task and wait until each thread has stopped (a pending stop is not one)."""
+    signal_all(pids, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        while not _all_threads_stopped(pid) and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True  # gone
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except (FileNotFoundError, IndexError):
+            continue
+        if state not in "TtXZ":
+            return False
+    return True

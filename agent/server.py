@@ -65,6 +65,7 @@ _PHASES = {
     "commit": pb.PHASE_COMMIT,
     "abort": pb.PHASE_ABORT,
     "done": pb.PHASE_DONE,
+    "pages": pb.PHASE_PAGES,
 }
 _STATES = {s: getattr(pb, f"JOB_STATE_{s.name}") for s in JobState}
 
@@ -379,7 +380,11 @@ class AgentService(pb_grpc.AgentServicer):
     ) -> Iterator[pb.ProgressEvent]:
         client.split_address(request.target)
         self.registry.get(request.name)  # NOT_FOUND before anything starts
-        spec = MigrationSpec(request.name, request.target, uuid.uuid4().hex[:16], staged=request.staged)
+        if request.lazy and request.staged:
+            raise InvalidArgumentError("--lazy and --staged exclude each other (post-copy stages nothing)")
+        spec = MigrationSpec(
+            request.name, request.target, uuid.uuid4().hex[:16], staged=request.staged, lazy=request.lazy
+        )
         peer = client.PeerClient(request.target, self.dial)
 
         def work(emit: Callable[[Progress], None]) -> MigrationResult:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -44,9 +45,18 @@ if str(REPO) not in sys.path:
 
 WORKLOAD = REPO / "scripts" / "workloads" / "train_sized.py"
 OUT_DIR = Path("bench-results")
-METHODS = ("ferry", "criu", "ckpt", "staged")
+METHODS = ("ferry", "criu", "ckpt", "staged", "lazy")
 #: "staged" is ferry before memory streaming (`ferry migrate --staged`): what streaming bought.
-LABELS = {"ferry": "ferry", "criu": "plain CRIU", "ckpt": "checkpoint-restart", "staged": "ferry --staged"}
+#: "lazy" is ferry's post-copy (`ferry migrate --lazy`), against its pre-copy default.
+LABELS = {
+    "ferry": "ferry",
+    "criu": "plain CRIU",
+    "ckpt": "checkpoint-restart",
+    "staged": "ferry --staged",
+    "lazy": "ferry --lazy",
+}
+#: The ferry variants: their migrate flag.
+FERRY_FLAGS = {"ferry": (), "staged": ("--staged",), "lazy": ("--lazy",)}
 GIB = 1 << 30
 #: Step intervals (the last ones before the move) whose median is "one normal step".
 STEP_WINDOW = 8
@@ -162,6 +172,7 @@ def size_summary(
         "total_criu_over_ferry": _ratio(total.get("criu"), total.get("ferry")),
         "total_ckpt_over_ferry": _ratio(total.get("ckpt"), total.get("ferry")),
         "staged_over_ferry": _ratio(down.get("staged"), down.get("ferry")),
+        "lazy_over_ferry": _ratio(down.get("lazy"), down.get("ferry")),
     }
     return {"gib": gib, "median": med, "bandwidth": bandwidth, "bound": bound, "ratios": ratios}
 
@@ -209,7 +220,8 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
             f"{_num(r['ferry_over_bound_touched'], '.1f')}x (pre-touched); "
             f"plain CRIU/ferry {_num(r['criu_over_ferry'], '.1f')}x; "
             f"checkpoint-restart/ferry {_num(r['ckpt_over_ferry'], '.1f')}x; "
-            f"ferry --staged/ferry {_num(r['staged_over_ferry'], '.1f')}x"
+            f"ferry --staged/ferry {_num(r['staged_over_ferry'], '.1f')}x; "
+            f"ferry --lazy/ferry {_num(r.get('lazy_over_ferry'), '.2f')}x"
         )
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     lines = [
@@ -414,9 +426,9 @@ class Bench:
 
     # -- (a) ferry
 
-    def run_ferry(self, gib: float, rep: int, staged: bool = False) -> dict[str, Any]:
+    def run_ferry(self, gib: float, rep: int, method: str = "ferry") -> dict[str, Any]:
         a, b = self.agents
-        name = f"bench-{gib:g}g-{rep}{'-staged' if staged else ''}".replace(".", "_")
+        name = f"bench-{gib:g}g-{rep}-{method}".replace(".", "_")
         self.say(f"  ferry: starting the job on node-a ({name})")
         try:
             job = json.loads(a.cli("run", "--name", name, "--json", "--", *self.workload(gib)).stdout)
@@ -431,7 +443,7 @@ class Bench:
                 "--to",
                 b.address,
                 "--json",
-                *(["--staged"] if staged else []),
+                *FERRY_FLAGS[method],
                 check=False,
                 timeout_s=timeouts(gib)["move"],
             )
@@ -662,7 +674,7 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     xs = [s["gib"] for s in summaries]
-    for m, style in zip(METHODS, ("o-", "s-", "^-", "d:"), strict=True):
+    for m, style in zip(METHODS, ("o-", "s-", "^-", "d:", "v-."), strict=True):
         pts = [(s["gib"], s["median"][m]["downtime_s"]) for s in summaries if m in s["median"]]
         if pts:
             ax.plot(*zip(*pts, strict=True), style, label=LABELS[m])
@@ -711,8 +723,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_methods,
         default=list(METHODS),
         metavar="M,...",
-        help="which methods to run, a subset of ferry,criu,ckpt,staged (default all four; staged is "
-        "`ferry migrate --staged`, the pipeline before memory streaming)",
+        help="which methods to run, a subset of ferry,criu,ckpt,staged,lazy (default all five; staged "
+        "is `ferry migrate --staged`, the pipeline before memory streaming; lazy is `ferry migrate "
+        "--lazy`, post-copy)",
     )
     p.add_argument(
         "--warmup-steps",
@@ -819,13 +832,13 @@ def run(args: argparse.Namespace, say: Progress) -> dict[str, Any]:
         "sizes": [],
     }
     runners = {
-        "ferry": bench.run_ferry,
         "criu": bench.run_criu,
         "ckpt": bench.run_ckpt,
-        "staged": lambda gib, rep: bench.run_ferry(gib, rep, staged=True),
+        **{m: functools.partial(bench.run_ferry, method=m) for m in FERRY_FLAGS},
     }
+    old_pipe_max = allow_lazy_dumps(say) if "lazy" in args.methods else None
     try:
-        if {"ferry", "staged"} & set(args.methods):
+        if set(FERRY_FLAGS) & set(args.methods):
             bench.start_agents()
         for gib in args.sizes:
             runs: dict[str, list[dict[str, Any]]] = {m: [] for m in args.methods}
@@ -847,7 +860,28 @@ def run(args: argparse.Namespace, say: Progress) -> dict[str, Any]:
     finally:
         say("cleaning up")
         bench.close()
+        if old_pipe_max is not None:
+            PIPE_MAX.write_text(old_pipe_max)
     return results
+
+
+PIPE_MAX = Path("/proc/sys/fs/pipe-max-size")
+
+
+def allow_lazy_dumps(say: Progress) -> str | None:
+    """Root without CAP_SYS_RESOURCE needs fs.pipe-max-size raised for post-copy (the agent
+    refuses --lazy otherwise): raise it for the run; return the value to put back."""
+    from agent.criu_lazy import LAZY_PIPE_BYTES, lazy_dump_blocker
+
+    if not lazy_dump_blocker():
+        return None
+    old = PIPE_MAX.read_text()
+    say(
+        f"raising fs.pipe-max-size from {old.strip()} to {LAZY_PIPE_BYTES} for ferry --lazy "
+        "(put back at the end)"
+    )
+    PIPE_MAX.write_text(str(LAZY_PIPE_BYTES))
+    return old
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -111,6 +111,8 @@ class FakeCriu:
         self.dump_error: BaseException | None = None
         self.restore_error: BaseException | None = None
         self.usable = True
+        #: What `criu check --feature` would say (uffd-noncoop: post-copy restores).
+        self.features: set[str] = {"uffd-noncoop"}
         #: Called inside restore (before it returns), to act while the target is RESTORING.
         self.during_restore: Callable[[], None] | None = None
         #: Pids of the children restore started; the fixture kills them.
@@ -118,6 +120,9 @@ class FakeCriu:
         self.page_server_error: BaseException | None = None
         #: A fake_cuda.CudaWorld: dump and restore carry its CUDA state like CRIU carries memory.
         self.cuda_world: Any = None
+
+    def feature(self, name: str) -> bool:
+        return name in self.features
 
     def require_usable(self) -> str:
         if not self.usable:
@@ -176,7 +181,9 @@ class FakeCriu:
         log_dir: Path | None = None,
         on_start: Callable[[int], None] | None = None,
         leave_stopped: bool = False,
+        lazy_pages: bool = False,
     ) -> RestoreResult:
+        assert not lazy_pages, "post-copy runs against real CRIU only (tests/integration)"
         self.restores.append(
             {
                 "images_dir": images_dir,

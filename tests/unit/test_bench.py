@@ -144,6 +144,14 @@ def test_size_summary_bound_and_ratios() -> None:
     assert r["total_ckpt_over_ferry"] == pytest.approx(13.0 / 3.0)
 
 
+def test_post_copy_is_compared_with_pre_copy_from_the_same_run() -> None:
+    runs = {"ferry": [run(4.0, 5.0, 4_000_000_000)], "lazy": [run(1.0, 6.0, 4_000_000_000)]}
+    s = bench.size_summary(2.0, runs, {"fresh_gbps": 1.0, "touched_gbps": 4.0})
+    assert s["ratios"]["lazy_over_ferry"] == pytest.approx(0.25)
+    assert "ferry --lazy/ferry 0.25x" in bench.format_table([s])
+    assert "ferry --lazy" in bench.format_table([s]).splitlines()[2]
+
+
 def test_size_summary_without_ferry_bounds_the_next_method_and_leaves_ratios_empty() -> None:
     s = bench.size_summary(1.0, {"criu": [run(2.0, 3.0, 1_000_000_000)]}, {"fresh_gbps": 2.0})
     assert s["bound"]["bytes"] == 1_000_000_000
@@ -163,7 +171,7 @@ def test_format_table_rows_and_ratio_line() -> None:
     assert "bound (pre-touched)" in rows[4] and "1.00 s" in rows[4]
     assert lines[-1] == (
         "2 GiB: downtime ferry/bound 0.5x (fresh), 2.0x (pre-touched); plain CRIU/ferry 4.0x; "
-        "checkpoint-restart/ferry 6.0x; ferry --staged/ferry -x"  # not run here
+        "checkpoint-restart/ferry 6.0x; ferry --staged/ferry -x; ferry --lazy/ferry -x"  # not run here
     )
 
 
@@ -196,7 +204,7 @@ def test_parser_defaults() -> None:
     args = bench.build_parser().parse_args([])
     assert args.sizes == [1.0, 2.0, 4.0]
     assert args.repeat == 1
-    assert args.methods == ["ferry", "criu", "ckpt", "staged"]
+    assert args.methods == ["ferry", "criu", "ckpt", "staged", "lazy"]
     assert args.json == Path("bench-results/bench.json")
     assert args.plot == Path("bench-results/downtime.png")
     assert args.workdir == Path("/var/tmp")

@@ -73,8 +73,10 @@ class Harness:
         )
         monkeypatch.setattr(migrate, "time", fake_time)
 
-    def migration(self, job: str = "train", agent_id: str = "source-agent") -> SourceMigration:
-        spec = MigrationSpec(job, self.peer.address, MID)
+    def migration(
+        self, job: str = "train", agent_id: str = "source-agent", lazy: bool = False
+    ) -> SourceMigration:
+        spec = MigrationSpec(job, self.peer.address, MID, lazy=lazy)
         return SourceMigration(
             spec,
             self.registry,
@@ -511,3 +513,22 @@ def test_os_error_after_the_freeze_still_resumes_the_job(h: Harness, monkeypatch
     with pytest.raises(MigrationAbortedError):
         h.migration().run()
     h.assert_rolled_back()
+
+
+# -- the source refuses before anything is frozen ------------------------------------------------
+
+
+def test_the_source_refuses_post_copy_it_cannot_serve(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(migrate, "lazy_dump_blocker", lambda: "fs.pipe-max-size is 1048576")
+    with pytest.raises(RefusedError, match=r"cannot serve post-copy from nodea: fs\.pipe-max-size"):
+        h.migration(lazy=True).run()
+    assert h.peer.calls == []
+    h.assert_untouched()
+
+
+def test_a_target_that_grants_no_post_copy_is_a_refusal(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(migrate, "lazy_dump_blocker", lambda: "")
+    with pytest.raises(RefusedError, match="does not offer post-copy"):
+        h.migration(lazy=True).run()  # the fake target's lease has no `lazy`
+    assert h.peer.prepare_req.lazy
+    h.assert_untouched()

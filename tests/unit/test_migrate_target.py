@@ -9,15 +9,17 @@ from __future__ import annotations
 import collections
 import hashlib
 import os
+import signal
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 from fakes import FakeCriu, is_dead
 
-from agent import incoming, migrate
+from agent import incoming, migrate, procs
 from agent.errors import (
     AlreadyExistsError,
     CriuError,
@@ -618,3 +620,68 @@ def test_abort_while_restoring_is_refused(
     fake_criu.during_restore = concurrent_abort
     target.commit(pb.CommitRequest(migration_id=MID))
     assert isinstance(seen[0], RefusedError)
+
+
+# -- the target ----------------------------------------------------------------------------------
+
+
+def test_the_target_refuses_post_copy_without_userfaultfd(
+    target: TargetMigrations, fake_criu: FakeCriu
+) -> None:
+    fake_criu.features.clear()
+    with pytest.raises(RefusedError, match="userfaultfd"):
+        target.prepare(prepare_req(lazy=True))
+    assert staged(target) == []
+    assert state(target) == pb.TARGET_STATE_UNKNOWN
+
+
+def test_the_target_grants_post_copy_where_it_can(target: TargetMigrations) -> None:
+    lease = target.prepare(prepare_req(lazy=True))
+    assert lease.lazy and lease.page_stream
+    assert not target.prepare(prepare_req("m-2", "other")).lazy  # only when asked
+
+
+def test_a_post_copy_lease_without_its_page_stream_is_not_restored(target: TargetMigrations) -> None:
+    target.prepare(prepare_req(lazy=True))
+    inc = target._incoming[MID]
+    inc.state, inc.manifest = pb.TARGET_STATE_VERIFIED, object()  # type: ignore[assignment]
+    with pytest.raises(RefusedError, match="no page stream"):
+        target.commit(pb.CommitRequest(migration_id=MID))
+
+
+def broken_stream(mid: str, before_break: Callable[[], None] = lambda: None) -> Iterator[pb.PageData]:
+    yield pb.PageData(migration_id=mid)
+    before_break()
+    raise ConnectionResetError("the source's link went down")
+
+
+def test_memory_that_stops_coming_kills_the_running_copy_first(target: TargetMigrations, sleeper) -> None:
+    """Pages that never arrive would read as zeros: the job must not run on past that."""
+    target.prepare(prepare_req(lazy=True))
+    proc, _, _ = sleeper()
+    rec = JobRecord(
+        name="train", kind=JobKind.LAUNCHED, state=JobState.RUNNING, pid=proc.pid, command=["x"], cwd="/"
+    )
+    rec.pid_started = procs.create_time(proc.pid)
+    target.registry.save(rec)
+
+    def restored_and_released() -> None:  # what a commit does while the stream waits
+        target._incoming[MID].state = pb.TARGET_STATE_POSTCOPY
+
+    with pytest.raises(FerryError, match="broke off"):
+        list(target.stream_pages(broken_stream(MID, restored_and_released)))
+
+    proc.wait(10)
+    assert proc.returncode == -signal.SIGKILL and is_dead(proc.pid)
+    job = target.registry.get("train")
+    assert job.state is JobState.LOST and "post-copy from nodea failed" in job.note
+    assert state(target) == pb.TARGET_STATE_ABORTED  # the source may resume its frozen copy
+    assert staged(target) == []
+
+
+def test_a_stream_broken_before_the_restore_drops_the_lease(target: TargetMigrations) -> None:
+    target.prepare(prepare_req(lazy=True))
+    with pytest.raises(FerryError, match="broke off"):
+        list(target.stream_pages(broken_stream(MID)))
+    assert state(target) == pb.TARGET_STATE_ABORTED
+    assert staged(target) == []

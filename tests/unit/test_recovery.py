@@ -242,14 +242,16 @@ def test_a_restarted_target_drops_images_in_flight(state, target, tmp_path) -> N
     assert target.status("m1") == pb.TARGET_STATE_ABORTED
 
 
-def test_a_restarted_target_kills_a_restore_it_did_not_see_finish(target, registry, tmp_path) -> None:
+# postcopy: the job ran, but the pages it still lacked went with the agent's lazy-pages daemon.
+@pytest.mark.parametrize("state", ["restoring", "postcopy"])
+def test_a_restarted_target_kills_a_restore_it_did_not_see_finish(state, target, registry, tmp_path) -> None:
     job_dir = registry.job_dir("train")
     job_dir.mkdir(parents=True)
     with open(job_dir / "stdout.log", "ab") as out:  # what a restored job holds: our log
         restored = subprocess.Popen([SLEEP, "60"], stdout=out, start_new_session=True)
     bystander = subprocess.Popen([SLEEP, "60"], start_new_session=True)
     try:
-        target.journal.save(MigrationRecord("m1", TARGET, "train", "restoring", peer="nodea"))
+        target.journal.save(MigrationRecord("m1", TARGET, "train", state, peer="nodea"))
         [line] = target.recover()
         assert "killed its half-finished restore (1 processes)" in line
         assert is_dead(restored.pid)
