@@ -156,9 +156,11 @@ def build_parser() -> Parser:
         "--lazy",
         action="store_true",
         help="post-copy: resume the job on the target before its memory has arrived; each page "
-        "follows when the job first touches it. The job is frozen only for the rest of the image, "
-        "but until its last page is in it needs both nodes: if either fails, the target's copy "
-        "is killed and the job resumes here from where it froze. Needs userfaultfd on the target",
+        "follows when the job first touches it. Until its last page is in, the job needs both "
+        "nodes: if either fails, the target's copy is killed and the job resumes here from where "
+        "it froze. A job that touches all its memory at once (a training step) waits on every "
+        "page, which is slower than the default (docs/performance.md). Needs userfaultfd on the "
+        "target",
     )
     _json_arg(mg)
 
