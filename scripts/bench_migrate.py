@@ -887,6 +887,8 @@ def allow_lazy_dumps(say: Progress) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     say = Progress()
+    # SIGTERM unwinds like Ctrl-C: jobs and agents are stopped and fs.pipe-max-size is put back.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         results = run(args, say)
     except BenchError as e:
