@@ -261,11 +261,17 @@ class SourceMigration:
                 self.cuda_frozen = True
             shell_job = _needs_shell_job(rec, procs.tree_pids(rec.pid))
             if self.lease.page_stream and not self.spec.staged:
+                # Post-copy sends the memory after the commit, as the target asks for it.
+                phase, what = (
+                    ("pages", "sending the job's memory as the target asks for it")
+                    if self.spec.lazy
+                    else ("dump", "streaming the job's memory to the target")
+                )
                 self.relay = SourceRelay(
                     self.peer.stream_pages,
                     self.spec.migration_id,
                     self.node,
-                    lambda n: self.emit(Progress("dump", "streaming the job's memory to the target", n)),
+                    lambda n: self.emit(Progress(phase, what, n)),
                 )
             if self.spec.lazy:
                 pids = procs.tree_pids(rec.pid)
@@ -398,7 +404,11 @@ class SourceMigration:
         # nowhere until the target says whether its copy (missing pages, so it kills it) is gone.
         state = self._target_settled()
         if state == pb.TARGET_STATE_RUNNING:
-            log.warning("migration %s: post-copy reported %s, but the target has every page", rec.name, err)
+            log.warning(
+                "migration %s: post-copy reported %s, but the target has every page",
+                self.spec.migration_id,
+                err,
+            )
             return StreamDigest(self.relay.sent.bytes, "")
         if state in (pb.TARGET_STATE_ABORTED, pb.TARGET_STATE_UNKNOWN):
             self.target_aborted = True
