@@ -60,8 +60,32 @@ def lazy_dump_blocker(
     )
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "CRIU_LIBS_DIR": no_plugins_dir()}
+def _start(criu: Criu, op: str, args: list[str], sock_fd: int) -> tuple[subprocess.Popen[bytes], int]:
+    """`criu ARGS` talking page-server protocol on sock_fd, without plugins; returns it and the
+    read end of its --status-fd, which gets one byte once CRIU is ready (EOF if it dies first)."""
+    ready_r, ready_w = os.pipe()
+    cmd = [criu.binary, *args, "-v4", "--ps-socket", str(sock_fd), "--status-fd", str(ready_w)]
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            env={**os.environ, "CRIU_LIBS_DIR": no_plugins_dir()},
+            pass_fds=[sock_fd, ready_w],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    except OSError as e:
+        os.close(ready_r)
+        raise CriuError(op, f"cannot start {criu.binary}: {e}", node=criu.node) from e
+    finally:
+        os.close(ready_w)
+    return proc, ready_r
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGKILL)
+    proc.wait()
 
 
 def _wait_status_fd(fd: int, proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
@@ -92,30 +116,14 @@ class LazyDump:
         self.criu = criu
         self.images_dir = images_dir
         self.log_path = images_dir / DUMP_LOG
-        ready_r, ready_w = os.pipe()
-        cmd = [
-            criu.binary, "dump", "--tree", str(pid), "--images-dir", str(images_dir),
-            "--log-file", DUMP_LOG, "-v4", "--lazy-pages", "--ps-socket", str(sock_fd),
-            "--status-fd", str(ready_w), "--leave-stopped", "--tcp-established", "--ext-unix-sk",
-            "--file-locks", "--ghost-limit", str(GHOST_LIMIT),
+        args = [
+            "dump", "--tree", str(pid), "--images-dir", str(images_dir), "--log-file", DUMP_LOG,
+            "--lazy-pages", "--leave-stopped", "--tcp-established", "--ext-unix-sk", "--file-locks",
+            "--ghost-limit", str(GHOST_LIMIT),
         ]  # fmt: skip
         if shell_job:
-            cmd.append("--shell-job")
-        try:
-            self.proc = subprocess.Popen(
-                cmd,
-                env=_env(),
-                pass_fds=[sock_fd, ready_w],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        except OSError as e:
-            os.close(ready_r)
-            raise CriuError("dump", f"cannot start {criu.binary}: {e}", node=criu.node) from e
-        finally:
-            os.close(ready_w)
-        self._ready_fd = ready_r
+            args.append("--shell-job")
+        self.proc, self._ready_fd = _start(criu, "dump", args, sock_fd)
 
     @property
     def pid(self) -> int:
@@ -139,9 +147,7 @@ class LazyDump:
         return DumpResult(stats=read_stats(self.images_dir / STATS_DUMP, "dump"))
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
+        _kill(self.proc)
 
     def _error(self, what: str) -> CriuError:
         cause = last_error(self.log_path) or what
@@ -155,26 +161,11 @@ class LazyPagesDaemon:
     def __init__(self, criu: Criu, images_dir: Path, work_dir: Path, sock_fd: int, timeout_s: float) -> None:
         self.criu = criu
         self.log_path = work_dir / LAZY_PAGES_LOG
-        ready_r, ready_w = os.pipe()
-        cmd = [
-            criu.binary, "lazy-pages", "--images-dir", str(images_dir), "--work-dir", str(work_dir),
-            "--log-file", LAZY_PAGES_LOG, "-v4", "--page-server", "--ps-socket", str(sock_fd),
-            "--status-fd", str(ready_w),
+        args = [
+            "lazy-pages", "--images-dir", str(images_dir), "--work-dir", str(work_dir),
+            "--log-file", LAZY_PAGES_LOG, "--page-server",
         ]  # fmt: skip
-        try:
-            self.proc = subprocess.Popen(
-                cmd,
-                env=_env(),
-                pass_fds=[sock_fd, ready_w],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        except OSError as e:
-            os.close(ready_r)
-            raise CriuError("lazy-pages", f"cannot start {criu.binary}: {e}", node=criu.node) from e
-        finally:
-            os.close(ready_w)
+        self.proc, ready_r = _start(criu, "lazy-pages", args, sock_fd)
         if not _wait_status_fd(ready_r, self.proc, timeout_s):
             self.proc.wait()
             raise self.error("the lazy-pages daemon did not start")
@@ -187,6 +178,4 @@ class LazyPagesDaemon:
         return CriuError("lazy-pages", cause, log_path=str(self.log_path), node=self.criu.node)
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
+        _kill(self.proc)

@@ -41,7 +41,7 @@ CHUNK = 1 << 20
 SOCKET_BUFFER = 8 << 20
 #: After CRIU is done, how long the far side may take to report (the page server flushing).
 DRAIN_S = 120.0
-#: Where the target-pages fault point breaks a post-copy transfer (tests only).
+#: Where a relay's fault point fires (tests only: target-pages breaks a post-copy transfer).
 FAULT_AFTER = 16 << 20
 
 
@@ -243,16 +243,7 @@ class TargetRelay:
 
     def _write(self, requests: Iterator[pb.PageData], local: socket.socket) -> None:
         try:
-            for msg in requests:
-                if msg.migration_id or msg.HasField("end"):
-                    raise TransferError("a page stream message came out of order", step="transfer intake")
-                if self.received.bytes + len(msg.data) > self.max_bytes:
-                    raise TransferError(
-                        f"the page stream exceeds the lease's cap of {self.max_bytes} bytes",
-                        step="transfer intake",
-                    )
-                self.received.update(msg.data)
-                local.sendall(msg.data)
+            _feed(requests, local, self.received, self.max_bytes)
         except FerryError as e:
             self.refusal = e
         except Exception as e:  # the source's stream broke off, or the page server died
@@ -321,19 +312,8 @@ class LazyTargetRelay:
 
     def _write(self, requests: Iterator[pb.PageData]) -> None:
         try:
-            for msg in requests:
-                if msg.migration_id or msg.HasField("end"):
-                    raise TransferError("a page stream message came out of order", step="transfer intake")
-                if self.received.bytes + len(msg.data) > self.max_bytes:
-                    raise TransferError(
-                        f"the page stream exceeds the lease's cap of {self.max_bytes} bytes",
-                        step="transfer intake",
-                    )
-                before = self.received.bytes
-                self.received.update(msg.data)
-                if before < FAULT_AFTER <= self.received.bytes:
-                    faults.check("target-pages", self.node)  # tests: a transfer broken mid-way
-                self._local.sendall(msg.data)
+            # The fault point breaks a transfer mid-way, after the restore (tests only).
+            _feed(requests, self._local, self.received, self.max_bytes, ("target-pages", self.node))
         except FerryError as e:
             self.refusal = e
             _shutdown(self._local)
@@ -345,6 +325,29 @@ class LazyTargetRelay:
         if self.daemon is not None:
             self.daemon.kill()
         _shutdown(self._local)
+
+
+def _feed(
+    requests: Iterator[pb.PageData],
+    sock: socket.socket,
+    received: _Counter,
+    max_bytes: int,
+    fault: tuple[str, str] | None = None,
+) -> None:
+    """The source's bytes into `sock`, in order and under the lease's cap, counted as they go.
+    `fault` (point, node) fires once FAULT_AFTER bytes have arrived."""
+    for msg in requests:
+        if msg.migration_id or msg.HasField("end"):
+            raise TransferError("a page stream message came out of order", step="transfer intake")
+        if received.bytes + len(msg.data) > max_bytes:
+            raise TransferError(
+                f"the page stream exceeds the lease's cap of {max_bytes} bytes", step="transfer intake"
+            )
+        before = received.bytes
+        received.update(msg.data)
+        if fault is not None and before < FAULT_AFTER <= received.bytes:
+            faults.check(*fault)
+        sock.sendall(msg.data)
 
 
 def _shutdown(s: socket.socket) -> None:
