@@ -46,12 +46,29 @@ ALLOWED: dict[str, frozenset[str]] = {
     "Commit": PEERS,
     "Abort": PEERS,
     "GetMigration": PEERS,
+    # Peers read health to choose a target; preempting is part of moving a job in.
+    "GetHealth": USERS | PEERS,
+    "Events": USERS,
+    "ClearGpu": USERS,
+    "Preempt": PEERS,
 }
 
 
 #: Requests that change something on this node, logged with who made them.
 AUDITED = frozenset(
-    {"Run", "Adopt", "StopJob", "Migrate", "Checkpoint", "Restore", "Resolve", "Prepare", "Commit"}
+    {
+        "Run",
+        "Adopt",
+        "StopJob",
+        "Migrate",
+        "Checkpoint",
+        "Restore",
+        "Resolve",
+        "Prepare",
+        "Commit",
+        "ClearGpu",
+        "Preempt",
+    }
 )
 
 

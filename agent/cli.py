@@ -95,6 +95,14 @@ def build_parser() -> Parser:
         action="store_true",
         help="serve plaintext instead of TLS; allowed only on a loopback --listen address (tests, demos)",
     )
+    a.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="TOML file with the health thresholds ([health]), the self-healing policy ([policy]) and "
+        'the peers jobs may move to ([[peers]] address = "HOST:PORT", spare = true); see docs/health.md',
+    )
     a.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     r = sub.add_parser(
@@ -107,6 +115,28 @@ def build_parser() -> Parser:
     r.add_argument("--name", required=True, help="the job's name, unique on the node")
     r.add_argument("--cwd", default=None, help="working directory (default: the current one)")
     r.add_argument("--env", action="append", default=[], metavar="K=V", help="set an environment variable")
+    r.add_argument(
+        "--gpu",
+        action="append",
+        default=[],
+        metavar="UUID",
+        help="give the job this GPU to itself (repeatable; see `ferry gpus`); it becomes the job's "
+        "CUDA_VISIBLE_DEVICES, and its health is the job's: see --on-degraded",
+    )
+    r.add_argument(
+        "--priority",
+        choices=["normal", "low"],
+        default="normal",
+        help="low: preemptible. When a normal job must leave a failing GPU and no idle GPU is left, a "
+        "low job is suspended to storage to make room, and resumes on its node once a GPU is free again",
+    )
+    r.add_argument(
+        "--on-degraded",
+        choices=["migrate", "alert"],
+        default="migrate",
+        help="what the agent does when the job's GPU degrades or fails: migrate it to a peer by itself "
+        "(default), or only record an alert (`ferry events`)",
+    )
     _json_arg(r)
     r.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
 
@@ -216,7 +246,36 @@ def build_parser() -> Parser:
         "its NVIDIA driver can checkpoint CUDA processes (needed to migrate GPU jobs).",
     )
     _agent_arg(gp)
+    gp.add_argument(
+        "--clear",
+        metavar="UUID",
+        help="an operator's word that this GPU is fixed: lift its quarantine and forget the faults it "
+        "latched (XIDs, uncorrectable ECC), so ferry places jobs on it again",
+    )
     _json_arg(gp)
+
+    he = sub.add_parser(
+        "health",
+        help="show the GPUs' health",
+        description="Each GPU's state as the agent's health monitor sees it through NVML: healthy, "
+        "degraded (a precursor crossed its threshold: heat, corrected-ECC bursts, pending row remaps, "
+        "throttling, PCIe replays, NVLink errors) or failing (a hard fault: XID 79, uncorrectable ECC, "
+        "remap failure), with the evidence, the jobs on it and whether it is quarantined.",
+    )
+    _agent_arg(he)
+    he.add_argument("--watch", action="store_true", help="then keep printing health changes as they happen")
+    _json_arg(he)
+
+    ev = sub.add_parser(
+        "events",
+        help="what the agent did by itself, and why",
+        description="GPU state changes and every automatic decision with its reason: migrations, "
+        "alerts, moves held back by the cooldown or storm guard, preemptions, resumes, quarantines.",
+    )
+    _agent_arg(ev)
+    ev.add_argument("-f", "--follow", action="store_true", help="keep printing new events")
+    ev.add_argument("-n", "--limit", type=int, default=50, metavar="N", help="the last N events (default 50)")
+    _json_arg(ev)
 
     ce = sub.add_parser(
         "certs",
@@ -283,9 +342,19 @@ def cmd_agent(args: argparse.Namespace) -> int:
             )
             raise
     args.state_dir.mkdir(parents=True, exist_ok=True)
+    from agent import agent_config
+
+    settings = agent_config.load(args.config)
     socket_path = None if args.socket == "none" else Path(args.socket)
     serve(
-        args.listen, args.state_dir.resolve(), args.node_name, staging, args.insecure, identity, socket_path
+        args.listen,
+        args.state_dir.resolve(),
+        args.node_name,
+        staging,
+        args.insecure,
+        identity,
+        socket_path,
+        settings,
     )
     return EXIT_OK
 
@@ -303,7 +372,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not command:
         raise Usage("ferry run: no command given (usage: ferry run --name NAME -- CMD [ARGS...])")
     cwd = os.path.abspath(args.cwd or os.getcwd())
-    req = pb.RunRequest(name=args.name, command=command, cwd=cwd, env=args.env)
+    req = pb.RunRequest(
+        name=args.name,
+        command=command,
+        cwd=cwd,
+        env=args.env,
+        priority=args.priority,
+        on_degraded=args.on_degraded,
+        gpus=args.gpu,
+    )
     job = _call(args, "Run", req, 30)
     _job_out(job, args.json, f"job {job.name} running as pid {job.pid} on {job.node_name}")
     return EXIT_OK
@@ -442,11 +519,48 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_gpus(args: argparse.Namespace) -> int:
-    from agent.render import gpus_dict, gpus_text
+    from agent.render import gpus_dict, gpus_text, health_dict
     from agent.rpc import pb
 
+    if args.clear:
+        g = _call(args, "ClearGpu", pb.ClearGpuRequest(uuid=args.clear), 30)
+        if args.json:
+            _print_json(health_dict(pb.HealthReport(nvml_available=True, gpus=[g]))["gpus"][0])
+        else:
+            now = g.state or "not seen by NVML"
+            print(f"GPU {g.uuid} cleared: ferry may place jobs on it again (now {now})")
+        return EXIT_OK
     inv = _call(args, "ListGpus", pb.ListGpusRequest(), 30)
     _print_json(gpus_dict(inv)) if args.json else print(gpus_text(inv))
+    return EXIT_OK
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    from agent.render import event_dict, event_line, health_dict, health_text
+    from agent.rpc import pb
+
+    report = _call(args, "GetHealth", pb.GetHealthRequest(), 30)
+    _print_json(health_dict(report)) if args.json else print(health_text(report))
+    if args.watch:
+        for e in _stream(args, "Events", pb.EventsRequest(follow=True, limit=0), None):
+            if e.kind == "health":
+                print(json.dumps(event_dict(e)) if args.json else event_line(e), flush=True)
+    return EXIT_OK
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    from agent.render import event_dict, event_line
+    from agent.rpc import pb
+
+    if not 0 < args.limit <= 100_000:
+        raise Usage(f"ferry events: --limit {args.limit}: expected 1 to 100000")
+    req = pb.EventsRequest(follow=args.follow, limit=args.limit)
+    seen = False
+    for e in _stream(args, "Events", req, None if args.follow else 30):
+        seen = True  # --json: one object per line, so a follower can parse as events come
+        print(json.dumps(event_dict(e), sort_keys=True) if args.json else event_line(e), flush=True)
+    if not seen and not args.json:
+        print("no events yet")
     return EXIT_OK
 
 
@@ -538,6 +652,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "resolve": cmd_resolve,
     "inspect": cmd_inspect,
     "gpus": cmd_gpus,
+    "health": cmd_health,
+    "events": cmd_events,
     "certs": cmd_certs,
     "doctor": cmd_doctor,
 }

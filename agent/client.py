@@ -30,7 +30,17 @@ from agent.errors import (
 from agent.rpc import pb, pb_grpc
 
 #: Deadlines per call, in seconds. Commit covers a CRIU restore of a large image.
-DEADLINES = {"info": 10.0, "prepare": 60.0, "push": 3600.0, "commit": 600.0, "abort": 30.0, "status": 10.0}
+DEADLINES = {
+    "info": 10.0,
+    "prepare": 60.0,
+    "push": 3600.0,
+    "commit": 600.0,
+    "abort": 30.0,
+    "status": 10.0,
+    "health": 5.0,
+    # Suspending a low-priority job writes its whole memory to storage.
+    "preempt": 600.0,
+}
 MAX_MESSAGE = 16 << 20
 #: Keepalive pings find a peer that vanished without a FIN (a cut link) in about 20 s,
 #: instead of a stream waiting out its deadline.
@@ -142,9 +152,9 @@ class PeerClient:
         self.dial = dial
         self._stub = stub(address, dial)
 
-    def _call(self, step: str, fn: object, req: object) -> object:
+    def _call(self, step: str, fn: object, req: object, timeout: float | None = None) -> object:
         try:
-            return fn(req, timeout=DEADLINES[step])  # type: ignore[operator]
+            return fn(req, timeout=timeout or DEADLINES[step])  # type: ignore[operator]
         except grpc.RpcError as e:
             raise from_rpc_error(e, self.address, step, self.dial) from e
 
@@ -171,6 +181,12 @@ class PeerClient:
             "status", self._stub.GetMigration, pb.GetMigrationRequest(migration_id=migration_id)
         )
         return resp.state  # type: ignore[attr-defined]
+
+    def health(self, timeout_s: float) -> pb.HealthReport:
+        return self._call("health", self._stub.GetHealth, pb.GetHealthRequest(), timeout_s)  # type: ignore[return-value]
+
+    def preempt(self, req: pb.PreemptRequest) -> pb.PreemptResponse:
+        return self._call("preempt", self._stub.Preempt, req)  # type: ignore[return-value]
 
 
 class _PageCall:

@@ -197,14 +197,21 @@ class CudaJobs:
         needs: list[GpuNeed],
         *,
         driver_version: str = "",
-        reserved: Iterable[str] = (),
+        reserved: Mapping[str, str] | Iterable[str] = (),
         releasing: Mapping[str, int] | None = None,
+        cuda_state: bool = True,
     ) -> dict[str, str]:
-        """Old → new UUID for a job coming here; refuses unless this driver can restore it so."""
+        """Old → new UUID for a job coming here; refuses unless this driver can restore it so.
+
+        cuda_state=False: the job holds GPUs (`ferry run --gpu`) but no CUDA context to
+        restore, so any driver will do.
+        """
         if not needs:
             return {}
-        self.driver.require_checkpoint()
         inv = self.nvml.inventory()
+        if not cuda_state:
+            return choose(needs, inv, reserved=reserved, node=self.node)
+        self.driver.require_checkpoint()
         if driver_version and inv.available and inv.driver_version != driver_version:
             # The restored process keeps the source's user-mode driver mapped: it must match ours.
             raise self._refuse(
@@ -226,11 +233,11 @@ class CudaJobs:
             )
         return gpu_map
 
-    def freeze(self, fp: Footprint, times: dict[str, float]) -> None:
+    def freeze(self, fp: Footprint, times: dict[str, float], lock_timeout_s: float | None = None) -> None:
         """Lock and checkpoint the job; its GPU memory stays promised to it until release()."""
         if not fp.processes:
             return
-        cuda.freeze(self.driver, fp.pids, self.lock_timeout_s, times)
+        cuda.freeze(self.driver, fp.pids, lock_timeout_s or self.lock_timeout_s, times)
         with self._held_lock:
             self._held[tuple(fp.pids)] = {g.uuid: g.memory_bytes for g in fp.gpus}
 

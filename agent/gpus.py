@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +73,30 @@ class GpuNeed:
     memory_bytes: int
 
 
+_replay: Any = None
+_replay_lock = threading.Lock()
+
+
+def nvml_module() -> Any:
+    """pynvml; or, where FERRY_NVML_REPLAY names a telemetry file (tests and drills on machines
+    without a GPU), one shared agent.nvml_replay.ReplayNvml that answers the same calls from it."""
+    global _replay
+    path = os.environ.get("FERRY_NVML_REPLAY")
+    if not path:
+        import pynvml
+
+        return pynvml
+    with _replay_lock:
+        if _replay is None:
+            from pathlib import Path
+
+            from agent.nvml_replay import ReplayNvml
+
+            log.warning("NVML replays %s (FERRY_NVML_REPLAY): these are not real GPUs", path)
+            _replay = ReplayNvml.from_file(Path(path))
+        return _replay
+
+
 @dataclass
 class Nvml:
     """NVML reader; `module` defaults to pynvml (tests pass a fake)."""
@@ -81,9 +107,7 @@ class Nvml:
 
     def _nvml(self) -> Any:
         if self.module is None:
-            import pynvml
-
-            self.module = pynvml
+            self.module = nvml_module()
         return self.module
 
     def inventory(self) -> Inventory:
@@ -145,13 +169,14 @@ def choose(
     needs: list[GpuNeed],
     inv: Inventory,
     *,
-    reserved: Iterable[str] = (),
+    reserved: Mapping[str, str] | Iterable[str] = (),
     releasing: Mapping[str, int] | None = None,
     node: str = "",
 ) -> dict[str, str]:
     """Map each GPU a job used (old UUID) to a distinct GPU here of the same chip with room for it.
 
-    `reserved`: GPUs promised to other incoming jobs. `releasing`: memory that
+    `reserved`: GPUs it may not have: promised to other incoming jobs, or (a mapping) each
+    with why (quarantined, unhealthy, held by a job). `releasing`: memory that
     the job itself still holds here (a move between two agents on one host),
     counted as free because the checkpoint releases it. GPUs without other
     processes are preferred, then the one with the most free memory.
@@ -166,7 +191,11 @@ def choose(
             hint="choose a node with NVIDIA GPUs and driver r580 or newer",
         )
     releasing = releasing or {}
-    taken = set(reserved)
+    taken = (
+        dict(reserved)
+        if isinstance(reserved, Mapping)
+        else dict.fromkeys(reserved, "is promised to another incoming job")
+    )
     out: dict[str, str] = {}
     for need in sorted(needs, key=lambda n: -n.memory_bytes):
         same_chip = [g for g in inv.gpus if g.name == need.name and not g.mig]
@@ -180,7 +209,7 @@ def choose(
             )
         best = min(fits, key=lambda g: (bool(g.processes) and g.uuid not in releasing, -_free(g, releasing)))
         out[need.uuid] = best.uuid
-        taken.add(best.uuid)
+        taken[best.uuid] = "is promised to another GPU of the same job"
     return out
 
 
@@ -189,16 +218,18 @@ def _free(g: Gpu, releasing: Mapping[str, int]) -> int:
 
 
 def _why_none(
-    need: GpuNeed, inv: Inventory, same_chip: list[Gpu], taken: set[str], releasing: Mapping[str, int]
+    need: GpuNeed,
+    inv: Inventory,
+    same_chip: list[Gpu],
+    taken: Mapping[str, str],
+    releasing: Mapping[str, int],
 ) -> str:
     want = f"a free {need.name} with {gib(need.memory_bytes)} for GPU {need.uuid}"
     if not same_chip:
         chips = sorted({g.name + (" (MIG)" if g.mig else "") for g in inv.gpus}) or ["none"]
         return f"no {need.name} here (restore needs the same chip); this node has {', '.join(chips)}"
     seen = "; ".join(
-        f"{g.uuid} is promised to another incoming job"
-        if g.uuid in taken
-        else f"{g.uuid} has {gib(_free(g, releasing))} free"
+        f"{g.uuid} {taken[g.uuid]}" if g.uuid in taken else f"{g.uuid} has {gib(_free(g, releasing))} free"
         for g in same_chip
     )
     return f"needs {want}: {seen}"

@@ -67,6 +67,10 @@ class JobSpec:
     pid: int
     migrations: int = 0
     shell_job: bool = False  # dumped with an external session; restore must say so too
+    priority: str = "normal"
+    on_degraded: str = "migrate"
+    gpus: list[str] = field(default_factory=list)  # `ferry run --gpu` UUIDs on the node it was dumped on
+    gpu_chip: str = ""
 
 
 @dataclass(frozen=True)
@@ -175,8 +179,8 @@ class Manifest:
 
 def _check_types(job: JobSpec, where: str) -> None:
     """A manifest is untrusted input: a job it describes must be one this agent can register."""
-    strings = [job.name, job.kind, job.cwd, job.stdout_path, job.stderr_path]
-    lists = [job.command, job.env]
+    strings = [job.name, job.kind, job.cwd, job.stdout_path, job.stderr_path, job.gpu_chip]
+    lists = [job.command, job.env, job.gpus]
     ok = (
         all(isinstance(s, str) for s in strings)
         and all(isinstance(xs, list) and all(isinstance(x, str) for x in xs) for xs in lists)
@@ -184,6 +188,8 @@ def _check_types(job: JobSpec, where: str) -> None:
         and isinstance(job.migrations, int)
         and isinstance(job.shell_job, bool)
         and job.kind in ("launched", "adopted")
+        and job.priority in ("normal", "low")
+        and job.on_degraded in ("migrate", "alert")
     )
     if not ok:
         raise ImageError(f"{where}: malformed job description in the manifest", step="image intake")

@@ -16,7 +16,7 @@ import signal
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,6 +94,7 @@ class Incoming:
     pages: StreamDigest | None = None  # what the page stream delivered
     lazy: bool = False  # post-copy: the memory comes after the restore, on demand
     postcopy_failed: str = ""  # why the post-copy transfer broke; the job must not run on
+    reason: str = ""  # why the source moves it (automatic moves say which GPU and what it showed)
 
     def record(self) -> MigrationRecord:
         return MigrationRecord(
@@ -134,6 +135,14 @@ class TargetMigrations:
         self.journal = journal or Journal(registry.root.parent)
         self._lock = threading.Lock()
         self._incoming: dict[str, Incoming] = {}
+        #: GPUs here that no incoming job may take, with why (quarantined, unhealthy, another job's),
+        #: given the incoming job's name. The agent's self-healing sets it.
+        self.unavailable_gpus: Callable[[str], dict[str, str]] = lambda job: {}
+
+    def promised_gpus(self) -> set[str]:
+        """GPUs here that leases in flight have promised to incoming jobs."""
+        with self._lock:
+            return {u for i in self._incoming.values() if i.state in _IN_FLIGHT for u in i.gpu_map.values()}
 
     # -- the protocol ------------------------------------------------------------
 
@@ -185,12 +194,15 @@ class TargetMigrations:
             pids=list(req.pids),
             reserved_bytes=need,
             lazy=req.lazy,
+            reason=req.reason[:500],
         )
         if req.lazy and not self.criu.feature("uffd-noncoop"):
             raise self._refuse(
                 "CRIU here cannot restore lazily: the kernel offers no non-cooperative userfaultfd",
                 "migrate without --lazy, or choose a target whose kernel has CONFIG_USERFAULTFD",
             )
+        # Before the lock: it reads NVML and the job registry, and asks what leases promised.
+        unavailable = self.unavailable_gpus(req.job) if req.gpus else {}
         with self._lock:
             self._expire_locked()
             if req.migration_id in self._incoming or self.journal.get(TARGET, req.migration_id):
@@ -201,13 +213,15 @@ class TargetMigrations:
             if req.gpus:
                 # Under the lock, so two incoming jobs are never promised the same GPU.
                 needs = [GpuNeed(g.uuid, g.name, g.memory_bytes) for g in req.gpus]
-                promised_gpus = {u for i in busy for u in i.gpu_map.values()}
+                taken = {u: "is promised to another incoming job" for i in busy for u in i.gpu_map.values()}
+                taken.update(unavailable)
                 # A GPU the job holds on this very host (two agents, one node) is freed by its checkpoint.
                 inc.gpu_map = self.cuda.choose_gpus(
                     needs,
                     driver_version=req.cuda_driver,
-                    reserved=promised_gpus,
+                    reserved=taken,
                     releasing={n.uuid: n.memory_bytes for n in needs},
+                    cuda_state=bool(req.cuda_driver),
                 )
             if any(i.job == req.job for i in busy):
                 raise self._refuse(f"job {req.job!r} is already coming in from another migration")
@@ -442,7 +456,7 @@ class TargetMigrations:
                 inc.staging,
                 inc.manifest,
                 inc.job,
-                note=f"moved here from {inc.source_node}",
+                note=f"moved here from {inc.source_node}" + (f" ({inc.reason})" if inc.reason else ""),
                 cuda_jobs=self.cuda,
                 gpu_map=inc.gpu_map,
                 times=times,

@@ -35,8 +35,10 @@ _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 class JobState(StrEnum):
     """RUNNING → MIGRATING → MOVED | RUNNING (aborted); RUNNING → EXITED | STOPPED | CHECKPOINTED.
 
-    LOST: the process vanished while the agent was down. Every state but
-    RUNNING and MIGRATING is final for this node; a final job's name may be reused.
+    LOST: the process vanished while the agent was down. PREEMPTED: suspended to
+    storage for a higher-priority job; it resumes here (→ RUNNING) once a GPU is free.
+    Every state but RUNNING, MIGRATING and PREEMPTED is final for this node; a final
+    job's name may be reused.
     """
 
     RUNNING = "running"
@@ -46,10 +48,26 @@ class JobState(StrEnum):
     MOVED = "moved"
     CHECKPOINTED = "checkpointed"
     LOST = "lost"
+    PREEMPTED = "preempted"
 
     @property
     def active(self) -> bool:
+        """A process of the job exists on this node."""
         return self in (JobState.RUNNING, JobState.MIGRATING)
+
+    @property
+    def holds_name(self) -> bool:
+        return self.active or self is JobState.PREEMPTED
+
+
+class Priority(StrEnum):
+    NORMAL = "normal"
+    LOW = "low"  # preemptible: suspended to storage when a normal job needs its GPU
+
+
+class OnDegraded(StrEnum):
+    MIGRATE = "migrate"  # move the job off a degrading GPU by itself
+    ALERT = "alert"  # only record it (`ferry events`) and leave the job where it is
 
 
 class JobKind(StrEnum):
@@ -78,6 +96,10 @@ class JobRecord:
     checkpoint_dir: str = ""
     note: str = ""
     migrations: int = 0
+    priority: str = Priority.NORMAL.value
+    on_degraded: str = OnDegraded.MIGRATE.value
+    gpus: list[str] = field(default_factory=list)  # given by `ferry run --gpu`: UUIDs on this node
+    gpu_chip: str = ""  # their chip, which a target must match
 
     def spec(self) -> JobSpec:
         return JobSpec(
@@ -90,6 +112,10 @@ class JobRecord:
             stderr_path=self.stderr_path,
             pid=self.pid,
             migrations=self.migrations,
+            priority=self.priority,
+            on_degraded=self.on_degraded,
+            gpus=list(self.gpus),
+            gpu_chip=self.gpu_chip,
         )
 
     def to_json(self) -> str:
@@ -168,14 +194,26 @@ class JobRegistry:
         check_job_name(name)
         with self._lock:
             rec = self._jobs.get(name)
-            if rec is not None and rec.state.active:
+            if rec is not None and rec.state.holds_name:
                 raise AlreadyExistsError(
                     f"job {name!r} already exists here and is {rec.state.value}",
                     node=self.node,
                     hint="pick another --name, or stop it first",
                 )
 
-    def launch(self, name: str, command: list[str], cwd: str, env: list[str]) -> JobRecord:
+    def launch(
+        self,
+        name: str,
+        command: list[str],
+        cwd: str,
+        env: list[str],
+        *,
+        priority: str = Priority.NORMAL.value,
+        on_degraded: str = OnDegraded.MIGRATE.value,
+        gpus: list[str] | None = None,
+        gpu_chip: str = "",
+    ) -> JobRecord:
+        """Start a job. `gpus` (checked by the caller) become its CUDA_VISIBLE_DEVICES."""
         if not command:
             raise InvalidArgumentError(
                 "no command given", hint="usage: ferry run --name NAME -- CMD [ARGS...]"
@@ -193,6 +231,8 @@ class JobRegistry:
             if not sep or not _ENV_KEY.match(key):
                 raise InvalidArgumentError(f"invalid --env {item!r}: expected KEY=VALUE")
             job_env[key] = value
+        if gpus:
+            job_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         init = self._init_binary or config.init_binary()
         with self._lock:
             self.reserve_name(name)
@@ -233,6 +273,10 @@ class JobRegistry:
                 env=list(env),
                 stdout_path=str(out_path),
                 stderr_path=str(err_path),
+                priority=priority,
+                on_degraded=on_degraded,
+                gpus=list(gpus or []),
+                gpu_chip=gpu_chip,
             )
             self.save(rec)
         log.info("job %s: launched pid %d: %s", name, pid1, " ".join(command))
@@ -290,6 +334,10 @@ class JobRegistry:
             stdout_path=stdout,
             stderr_path=stderr,
             migrations=spec.migrations,
+            priority=spec.priority,
+            on_degraded=spec.on_degraded,
+            gpus=list(spec.gpus),
+            gpu_chip=spec.gpu_chip,
         )
         for k, v in extra.items():
             setattr(rec, k, v)
@@ -319,6 +367,11 @@ class JobRegistry:
     def stop(self, name: str, timeout_s: float = 10.0) -> JobRecord:
         with self._lock:
             rec = self.get(name)
+            if rec.state is JobState.PREEMPTED:
+                rec.state = JobState.STOPPED
+                rec.note = f"stopped while preempted; its image stays in {rec.checkpoint_dir}"
+                self.save(rec)
+                return rec
             if rec.state is JobState.MIGRATING:
                 raise RefusedError(f"job {name!r} is being moved; stop it after the move", node=self.node)
             if rec.state is not JobState.RUNNING:

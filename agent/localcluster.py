@@ -37,8 +37,10 @@ class LocalAgent:
         tls_dir: Path | None = None,
         host: str = "127.0.0.1",
         staging_dir: Path | None = None,
+        config: Path | None = None,
     ) -> None:
         self.root = root / node
+        self.config = config  # `ferry agent --config`: health thresholds, policy, peers
         self.node = node
         self.state_dir = self.root / "state"
         self.staging_dir = staging_dir or Path("/dev/shm") / f"ferry-{os.getpid()}-{node}"
@@ -71,6 +73,7 @@ class LocalAgent:
             "--socket",
             str(self.socket),
             *(["--tls-dir", str(self.tls_dir)] if self.tls_dir else ["--insecure"]),
+            *(["--config", str(self.config)] if self.config else []),
         ]
         log = open(self.log_path, "ab")  # noqa: SIM115 - the agent owns it until it exits
         seen = log.tell()  # a restarted agent appends: read only what this start writes

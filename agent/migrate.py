@@ -15,7 +15,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -40,7 +40,7 @@ from agent.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from agent.gpus import Nvml, gib
+from agent.gpus import GpuNeed, Nvml, gib
 from agent.image import (
     STDERR_LOG,
     STDOUT_LOG,
@@ -106,6 +106,8 @@ class MigrationSpec:
     migration_id: str
     staged: bool = False  # dump into staging here, then copy: no page stream
     lazy: bool = False  # post-copy: resume on the target first, its memory follows on demand
+    reason: str = ""  # why it moves ("" by hand); the target's record says it
+    lock_timeout_s: float | None = None  # the CUDA lock's bound; None: the agent's default
 
 
 @dataclass
@@ -257,7 +259,7 @@ class SourceMigration:
             if self.footprint.processes:
                 self.emit(Progress("dump", f"copying {gib(self.footprint.gpu_bytes)} of GPU memory to host"))
                 self._journal(cuda_pids=self.footprint.pids)  # before: a crash mid-freeze must unfreeze
-                self.cuda.freeze(self.footprint, self.phases.times)
+                self.cuda.freeze(self.footprint, self.phases.times, self.spec.lock_timeout_s)
                 self.cuda_frozen = True
             shell_job = _needs_shell_job(rec, procs.tree_pids(rec.pid))
             if self.lease.page_stream and not self.spec.staged:
@@ -472,11 +474,10 @@ class SourceMigration:
             paths=sorted(procs.open_paths(rec.pid) - own),
             pids=pids if rec.kind is JobKind.ADOPTED else [],
             cwd=rec.cwd,
-            gpus=[
-                pb.GpuNeed(uuid=g.uuid, name=g.name, memory_bytes=g.memory_bytes) for g in self.footprint.gpus
-            ],
+            gpus=gpu_needs(rec, self.footprint),
             cuda_driver=self.footprint.driver_version,
             lazy=self.spec.lazy,
+            reason=self.spec.reason,
         )
         lease = self.lease = self.peer.prepare(req)
         if self.spec.lazy and not lease.lazy:
@@ -582,6 +583,15 @@ class _Unresolved(FerryError):
     kind = "aborted"
 
 
+def gpu_needs(rec: JobRecord, fp: Footprint) -> list[pb.GpuNeed]:
+    """What the target must offer: the GPUs the job's CUDA processes hold, and those `ferry run
+    --gpu` gave it (a job keeps its GPUs to itself, even before or without a CUDA context)."""
+    out = [pb.GpuNeed(uuid=g.uuid, name=g.name, memory_bytes=g.memory_bytes) for g in fp.gpus]
+    seen = {g.uuid for g in fp.gpus}
+    out += [pb.GpuNeed(uuid=u, name=rec.gpu_chip, memory_bytes=0) for u in rec.gpus if u not in seen]
+    return out
+
+
 def unresolved_note(job: str, target: str) -> str:
     return (
         f"UNRESOLVED: target {target} stopped answering while restoring, so whether it runs the job is "
@@ -666,7 +676,8 @@ def restore_tree(
             procs.resume(pids)
             plan = restore_plan(cuda_jobs.view, pids, manifest.cuda, gpu_map, criu.node)
             cuda_jobs.thaw(plan, times, unlock=False)
-        spec_here = JobSpec(**{**spec.__dict__, "name": name})
+        gpus_here = [gpu_map.get(u, u) for u in spec.gpus]
+        spec_here = JobSpec(**{**spec.__dict__, "name": name, "gpus": gpus_here})
         rec = registry.register_restored(spec_here, res.pid, paths[0], paths[1], note=note)
         if before_release is not None:
             before_release(rec)
@@ -822,13 +833,17 @@ def restore_image(
     name: str,
     node: str,
     cuda_jobs: CudaJobs | None = None,
+    reserved: Mapping[str, str] | None = None,
 ) -> JobRecord:
-    """Resume a saved image on this node, after checking every digest; a CUDA job onto suitable GPUs."""
+    """Resume a saved image on this node, after checking every digest; a CUDA job onto suitable GPUs.
+
+    `reserved`: GPUs here it may not take, each with why (agent.healing.unavailable_gpus).
+    """
     if not image_dir.is_dir():
         raise NotFoundError(f"no image directory {image_dir} on this node", node=node)
     m = verify(image_dir)
     cj = cuda_jobs or default_cuda_jobs(node)
-    gpu_map = cj.choose_gpus(m.cuda.gpus, driver_version=m.cuda.driver_version) if m.cuda else {}
+    gpu_map = local_gpu_map(cj, m, reserved or {})
     rec = restore_tree(
         registry,
         criu,
@@ -841,3 +856,50 @@ def restore_image(
     )
     log.info("job %s: restored from %s as pid %d", rec.name, image_dir, rec.pid)
     return rec
+
+
+def local_gpu_map(cj: CudaJobs, m: Manifest, reserved: Mapping[str, str]) -> dict[str, str]:
+    """GPUs here for a saved job: its CUDA state's and those `ferry run --gpu` gave it."""
+    needs = list(m.cuda.gpus) if m.cuda else []
+    seen = {n.uuid for n in needs}
+    needs += [GpuNeed(u, m.job.gpu_chip, 0) for u in m.job.gpus if u not in seen]
+    return cj.choose_gpus(
+        needs,
+        driver_version=m.cuda.driver_version if m.cuda else "",
+        reserved=reserved,
+        cuda_state=m.cuda is not None,
+    )
+
+
+def resume_preempted(
+    registry: JobRegistry,
+    criu: Criu,
+    rec: JobRecord,
+    reserved: Mapping[str, str],
+    node: str,
+    cuda_jobs: CudaJobs,
+) -> JobRecord:
+    """Resume a job suspended by a preemption from its image; RefusedError while no GPU can take it."""
+    image_dir = Path(rec.checkpoint_dir)
+    m = verify(image_dir)
+    gpu_map = local_gpu_map(cuda_jobs, m, reserved)
+    note = rec.note
+    # PREEMPTED holds the name; the restore registers the job afresh under it.
+    registry.update(rec.name, state=JobState.CHECKPOINTED, note="resuming after preemption")
+    try:
+        new = restore_tree(
+            registry,
+            criu,
+            image_dir,
+            m,
+            rec.name,
+            note=f"resumed after preemption from {image_dir}",
+            cuda_jobs=cuda_jobs,
+            gpu_map=gpu_map,
+        )
+    except BaseException as e:
+        registry.update(rec.name, state=JobState.PREEMPTED, note=f"{note}; the last resume failed: {e}")
+        raise
+    shutil.rmtree(image_dir, ignore_errors=True)
+    log.info("job %s: resumed after preemption as pid %d", rec.name, new.pid)
+    return new

@@ -70,6 +70,9 @@ def job_dict(job: pb.Job) -> dict[str, Any]:
         "node": job.node_name,
         "note": job.note,
         "migrations": job.migrations,
+        "priority": job.priority,
+        "on_degraded": job.on_degraded,
+        "gpus": list(job.gpus),
     }
 
 
@@ -197,3 +200,80 @@ def gpus_text(inv: pb.GpuInventory) -> str:
         ]
         lines.append(table(["GPU", "UUID", "NAME", "MEMORY USED", "PERSISTENCE", "PROCESSES"], rows))
     return "\n".join(lines)
+
+
+def health_dict(r: pb.HealthReport) -> dict[str, Any]:
+    return {
+        "node": r.node_name,
+        "nvml": {"available": r.nvml_available, "detail": r.nvml_detail},
+        "interval_s": r.interval_s,
+        "gpus": [
+            {
+                "index": g.index,
+                "uuid": g.uuid,
+                "name": g.name,
+                "state": g.state,
+                "since": g.since,
+                "sampled_at": g.sampled_at,
+                "evidence": [
+                    {"signal": e.signal, "severity": e.severity, "detail": e.detail, "since": e.since}
+                    for e in g.evidence
+                ],
+                "readings": dict(sorted(g.readings.items())),
+                "quarantined": g.quarantined,
+                "quarantine_reason": g.quarantine_reason,
+                "quarantined_at": g.quarantined_at or None,
+                "held_for_incoming_job": g.held,
+                "memory_total": g.memory_total,
+                "memory_free": g.memory_free,
+                "jobs": [
+                    {"name": h.job, "priority": h.priority, "used_bytes": h.used_bytes} for h in g.holders
+                ],
+            }
+            for g in r.gpus
+        ],
+    }
+
+
+def health_text(r: pb.HealthReport) -> str:
+    if not r.nvml_available:
+        return f"node {r.node_name}: no GPU health: {r.nvml_detail}"
+    head = f"node {r.node_name}: {len(r.gpus)} GPU(s), sampled every {r.interval_s:.0f} s"
+    if r.nvml_detail:
+        head += f" ({r.nvml_detail})"
+    rows, why = [], []
+    for g in r.gpus:
+        temp = g.readings.get("temperature_c")
+        state = g.state.upper() if g.state != "healthy" else g.state
+        rows.append(
+            [
+                str(g.index),
+                g.uuid,
+                g.name,
+                state + (" (quarantined)" if g.quarantined else ""),
+                f"{temp:.0f} C" if temp is not None else "-",
+                ", ".join(f"{h.job}" + (" (low)" if h.priority == "low" else "") for h in g.holders) or "-",
+            ]
+        )
+        why += [f"  {g.uuid}: {e.severity}: {e.detail} (since {_clock(e.since)})" for e in g.evidence]
+        if g.quarantined:
+            why.append(
+                f"  {g.uuid}: quarantined since {_clock(g.quarantined_at)}: {g.quarantine_reason}; "
+                f"`ferry gpus --clear {g.uuid}` once fixed"
+            )
+    lines = [head, table(["GPU", "UUID", "NAME", "STATE", "TEMP", "JOBS"], rows)]
+    if why:
+        lines += ["why:", *why]
+    return "\n".join(lines)
+
+
+def event_dict(e: pb.Event) -> dict[str, Any]:
+    return {"time": e.time, "kind": e.kind, "node": e.node, "gpu": e.gpu, "job": e.job, "message": e.message}
+
+
+def event_line(e: pb.Event) -> str:
+    return f"{_clock(e.time, date=True)}  {e.node:<10} {e.kind:<10} {e.message}"
+
+
+def _clock(t: float, date: bool = False) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S" if date else "%H:%M:%S", time.localtime(t)) if t else "-"

@@ -22,13 +22,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from agent import __version__, access, client, tls
+from agent.agent_config import AgentConfig
 from agent.criu import Criu
 from agent.cuda import DriverInfo
 from agent.cudajob import CudaJobs
-from agent.errors import FerryError, InvalidArgumentError, NotFoundError
-from agent.gpus import Inventory
+from agent.errors import FerryError, InvalidArgumentError, NotFoundError, RefusedError
+from agent.events import Event, EventLog
+from agent.gpus import Inventory, nvml_module
+from agent.healing import Holder, Hooks, SelfHealing
+from agent.health import GpuHealth, HealthMonitor
 from agent.incoming import TargetMigrations, private_dir
-from agent.jobs import JobRecord, JobRegistry, JobState, check_job_name
+from agent.jobs import JobRecord, JobRegistry, JobState, OnDegraded, Priority, check_job_name
 from agent.journal import Journal
 from agent.migrate import (
     MigrationResult,
@@ -38,7 +42,9 @@ from agent.migrate import (
     checkpoint,
     default_cuda_jobs,
     restore_image,
+    resume_preempted,
 )
+from agent.quarantine import Quarantine
 from agent.recovery import SourceRecovery
 from agent.rpc import pb, pb_grpc
 
@@ -138,6 +144,9 @@ def job_pb(rec: JobRecord, node: str) -> pb.Job:
         note=rec.note,
         env=rec.env,
         migrations=rec.migrations,
+        priority=rec.priority,
+        on_degraded=rec.on_degraded,
+        gpus=rec.gpus,
     )
 
 
@@ -186,6 +195,37 @@ def inventory_pb(inv: Inventory, drv: DriverInfo) -> pb.GpuInventory:
     )
 
 
+def health_pb(g: GpuHealth, holders: list[Holder], quarantine: Quarantine, held: set[str]) -> pb.GpuHealth:
+    q = quarantine.get(g.uuid)
+    return pb.GpuHealth(
+        uuid=g.uuid,
+        index=g.index,
+        name=g.name,
+        state=g.state.value,
+        evidence=[
+            pb.Evidence(signal=e.signal, severity=e.severity.value, detail=e.detail, since=e.since)
+            for e in g.evidence
+        ],
+        since=g.since,
+        sampled_at=g.sampled_at,
+        readings=g.readings,
+        quarantined=q is not None,
+        quarantine_reason=q.reason if q else "",
+        quarantined_at=q.since if q else 0.0,
+        memory_total=g.memory_total,
+        memory_used=g.memory_used,
+        memory_free=g.memory_free,
+        holders=[
+            pb.GpuHolder(job=h.job.name, priority=h.job.priority, used_bytes=h.used_bytes) for h in holders
+        ],
+        held=g.uuid in held,
+    )
+
+
+def event_pb(e: Event) -> pb.Event:
+    return pb.Event(time=e.time, kind=e.kind, node=e.node, gpu=e.gpu, job=e.job, message=e.message)
+
+
 class AgentService(pb_grpc.AgentServicer):
     def __init__(
         self,
@@ -195,6 +235,7 @@ class AgentService(pb_grpc.AgentServicer):
         criu: Criu | None = None,
         cuda_jobs: CudaJobs | None = None,
         dial: client.Dial | None = None,
+        config: AgentConfig | None = None,
     ) -> None:
         self.node = node
         #: How this agent reaches peers: its node certificate, or plaintext on loopback (--insecure).
@@ -214,6 +255,34 @@ class AgentService(pb_grpc.AgentServicer):
         self._moves = 0
         self._moves_lock = threading.Condition()
         self._stopping = threading.Event()
+        self.config = config or AgentConfig()
+        self.events = EventLog(state_dir, node)
+        self.quarantine = Quarantine(state_dir)
+        self.healing = SelfHealing(
+            node=node,
+            registry=self.registry,
+            events=self.events,
+            quarantine=self.quarantine,
+            config=self.config,
+            hooks=Hooks(
+                inventory=self.cuda.nvml.inventory,
+                peer=lambda address: client.PeerClient(address, self.dial),
+                migrate=self._auto_migrate,
+                spawn=self._spawn,
+                suspend=self._suspend,
+                resume=lambda rec, unavailable: resume_preempted(
+                    self.registry, self.criu, rec, unavailable(rec.name), self.node, self.cuda
+                ),
+                promised=self.targets.promised_gpus,
+                agent_id=self.agent_id,
+            ),
+            state_dir=state_dir,
+            health=lambda: self.monitor.snapshot(),
+        )
+        self.monitor = HealthMonitor(
+            nvml_module(), self.config.health, node=node, on_poll=self.healing.on_poll
+        )
+        self.targets.unavailable_gpus = self.healing.unavailable_gpus
 
     # -- start and housekeeping ----------------------------------------------------------
 
@@ -231,10 +300,12 @@ class AgentService(pb_grpc.AgentServicer):
                 try:
                     self.targets.expire()
                     self.recovery.poll()
+                    self.healing.resume_preempted()
                 except Exception:
                     log.exception("housekeeping failed; trying again in %.0f s", HOUSEKEEPING_S)
 
         threading.Thread(target=loop, name="housekeeping", daemon=True).start()
+        threading.Thread(target=self.monitor.run, args=(self._stopping,), name="health", daemon=True).start()
 
     def stop_housekeeping(self) -> None:
         self._stopping.set()
@@ -249,6 +320,41 @@ class AgentService(pb_grpc.AgentServicer):
     def wait_idle(self, timeout_s: float) -> bool:
         with self._moves_lock:
             return self._moves_lock.wait_for(lambda: self._moves == 0, timeout=timeout_s)
+
+    def _spawn(self, work: Callable[[], None]) -> None:
+        """Self-healing's work on its own thread, counted as a move in flight."""
+
+        def run() -> None:
+            try:
+                work()
+            finally:
+                self._in_flight(-1)
+
+        self._in_flight(+1)
+        threading.Thread(target=run, name="healing", daemon=True).start()
+
+    def _source_migration(
+        self, spec: MigrationSpec, emit: Callable[[Progress], None] = lambda p: None
+    ) -> SourceMigration:
+        peer = client.PeerClient(spec.target, self.dial)
+        return SourceMigration(
+            spec,
+            self.registry,
+            self.criu,
+            peer,
+            self.staging_root,
+            self.node,
+            self.agent_id,
+            emit,
+            cuda_jobs=self.cuda,
+        )
+
+    def _auto_migrate(self, job: str, target: str, reason: str, lock_timeout_s: float | None) -> object:
+        spec = MigrationSpec(job, target, uuid.uuid4().hex[:16], reason=reason, lock_timeout_s=lock_timeout_s)
+        return self._source_migration(spec).run()
+
+    def _suspend(self, job: str, out_dir: Path) -> None:
+        checkpoint(self.registry, self.criu, job, out_dir, self.node, False, cuda_jobs=self.cuda)
 
     def _background(
         self, work: Callable[[Callable[[Progress], None]], MigrationResult]
@@ -312,8 +418,52 @@ class AgentService(pb_grpc.AgentServicer):
     @rpc
     def Run(self, request: pb.RunRequest, context: grpc.ServicerContext) -> pb.Job:
         check_job_name(request.name)
-        rec = self.registry.launch(request.name, list(request.command), request.cwd or "/", list(request.env))
+        priority = request.priority or Priority.NORMAL.value
+        on_degraded = request.on_degraded or OnDegraded.MIGRATE.value
+        if priority not in {p.value for p in Priority}:
+            raise InvalidArgumentError(f"invalid priority {priority!r}: expected normal or low")
+        if on_degraded not in {p.value for p in OnDegraded}:
+            raise InvalidArgumentError(
+                f"invalid on-degraded policy {on_degraded!r}: expected migrate or alert"
+            )
+        gpus = list(request.gpus)
+        chip = self._check_gpus(request.name, gpus) if gpus else ""
+        rec = self.registry.launch(
+            request.name,
+            list(request.command),
+            request.cwd or "/",
+            list(request.env),
+            priority=priority,
+            on_degraded=on_degraded,
+            gpus=gpus,
+            gpu_chip=chip,
+        )
         return job_pb(rec, self.node)
+
+    def _check_gpus(self, job: str, gpus: list[str]) -> str:
+        """GPUs for `ferry run --gpu`: present, one chip, and free for this job; returns the chip."""
+        if len(set(gpus)) != len(gpus):
+            raise InvalidArgumentError(f"--gpu lists a GPU twice: {', '.join(gpus)}")
+        inv = self.cuda.nvml.inventory()
+        if not inv.available:
+            raise RefusedError(f"--gpu needs this node's GPUs, but {inv.detail}", step="run", node=self.node)
+        unavailable = self.healing.unavailable_gpus(job)
+        chips = set()
+        for u in gpus:
+            g = inv.by_uuid(u)
+            if g is None:
+                known = ", ".join(f"{x.uuid} (index {x.index})" for x in inv.gpus) or "none"
+                raise InvalidArgumentError(
+                    f"no GPU {u} on {self.node}; its GPUs: {known}", hint="see `ferry gpus`"
+                )
+            if why := unavailable.get(u):
+                raise RefusedError(f"GPU {u} {why}", step="run", node=self.node, hint="see `ferry health`")
+            chips.add(g.name)
+        if len(chips) > 1:
+            raise InvalidArgumentError(
+                f"--gpu mixes chips ({', '.join(sorted(chips))}); a job runs on one kind"
+            )
+        return chips.pop()
 
     @rpc
     def Adopt(self, request: pb.AdoptRequest, context: grpc.ServicerContext) -> pb.Job:
@@ -385,23 +535,7 @@ class AgentService(pb_grpc.AgentServicer):
         spec = MigrationSpec(
             request.name, request.target, uuid.uuid4().hex[:16], staged=request.staged, lazy=request.lazy
         )
-        peer = client.PeerClient(request.target, self.dial)
-
-        def work(emit: Callable[[Progress], None]) -> MigrationResult:
-            m = SourceMigration(
-                spec,
-                self.registry,
-                self.criu,
-                peer,
-                self.staging_root,
-                self.node,
-                self.agent_id,
-                emit,
-                cuda_jobs=self.cuda,
-            )
-            return m.run()
-
-        yield from self._background(work)
+        yield from self._background(lambda emit: self._source_migration(spec, emit).run())
 
     @stream_rpc
     def Checkpoint(
@@ -435,7 +569,13 @@ class AgentService(pb_grpc.AgentServicer):
         if request.name:
             check_job_name(request.name)
         rec = restore_image(
-            self.registry, self.criu, Path(request.image_dir), request.name, self.node, self.cuda
+            self.registry,
+            self.criu,
+            Path(request.image_dir),
+            request.name,
+            self.node,
+            self.cuda,
+            reserved=self.healing.unavailable_gpus(request.name),
         )
         return job_pb(rec, self.node)
 
@@ -484,6 +624,59 @@ class AgentService(pb_grpc.AgentServicer):
     ) -> pb.MigrationStatus:
         state = self.targets.status(request.migration_id, self._peer_name(context))
         return pb.MigrationStatus(migration_id=request.migration_id, state=state)
+
+    # -- self-healing ------------------------------------------------------------------
+
+    @rpc
+    def GetHealth(self, request: pb.GetHealthRequest, context: grpc.ServicerContext) -> pb.HealthReport:
+        holders = self.healing.jobs_by_gpu()
+        held = self.healing.held()
+        return pb.HealthReport(
+            node_name=self.node,
+            nvml_available=self.monitor.available,
+            nvml_detail=self.monitor.detail,
+            gpus=[
+                health_pb(g, holders.get(g.uuid, []), self.quarantine, held) for g in self.monitor.snapshot()
+            ],
+            agent_id=self.agent_id,
+            interval_s=self.config.health.interval_s,
+        )
+
+    @stream_rpc
+    def Events(self, request: pb.EventsRequest, context: grpc.ServicerContext) -> Iterator[pb.Event]:
+        limit = request.limit or 50
+        if not request.follow:
+            yield from (event_pb(e) for e in self.events.recent(limit))
+            return
+        for e in self.events.follow(limit, alive=lambda: context.is_active() and not self._stopping.is_set()):
+            yield event_pb(e)
+
+    @rpc
+    def ClearGpu(self, request: pb.ClearGpuRequest, context: grpc.ServicerContext) -> pb.GpuHealth:
+        g = self.monitor.get(request.uuid)
+        entry = self.quarantine.clear(request.uuid)
+        if g is None and entry is None:
+            known = ", ".join(x.uuid for x in self.monitor.snapshot()) or "none"
+            raise NotFoundError(f"no GPU {request.uuid!r} here; its GPUs: {known}", hint="see `ferry health`")
+        self.monitor.clear(request.uuid)
+        self.monitor.poll()  # the answer shows the GPU as read after the clear
+        was = (
+            f"quarantined since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(entry.since))}"
+            if entry
+            else "not quarantined"
+        )
+        self.events.record(
+            "quarantine", f"GPU {request.uuid} cleared by an operator ({was})", gpu=request.uuid
+        )
+        g = self.monitor.get(request.uuid) or g
+        if g is None:  # quarantined, but NVML no longer lists it
+            return pb.GpuHealth(uuid=request.uuid)
+        return health_pb(g, self.healing.jobs_by_gpu().get(g.uuid, []), self.quarantine, self.healing.held())
+
+    @rpc
+    def Preempt(self, request: pb.PreemptRequest, context: grpc.ServicerContext) -> pb.PreemptResponse:
+        check_job_name(request.job)
+        return self.healing.preempt(request)
 
 
 def check_listen(address: str, insecure: bool, identity: tls.Identity | None) -> None:
@@ -570,6 +763,7 @@ def serve(
     insecure: bool,
     identity: tls.Identity | None = None,
     socket_path: Path | None = None,
+    config: AgentConfig | None = None,
 ) -> None:
     """Run until SIGTERM/SIGINT; in-flight moves finish (or abort) before the agent exits."""
     check_listen(address, insecure, identity)
@@ -579,7 +773,7 @@ def serve(
             hint=f"pass --node-name {identity.name}, or issue a certificate for {node}",
         )
     private_dir(staging_root, node)  # refuse a planted or shared staging dir before serving
-    service = AgentService(state_dir, node, staging_root, dial=client.Dial(identity, insecure))
+    service = AgentService(state_dir, node, staging_root, dial=client.Dial(identity, insecure), config=config)
     server, port = create_server(address, service, identity=identity, socket_path=socket_path)
     service.recover()
     server.start()
@@ -596,6 +790,15 @@ def serve(
     )
     if socket_path is not None:
         log.info("local socket %s (root only)", socket_path)
+    cfg = service.config
+    spares = sum(p.spare for p in cfg.peers)
+    log.info(
+        "self-healing: %d peer(s) (%d spare) from %s; health every %g s",
+        len(cfg.peers),
+        spares,
+        cfg.path or "no --config",
+        cfg.health.interval_s,
+    )
     print(f"ferry agent: node {node} listening on {host}:{port}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,0 +1,124 @@
+"""The agent's config file (`ferry agent --config FILE`, TOML): health thresholds, the
+self-healing policy and the peers it may move jobs to.
+
+    [health]              # agent.health.HealthConfig: thresholds and windows
+    temperature_warn_c = 85
+
+    [policy]              # PolicyConfig below
+    cooldown_s = 600
+
+    [[peers]]             # other agents, in order of preference
+    address = "10.0.0.2:7070"
+    spare = true          # an idle node kept for jobs moving off failing GPUs
+
+Every key is optional; an unknown key is an error, so a typo never silently leaves a default.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from agent.errors import InvalidArgumentError
+from agent.health import HealthConfig
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    #: A job moved (or tried) by the agent is not moved again by it for this long.
+    cooldown_s: float = 600.0
+    #: At most this many automatic moves start per node within window_s (a storm guard:
+    #: a bad sensor must not empty the node onto its peers).
+    max_moves: int = 4
+    window_s: float = 3600.0
+    #: Failing GPUs: the one try gets this CUDA lock timeout, a GPU that hangs is not waited on.
+    failing_lock_timeout_s: float = 5.0
+    #: How long a peer has to answer for the cluster view.
+    peer_timeout_s: float = 5.0
+    #: A preempted job's GPUs are kept this long for the job that needed them.
+    preempt_hold_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    address: str  # HOST:PORT of the peer's agent
+    spare: bool = False
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    health: HealthConfig = field(default_factory=HealthConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    peers: tuple[PeerSpec, ...] = ()
+    path: str = ""  # where it was read from ("" for the defaults)
+
+
+def load(path: Path | None) -> AgentConfig:
+    if path is None:
+        return AgentConfig()
+    import tomllib  # Python 3.11; only an agent given --config needs it
+
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise InvalidArgumentError(f"cannot read config {path}: {e.strerror}", step="config") from e
+    except tomllib.TOMLDecodeError as e:
+        raise InvalidArgumentError(f"config {path} is not valid TOML: {e}", step="config") from e
+    try:
+        return parse(raw, str(path))
+    except InvalidArgumentError as e:
+        e.cause = f"config {path}: {e.cause}"
+        raise e.at(step="config") from None
+
+
+def parse(raw: Mapping[str, Any], where: str = "") -> AgentConfig:
+    _known(raw, {"health", "policy", "peers"}, "top level")
+    health = HealthConfig.from_dict(_table(raw, "health"))
+    policy = _policy(_table(raw, "policy"))
+    peers_raw = raw.get("peers", [])
+    if not isinstance(peers_raw, list):
+        raise InvalidArgumentError("peers must be an array of tables ([[peers]])")
+    return AgentConfig(health, policy, tuple(_peer(p, i) for i, p in enumerate(peers_raw)), where)
+
+
+def _table(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    t = raw.get(key, {})
+    if not isinstance(t, Mapping):
+        raise InvalidArgumentError(f"[{key}] must be a table")
+    return t
+
+
+def _known(d: Mapping[str, Any], known: set[str], where: str) -> None:
+    if unknown := sorted(set(d) - known):
+        raise InvalidArgumentError(
+            f"unknown key {unknown[0]!r} in {where}; known: {', '.join(sorted(known))}"
+        )
+
+
+def _policy(d: Mapping[str, Any]) -> PolicyConfig:
+    spec = {f.name: f for f in fields(PolicyConfig)}
+    _known(d, set(spec), "[policy]")
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        want = int if k == "max_moves" else float
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+        if not ok or (want is int and not isinstance(v, int)):
+            raise InvalidArgumentError(f"[policy] {k} = {v!r}: expected a non-negative {want.__name__}")
+        out[k] = want(v)
+    return PolicyConfig(**out)
+
+
+def _peer(p: Any, i: int) -> PeerSpec:
+    from agent.client import split_address
+
+    if not isinstance(p, Mapping):
+        raise InvalidArgumentError(f"peers[{i}] must be a table with an address")
+    _known(p, {"address", "spare"}, f"peers[{i}]")
+    address, spare = p.get("address"), p.get("spare", False)
+    if not isinstance(address, str) or not isinstance(spare, bool):
+        raise InvalidArgumentError(f"peers[{i}]: address must be a string HOST:PORT and spare true or false")
+    split_address(address)
+    return PeerSpec(address, spare)

@@ -1,0 +1,385 @@
+"""Self-healing: what the agent does by itself when one of its GPUs degrades or fails.
+
+After every health poll (agent.health) the agent looks at each GPU that is not healthy
+and at the jobs that hold it (given by `ferry run --gpu`, or seen on it by NVML):
+
+- a job whose policy is ``alert`` is only reported (`ferry events`), once per episode;
+- a job whose policy is ``migrate`` is moved to the best target the peers offer
+  (agent.placement), suspending low-priority jobs there when that is the only room.
+  It is a planned migration with all its invariants. On a *failing* GPU the move is
+  tried once with a short CUDA lock timeout; if the GPU cannot copy out any more, the
+  job is left to the operator, and the events say so.
+
+Each job is moved by the agent at most once per cooldown, at most `max_moves` moves
+start per window on this node, and a job being moved is never moved again at the same
+time. A GPU that made the agent move a job is quarantined: no job is placed on it until
+`ferry gpus --clear UUID`.
+
+The same object serves the other side: it suspends a low-priority job when a peer asks
+(Preempt), keeps the freed GPUs for the job moving in, and resumes suspended jobs here
+once a GPU is free again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from agent import procs
+from agent.agent_config import AgentConfig, PeerSpec
+from agent.errors import FerryError, RefusedError
+from agent.events import EventLog
+from agent.gpus import GpuNeed, Inventory
+from agent.health import Change, GpuHealth, State
+from agent.jobs import JobRecord, JobRegistry, JobState, OnDegraded, Priority
+from agent.placement import Placement, choose_target
+from agent.quarantine import Quarantine
+from agent.rpc import pb
+
+log = logging.getLogger(__name__)
+
+#: A preempted job whose resume failed (not merely waited for a GPU) is tried again after this.
+RESUME_RETRY_S = 60.0
+
+
+class HealingPeer(Protocol):
+    """A peer agent as the policy sees it (agent.client.PeerClient)."""
+
+    def health(self, timeout_s: float) -> pb.HealthReport: ...
+    def preempt(self, req: pb.PreemptRequest) -> pb.PreemptResponse: ...
+
+
+@dataclass
+class Holder:
+    job: JobRecord
+    used_bytes: int = 0
+
+
+@dataclass
+class Hooks:
+    """What the policy needs from the agent, as plain callables (so tests can give fakes)."""
+
+    inventory: Callable[[], Inventory]
+    peer: Callable[[str], HealingPeer]
+    #: Run a migration to completion (raises FerryError when it did not move the job).
+    migrate: Callable[[str, str, str, float | None], object]
+    #: Run work on its own thread, counted as a move in flight (the agent waits for it on stop).
+    spawn: Callable[[Callable[[], None]], None]
+    #: Suspend a job to a directory (checkpoint semantics: the job ends here, nothing lost).
+    suspend: Callable[[str, Path], None]
+    #: Resume a suspended job here; raises RefusedError while no GPU can take it.
+    resume: Callable[[JobRecord, Callable[[str], dict[str, str]]], JobRecord]
+    #: GPUs that incoming leases have promised.
+    promised: Callable[[], set[str]] = set
+    agent_id: str = ""
+
+
+@dataclass
+class _Episode:
+    """What the policy already said about one job on one GPU in one state (so it says it once)."""
+
+    said: set[str] = field(default_factory=set)
+
+
+class SelfHealing:
+    def __init__(
+        self,
+        *,
+        node: str,
+        registry: JobRegistry,
+        events: EventLog,
+        quarantine: Quarantine,
+        config: AgentConfig,
+        hooks: Hooks,
+        state_dir: Path,
+        health: Callable[[], list[GpuHealth]] = list,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.node = node
+        self.registry = registry
+        self.events = events
+        self.quarantine = quarantine
+        self.config = config
+        self.hooks = hooks
+        self.state_dir = state_dir
+        self.health = health
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._acting: set[str] = set()  # jobs being moved by the policy now
+        self._last_move: dict[str, float] = {}  # job → when the policy last started moving it
+        self._starts: list[float] = []  # when automatic moves started (storm guard)
+        self._given_up: set[tuple[str, str]] = set()  # (job, gpu): failing, one try made
+        self._episodes: dict[tuple[str, str, str], _Episode] = {}
+        self._holds: dict[str, tuple[str, float, float]] = {}  # GPU → (job it is kept for, since, until)
+        self._resume_failed: dict[str, float] = {}  # job → when its last resume failed
+
+    # -- the health monitor's callback ------------------------------------------------
+
+    def on_poll(self, snapshot: list[GpuHealth], changes: list[Change]) -> None:
+        for c in changes:
+            self._report_change(c)
+        bad = [g for g in snapshot if g.state is not State.HEALTHY]
+        live = {(g.uuid, g.state.value) for g in bad}
+        with self._lock:  # an episode ends when its GPU leaves that state
+            self._episodes = {k: v for k, v in self._episodes.items() if (k[1], k[2]) in live}
+        if bad:
+            holders = self.jobs_by_gpu()
+            for g in bad:
+                for h in holders.get(g.uuid, []):
+                    self._consider(h.job, g)
+
+    def _report_change(self, c: Change) -> None:
+        g = c.gpu
+        why = "; ".join(e.detail for e in g.evidence) or "no evidence left"
+        self.events.record(
+            "health", f"GPU {g.uuid} (index {g.index}) {c.previous} → {g.state}: {why}", gpu=g.uuid
+        )
+
+    # -- who holds which GPU --------------------------------------------------------
+
+    def jobs_by_gpu(self, inv: Inventory | None = None) -> dict[str, list[Holder]]:
+        """Every GPU of this node → the active jobs holding it (assigned, or seen on it by NVML)."""
+        inv = inv or self.hooks.inventory()
+        usage = inv.usage_by_pid() if inv.available else {}
+        out: dict[str, dict[str, Holder]] = {}
+        for rec in self.registry.list():
+            if not rec.state.active:
+                continue
+            for u in rec.gpus:
+                out.setdefault(u, {}).setdefault(rec.name, Holder(rec))
+            if usage:
+                for pid in procs.tree_pids(rec.pid):
+                    for g, used in usage.get(pid, []):
+                        out.setdefault(g.uuid, {}).setdefault(rec.name, Holder(rec)).used_bytes += used
+        return {u: list(by_job.values()) for u, by_job in out.items()}
+
+    def unavailable_gpus(self, job: str) -> dict[str, str]:
+        """GPUs here that `job` may not be placed on, each with why."""
+        out: dict[str, str] = {}
+        for u, for_job in self._live_holds().items():
+            if for_job != job:
+                out[u] = f"is kept for job {for_job} (it suspended a low-priority job to get it)"
+        for u, holders in self.jobs_by_gpu().items():
+            others = [h.job.name for h in holders if h.job.name != job]
+            if others:
+                out[u] = f"is held by job {', '.join(others)}"
+        for g in self.health():
+            if g.state is not State.HEALTHY:
+                out[g.uuid] = f"is {g.state} ({'; '.join(e.detail for e in g.evidence)})"
+        for u, e in self.quarantine.all().items():
+            out[u] = f"is quarantined ({e.reason}; `ferry gpus --clear {u}` once fixed)"
+        for u in self.hooks.promised():
+            out.setdefault(u, "is promised to an incoming job")
+        return out
+
+    def held(self) -> set[str]:
+        return set(self._live_holds())
+
+    def _live_holds(self) -> dict[str, str]:
+        """GPU → the job it is kept for; a hold ends when it expires or that job has arrived."""
+        now = self.clock()
+        arrived = {r.name: r.started_at for r in self.registry.list() if r.state is not JobState.PREEMPTED}
+        with self._lock:
+            self._holds = {
+                u: h for u, h in self._holds.items() if h[2] > now and arrived.get(h[0], 0.0) < h[1]
+            }
+            return {u: h[0] for u, h in self._holds.items()}
+
+    # -- the policy -------------------------------------------------------------------
+
+    def _say_once(self, rec: JobRecord, g: GpuHealth, what: str, kind: str, message: str) -> None:
+        with self._lock:
+            ep = self._episodes.setdefault((rec.name, g.uuid, g.state.value), _Episode())
+            if what in ep.said:
+                return
+            ep.said.add(what)
+        self.events.record(kind, message, gpu=g.uuid, job=rec.name)
+
+    def _consider(self, rec: JobRecord, g: GpuHealth) -> None:
+        why = f"GPU {g.uuid} is {g.state}: {'; '.join(e.detail for e in g.evidence)}"
+        if rec.on_degraded == OnDegraded.ALERT.value:
+            self._say_once(rec, g, "alert", "alert", f"job {rec.name} stays on it (policy alert): {why}")
+            return
+        if rec.state is not JobState.RUNNING:
+            return  # being moved already (single flight), by hand or by us
+        now = self.clock()
+        pol = self.config.policy
+        with self._lock:
+            if rec.name in self._acting:
+                return
+            if (rec.name, g.uuid) in self._given_up:
+                return
+            last = self._last_move.get(rec.name)
+            cooling = last is not None and now - last < pol.cooldown_s
+            self._starts = [t for t in self._starts if now - t < pol.window_s]
+            storm = len(self._starts) >= pol.max_moves
+            if not cooling and not storm:
+                self._acting.add(rec.name)
+                self._last_move[rec.name] = now
+                self._starts.append(now)
+        if cooling:
+            assert last is not None
+            left = pol.cooldown_s - (now - last)
+            self._say_once(
+                rec, g, "cooldown", "decision",
+                f"not moving job {rec.name} again yet: the agent moved it {now - last:.0f} s ago "
+                f"(cooldown {pol.cooldown_s:.0f} s, {left:.0f} s left); {why}",
+            )  # fmt: skip
+            return
+        if storm:
+            self._say_once(
+                rec, g, "storm", "decision",
+                f"not moving job {rec.name}: {pol.max_moves} automatic moves already started on this node "
+                f"in the last {pol.window_s:.0f} s (policy max_moves); {why}",
+            )  # fmt: skip
+            return
+        if self.quarantine.add(g.uuid, why):
+            self.events.record("quarantine", f"GPU {g.uuid} quarantined: {why}", gpu=g.uuid, job=rec.name)
+        self.events.record(
+            "decision", f"moving job {rec.name} off GPU {g.uuid}: {why}", gpu=g.uuid, job=rec.name
+        )
+        self.hooks.spawn(lambda: self._move(rec.name, g, why))
+
+    def _move(self, name: str, g: GpuHealth, why: str) -> None:
+        failing = g.state is State.FAILING
+        try:
+            rec = self.registry.get(name)
+            placement = self._place(rec)
+            self.events.record(
+                "decision", f"target for job {name}: {placement.describe()}", gpu=g.uuid, job=name
+            )
+            peer = self.hooks.peer(placement.peer.address)
+            for victim in placement.preempt:
+                peer.preempt(pb.PreemptRequest(job=victim, for_job=name, source_node=self.node, reason=why))
+                self.events.record(
+                    "preempt",
+                    f"node {placement.node} suspended low-priority job {victim} for job {name}",
+                    job=name,
+                )
+            lock = self.config.policy.failing_lock_timeout_s if failing else None
+            self.hooks.migrate(name, placement.peer.address, f"automatic: {why}", lock)
+            self.registry.update(
+                name, note=f"moved to {placement.node} ({placement.peer.address}) by ferry: {why}"
+            )
+            self.events.record(
+                "migration",
+                f"moved job {name} to node {placement.node} ({placement.peer.address})",
+                gpu=g.uuid,
+                job=name,
+            )
+        except Exception as exc:
+            err = exc if isinstance(exc, FerryError) else FerryError(f"{type(exc).__name__}: {exc}")
+            if not isinstance(exc, FerryError):
+                log.exception("automatic move of job %s failed", name)
+            self.events.record(
+                "migration", f"automatic move of job {name} failed: {err}", gpu=g.uuid, job=name
+            )
+            if failing:
+                with self._lock:
+                    self._given_up.add((name, g.uuid))
+                msg = (
+                    f"GPU {g.uuid} is failing and job {name} could not be moved off it ({err}); ferry tried "
+                    "once and leaves it to you: restart it from its last checkpoint elsewhere, or "
+                    f"`ferry migrate {name} --to HOST:PORT` if the GPU recovers"
+                )
+                self.events.record("alert", msg, gpu=g.uuid, job=name)
+                self._note(name, msg)
+        finally:
+            with self._lock:
+                self._acting.discard(name)
+
+    def _note(self, name: str, note: str) -> None:
+        try:
+            rec = self.registry.get(name)
+            if rec.state is JobState.RUNNING:
+                self.registry.update(name, note=note)
+        except FerryError:
+            pass
+
+    def _place(self, rec: JobRecord) -> Placement:
+        needs = self.needs(rec)
+        views: list[tuple[PeerSpec, pb.HealthReport | FerryError]] = []
+        for spec in self.config.peers:
+            try:
+                report = self.hooks.peer(spec.address).health(self.config.policy.peer_timeout_s)
+            except FerryError as e:
+                views.append((spec, e))
+                continue
+            if report.agent_id and report.agent_id == self.hooks.agent_id:
+                continue  # this agent is in its own peer list
+            views.append((spec, report))
+        return choose_target(needs, rec.priority, views, self.node)
+
+    def needs(self, rec: JobRecord) -> list[GpuNeed]:
+        """The job's GPUs as a target must match them: chip and memory used."""
+        inv = self.hooks.inventory()
+        out: dict[str, GpuNeed] = {}
+        for u, holders in self.jobs_by_gpu(inv).items():
+            for h in holders:
+                if h.job.name == rec.name:
+                    g = inv.by_uuid(u)
+                    out[u] = GpuNeed(u, g.name if g else rec.gpu_chip, h.used_bytes)
+        return list(out.values())
+
+    # -- the target side: preemption and resume ----------------------------------------
+
+    def preempt(self, req: pb.PreemptRequest) -> pb.PreemptResponse:
+        rec = self.registry.get(req.job)
+        if rec.priority != Priority.LOW.value:
+            raise RefusedError(
+                f"job {req.job!r} is {rec.priority} priority; only low-priority jobs are preempted",
+                step="preempt",
+                node=self.node,
+            )
+        if rec.state is not JobState.RUNNING:
+            raise RefusedError(
+                f"job {req.job!r} is {rec.state.value}, not running", step="preempt", node=self.node
+            )
+        gpus = [u for u, hs in self.jobs_by_gpu().items() if any(h.job.name == rec.name for h in hs)]
+        out = self.state_dir / "preempted" / f"{rec.name}-{uuid.uuid4().hex[:8]}"
+        out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.hooks.suspend(rec.name, out)
+        now = self.clock()
+        with self._lock:
+            for u in gpus:
+                self._holds[u] = (req.for_job, now, now + self.config.policy.preempt_hold_s)
+        note = (
+            f"preempted for job {req.for_job} from {req.source_node} ({req.reason}); resumes here by itself "
+            f"once a GPU is free (image {out})"
+        )
+        self.registry.update(rec.name, state=JobState.PREEMPTED, checkpoint_dir=str(out), note=note)
+        self.events.record("preempt", f"suspended low-priority job {rec.name} to {out} for job {req.for_job} "
+                           f"from {req.source_node}", job=rec.name)  # fmt: skip
+        return pb.PreemptResponse(image_dir=str(out), gpus=gpus)
+
+    def resume_preempted(self) -> list[str]:
+        """Resume suspended jobs, oldest first, while GPUs can take them; returns those resumed."""
+        done = []
+        now = self.clock()
+        waiting = [r for r in self.registry.list() if r.state is JobState.PREEMPTED]
+        for rec in sorted(waiting, key=lambda r: r.updated_at):
+            if now - self._resume_failed.get(rec.name, -RESUME_RETRY_S) < RESUME_RETRY_S:
+                continue
+            try:
+                new = self.hooks.resume(rec, self.unavailable_gpus)
+            except RefusedError as e:
+                log.debug("job %s stays preempted: %s", rec.name, e)
+                continue
+            except FerryError as e:
+                self._resume_failed[rec.name] = now
+                self.events.record(
+                    "resume",
+                    f"could not resume preempted job {rec.name} (next try in {RESUME_RETRY_S:.0f} s): {e}",
+                    job=rec.name,
+                )
+                continue
+            done.append(rec.name)
+            where = f" on {', '.join(new.gpus)}" if new.gpus else ""
+            self.events.record("resume", f"resumed preempted job {rec.name}{where}", job=rec.name)
+        return done

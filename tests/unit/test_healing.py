@@ -1,0 +1,252 @@
+"""The self-healing policy, driven by scripted NVML timelines (agent.nvml_replay) through the real
+health monitor. The peers, the migration and the suspend/resume are fakes: their real paths run
+in tests/integration/test_selfheal.py."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from agent.agent_config import AgentConfig, PeerSpec, PolicyConfig
+from agent.errors import RefusedError, TransferError
+from agent.events import EventLog
+from agent.gpus import Nvml
+from agent.healing import Hooks, SelfHealing
+from agent.health import HealthConfig, HealthMonitor
+from agent.jobs import JobKind, JobRecord, JobRegistry, JobState
+from agent.nvml_replay import FakeClock, ReplayNvml, Timeline
+from agent.quarantine import Quarantine
+from agent.rpc import pb
+
+H200 = "NVIDIA H200"
+
+
+def world(*uuids: str) -> dict:
+    return {
+        "driver_version": "580.65.06",
+        "gpus": [{"uuid": u, "name": H200, "temperature": 40} for u in uuids],
+    }
+
+
+class FakePeer:
+    def __init__(self, node: str, *gpus: pb.GpuHealth) -> None:
+        self.report = pb.HealthReport(node_name=node, nvml_available=True, gpus=list(gpus), agent_id=node)
+        self.preempted: list[pb.PreemptRequest] = []
+
+    def health(self, timeout_s: float) -> pb.HealthReport:
+        return self.report
+
+    def preempt(self, req: pb.PreemptRequest) -> pb.PreemptResponse:
+        self.preempted.append(req)
+        return pb.PreemptResponse(image_dir="/x", gpus=["GPU-s0"])
+
+
+class Rig:
+    """One agent's policy over a scripted timeline: monitor → SelfHealing → recorded actions."""
+
+    def __init__(self, tmp: Path, steps: list, policy: PolicyConfig | None = None, gpus=("GPU-a0",)) -> None:
+        self.clock = FakeClock(1000.0)
+        self.t0 = self.clock.now
+        self.nvml = ReplayNvml.from_timeline(Timeline(world(*gpus), steps), lambda: self.clock.now - self.t0)
+        self.registry = JobRegistry(tmp / "state", "node-a")
+        self.events = EventLog(tmp / "state", "node-a")
+        self.quarantine = Quarantine(tmp / "state")
+        self.peers = {"s:1": FakePeer("node-s", pb.GpuHealth(uuid="GPU-s0", name=H200, state="healthy"))}
+        self.moves: list[tuple[str, str, str, float | None]] = []
+        self.fail_with: Exception | None = None
+        self.gate: threading.Event | None = None
+        cfg = AgentConfig(
+            health=HealthConfig(interval_s=1, temperature_sustain_s=60),
+            policy=policy or PolicyConfig(),
+            peers=(PeerSpec("s:1", spare=True),),
+        )
+        self.threads: list[threading.Thread] = []
+        self.healing = SelfHealing(
+            node="node-a",
+            registry=self.registry,
+            events=self.events,
+            quarantine=self.quarantine,
+            config=cfg,
+            hooks=Hooks(
+                inventory=Nvml(self.nvml).inventory,
+                peer=lambda a: self.peers[a],
+                migrate=self._migrate,
+                spawn=self._spawn,
+                suspend=lambda job, out: None,
+                resume=self._resume,
+            ),
+            state_dir=tmp / "state",
+            health=lambda: self.monitor.snapshot(),
+            clock=self.clock,
+        )
+        self.monitor = HealthMonitor(
+            self.nvml, cfg.health, node="node-a", on_poll=self.healing.on_poll, clock=self.clock
+        )
+        self.resumable = False
+
+    def job(self, name: str, gpu: str = "GPU-a0", **kw: object) -> None:
+        self.registry.save(
+            JobRecord(
+                name,
+                JobKind.LAUNCHED,
+                JobState.RUNNING,
+                999_999,
+                ["train"],
+                "/",
+                gpus=[gpu],
+                gpu_chip=H200,
+                **kw,
+            )  # type: ignore[arg-type]
+        )
+
+    def _migrate(self, job: str, target: str, reason: str, lock: float | None) -> object:
+        self.moves.append((job, target, reason, lock))
+        if self.gate is not None:
+            self.gate.wait(10)
+        if self.fail_with is not None:
+            raise self.fail_with
+        self.registry.update(job, state=JobState.MOVED)
+        return None
+
+    def _spawn(self, work) -> None:
+        t = threading.Thread(target=work)
+        self.threads.append(t)
+        t.start()
+        if self.gate is None:
+            t.join()
+
+    def _resume(self, rec: JobRecord, unavailable) -> JobRecord:
+        if not self.resumable or set(rec.gpus) & set(unavailable(rec.name)):
+            raise RefusedError("no free GPU")
+        return self.registry.update(rec.name, state=JobState.RUNNING)
+
+    def run(self, seconds: float, step: float = 1.0) -> None:
+        """Advance the clock, polling as the agent's monitor would."""
+        end = self.clock.now + seconds
+        while self.clock.now < end:
+            self.clock.advance(step)
+            self.monitor.poll()
+
+    def kinds(self, kind: str) -> list[str]:
+        return [e.message for e in self.events.recent(1000) if e.kind == kind]
+
+
+def test_slow_temperature_climb_moves_the_job_once_to_the_spare_and_quarantines_the_gpu(tmp_path):
+    steps = [(t, "GPU-a0", {"temperature": 60 + t // 4}) for t in range(0, 200, 5)]  # 60 → 109 °C over 200 s
+    rig = Rig(tmp_path, steps)
+    rig.job("train")
+    rig.run(90)  # reaches 85 °C at t=100: nothing yet
+    assert rig.moves == [] and rig.kinds("decision") == []
+    rig.run(120)  # sustained past 60 s (or critical): degraded
+    assert len(rig.moves) == 1
+    job, target, reason, lock = rig.moves[0]
+    assert (job, target, lock) == ("train", "s:1", None)
+    assert "GPU GPU-a0 is degraded" in reason and "°C" in reason
+    assert rig.quarantine.get("GPU-a0") is not None
+    assert any("healthy → degraded" in m for m in rig.kinds("health"))
+    assert rig.kinds("decision")[0].startswith("moving job train off GPU GPU-a0")
+    assert "idle GPU-s0 on spare node node-s" in rig.kinds("decision")[1]
+    assert rig.kinds("migration") == ["moved job train to node node-s (s:1)"]
+    assert "by ferry" in rig.registry.get("train").note
+
+
+def test_ignored_xids_cause_nothing(tmp_path):
+    steps = [(float(i + 1), "GPU-a0", {"xid": x}) for i, x in enumerate((13, 31, 43, 45, 68, 109))]
+    rig = Rig(tmp_path, steps)
+    rig.job("train")
+    rig.run(20)
+    assert rig.moves == [] and rig.events.recent() == [] and rig.quarantine.all() == {}
+
+
+def test_xid_79_tries_once_with_a_short_lock_then_leaves_the_job_to_the_operator(tmp_path):
+    rig = Rig(tmp_path, [(5.0, "GPU-a0", {"xid": 79})], PolicyConfig(cooldown_s=10, failing_lock_timeout_s=2))
+    rig.job("train")
+    rig.fail_with = TransferError("dump on node-a: CUDA lock timed out after 2 s")
+    rig.run(100)  # far past the cooldown: still one try
+    assert [(m[0], m[3]) for m in rig.moves] == [("train", 2)]
+    alerts = rig.kinds("alert")
+    assert len(alerts) == 1 and "is failing and job train could not be moved" in alerts[0]
+    assert "leaves it to you" in rig.registry.get("train").note
+
+
+def test_a_failed_move_off_a_degraded_gpu_waits_out_the_cooldown(tmp_path):
+    rig = Rig(tmp_path, [(1.0, "GPU-a0", {"remapped": {"pending": True}})], PolicyConfig(cooldown_s=30))
+    rig.job("train")
+    rig.fail_with = TransferError("the target went away")
+    rig.run(25)
+    assert len(rig.moves) == 1
+    held = [m for m in rig.kinds("decision") if "not moving job train again yet" in m]
+    assert len(held) == 1  # said once, not every poll
+    rig.run(10)
+    assert len(rig.moves) == 2
+
+
+def test_a_job_is_never_moved_twice_at_once(tmp_path):
+    rig = Rig(tmp_path, [(1.0, "GPU-a0", {"remapped": {"pending": True}})], PolicyConfig(cooldown_s=0))
+    rig.job("train")
+    rig.gate = threading.Event()
+    rig.run(10)  # ten polls while the first move hangs
+    rig.gate.set()
+    for t in rig.threads:
+        t.join()
+    assert len(rig.moves) == 1
+
+
+def test_storm_guard_limits_moves_per_node(tmp_path):
+    steps = [(1.0, u, {"remapped": {"pending": True}}) for u in ("GPU-a0", "GPU-a1")]
+    rig = Rig(tmp_path, steps, PolicyConfig(max_moves=1, window_s=600), gpus=("GPU-a0", "GPU-a1"))
+    rig.job("one", "GPU-a0")
+    rig.job("two", "GPU-a1")
+    rig.run(5)
+    assert len(rig.moves) == 1
+    assert len([m for m in rig.kinds("decision") if "1 automatic moves already started" in m]) == 1
+
+
+def test_alert_policy_only_reports_once(tmp_path):
+    rig = Rig(tmp_path, [(3.0, "GPU-a0", {"ecc_corrected": 500})])
+    rig.job("train", on_degraded="alert")
+    rig.run(10)
+    assert rig.moves == [] and rig.quarantine.all() == {}
+    alerts = rig.kinds("alert")
+    assert len(alerts) == 1 and "job train stays on it (policy alert)" in alerts[0]
+
+
+def test_no_target_is_reported_with_every_reason(tmp_path):
+    rig = Rig(tmp_path, [(1.0, "GPU-a0", {"remapped": {"failure": True}})])
+    rig.peers["s:1"] = FakePeer(
+        "node-s",
+        pb.GpuHealth(
+            uuid="GPU-s0", name=H200, state="healthy", holders=[pb.GpuHolder(job="prod", priority="normal")]
+        ),
+    )
+    rig.job("train")
+    rig.run(3)
+    assert rig.moves == []
+    failed = rig.kinds("migration")
+    assert len(failed) == 1 and "no peer can take the job: node-s: GPU-s0 is held by job prod" in failed[0]
+
+
+def test_preempting_a_low_priority_job_keeps_its_gpu_for_the_job_moving_in(tmp_path):
+    rig = Rig(tmp_path, [])
+    rig.job("scav", priority="low")
+    rig.job("prod2", gpu="GPU-a1")
+    with pytest.raises(RefusedError, match="only low-priority jobs"):
+        rig.healing.preempt(pb.PreemptRequest(job="prod2", for_job="x", source_node="node-b"))
+    resp = rig.healing.preempt(
+        pb.PreemptRequest(job="scav", for_job="train", source_node="node-b", reason="r")
+    )
+    assert list(resp.gpus) == ["GPU-a0"]
+    rec = rig.registry.get("scav")
+    assert rec.state is JobState.PREEMPTED and "preempted for job train from node-b" in rec.note
+    assert "GPU-a0" in rig.healing.unavailable_gpus("someone-else")
+    assert "GPU-a0" not in rig.healing.unavailable_gpus("train")
+    assert rig.healing.held() == {"GPU-a0"}
+
+    # It does not come back while its GPU is kept for the incoming job, then does.
+    rig.resumable = True
+    assert rig.healing.resume_preempted() == []
+    rig.clock.advance(PolicyConfig().preempt_hold_s + 1)
+    assert rig.healing.resume_preempted() == ["scav"]
+    assert rig.kinds("resume") == ["resumed preempted job scav on GPU-a0"]

@@ -1,0 +1,129 @@
+"""The target chooser: which peer and GPU a job leaving a bad GPU goes to."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.agent_config import PeerSpec, parse
+from agent.errors import InvalidArgumentError, RefusedError, UnavailableError
+from agent.gpus import GpuNeed
+from agent.placement import choose_target
+from agent.rpc import pb
+
+H200, A100 = "NVIDIA H200", "NVIDIA A100"
+GIB = 1 << 30
+NEED = [GpuNeed("GPU-src", H200, 10 * GIB)]
+
+
+def gpu(
+    uuid: str, *, name: str = H200, free: int = 100 * GIB, state: str = "healthy", **kw: object
+) -> pb.GpuHealth:
+    holders = [pb.GpuHolder(job=j, priority=p, used_bytes=u) for j, p, u in kw.pop("holders", [])]  # type: ignore[attr-defined]
+    return pb.GpuHealth(uuid=uuid, name=name, state=state, memory_free=free, holders=holders, **kw)  # type: ignore[arg-type]
+
+
+def report(node: str, *gpus: pb.GpuHealth) -> pb.HealthReport:
+    return pb.HealthReport(node_name=node, nvml_available=True, gpus=list(gpus))
+
+
+def test_idle_spare_beats_idle_peer_listed_first():
+    views = [
+        (PeerSpec("b:1"), report("b", gpu("GPU-b0"))),
+        (PeerSpec("s:1", spare=True), report("s", gpu("GPU-s0"))),
+    ]
+    p = choose_target(NEED, "normal", views)
+    assert (p.node, p.gpus, p.preempt) == ("s", {"GPU-src": "GPU-s0"}, ())
+    assert p.describe() == "idle GPU-s0 on spare node s"
+
+
+def test_idle_peer_beats_preempting_on_a_spare():
+    views = [
+        (PeerSpec("s:1", spare=True), report("s", gpu("GPU-s0", holders=[("low", "low", GIB)]))),
+        (PeerSpec("b:1"), report("b", gpu("GPU-b0"))),
+    ]
+    assert choose_target(NEED, "normal", views).node == "b"
+
+
+def test_preempts_low_priority_job_when_no_gpu_is_idle():
+    views = [
+        (PeerSpec("s:1", spare=True), report("s", gpu("GPU-s0", free=0, holders=[("scav", "low", 80 * GIB)])))
+    ]
+    p = choose_target(NEED, "normal", views)
+    assert p.preempt == ("scav",) and p.gpus == {"GPU-src": "GPU-s0"}
+    assert "after suspending low-priority job scav" in p.describe()
+
+
+def test_a_low_priority_job_never_preempts_another():
+    views = [(PeerSpec("s:1", spare=True), report("s", gpu("GPU-s0", holders=[("scav", "low", GIB)])))]
+    with pytest.raises(RefusedError, match="GPU-s0 is held by job scav"):
+        choose_target(NEED, "low", views)
+
+
+def test_refusal_names_every_peer_and_why():
+    views = [
+        (PeerSpec("q:1"), report("q", gpu("GPU-q0", quarantined=True, quarantine_reason="XID 79"))),
+        (PeerSpec("d:1"), report("d", gpu("GPU-d0", state="degraded"))),
+        (PeerSpec("n:1"), report("n", gpu("GPU-n0", holders=[("prod", "normal", GIB)]))),
+        (PeerSpec("c:1"), report("c", gpu("GPU-c0", name=A100))),
+        (PeerSpec("m:1"), report("m", gpu("GPU-m0", free=GIB))),
+        (PeerSpec("h:1"), report("h", gpu("GPU-h0", held=True))),
+        (PeerSpec("x:1"), UnavailableError("agent x:1 is unreachable")),
+    ]
+    with pytest.raises(RefusedError) as e:
+        choose_target(NEED, "normal", views, node="a")
+    msg = str(e.value)
+    for part in (
+        "q: GPU-q0 is quarantined (XID 79)",
+        "d: GPU-d0 is degraded",
+        "n: GPU-n0 is held by job prod",
+        f"c: no {H200} (it has {A100})",
+        "m: GPU-m0 has 1.0 GiB free, 10.0 GiB needed",
+        "h: GPU-h0 is held for another incoming job",
+        "x:1: agent x:1 is unreachable",
+    ):
+        assert part in msg
+    assert msg.startswith("placement on a:")
+
+
+def test_no_peers_configured_says_where_to_add_them():
+    with pytest.raises(RefusedError, match="no peers are configured") as e:
+        choose_target(NEED, "normal", [])
+    assert "--config" in str(e.value)
+
+
+def test_two_gpus_need_two_distinct_targets_on_one_peer():
+    needs = [GpuNeed("GPU-x", H200, GIB), GpuNeed("GPU-y", H200, GIB)]
+    one = [(PeerSpec("s:1", spare=True), report("s", gpu("GPU-s0")))]
+    with pytest.raises(RefusedError):
+        choose_target(needs, "normal", one)
+    two = [(PeerSpec("s:1", spare=True), report("s", gpu("GPU-s0"), gpu("GPU-s1")))]
+    assert sorted(choose_target(needs, "normal", two).gpus.values()) == ["GPU-s0", "GPU-s1"]
+
+
+def test_config_file_peers_and_policy():
+    cfg = parse(
+        {
+            "health": {"interval_s": 2},
+            "policy": {"cooldown_s": 30, "max_moves": 2},
+            "peers": [{"address": "10.0.0.2:7070", "spare": True}, {"address": "10.0.0.3:7070"}],
+        }
+    )
+    assert cfg.peers == (PeerSpec("10.0.0.2:7070", True), PeerSpec("10.0.0.3:7070", False))
+    assert (cfg.policy.cooldown_s, cfg.policy.max_moves, cfg.health.interval_s) == (30, 2, 2)
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        ({"polcy": {}}, "unknown key 'polcy' in top level"),
+        ({"policy": {"cooldown": 1}}, "unknown key 'cooldown' in \\[policy\\]"),
+        ({"policy": {"max_moves": 1.5}}, "max_moves = 1.5"),
+        ({"policy": {"cooldown_s": -1}}, "cooldown_s = -1"),
+        ({"peers": [{"address": "nohost"}]}, "invalid agent address 'nohost'"),
+        ({"peers": [{"address": "h:1", "spare": "yes"}]}, "spare true or false"),
+        ({"peers": {"address": "h:1"}}, "array of tables"),
+    ],
+)
+def test_config_file_errors_name_the_key(raw, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        parse(raw)
