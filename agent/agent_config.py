@@ -64,13 +64,13 @@ def load(path: Path | None) -> AgentConfig:
     try:
         raw = tomllib.loads(path.read_text())
     except OSError as e:
-        raise InvalidArgumentError(f"cannot read config {path}: {e.strerror}", step="config") from e
+        raise InvalidArgumentError(f"cannot read {path}: {e.strerror}", step="config") from e
     except tomllib.TOMLDecodeError as e:
-        raise InvalidArgumentError(f"config {path} is not valid TOML: {e}", step="config") from e
+        raise InvalidArgumentError(f"{path} is not valid TOML: {e}", step="config") from e
     try:
         return parse(raw, str(path))
     except InvalidArgumentError as e:
-        e.cause = f"config {path}: {e.cause}"
+        e.cause = f"{path}: {e.cause}"
         raise e.at(step="config") from None
 
 

@@ -542,8 +542,9 @@ def cmd_health(args: argparse.Namespace) -> int:
     report = _call(args, "GetHealth", pb.GetHealthRequest(), 30)
     _print_json(health_dict(report)) if args.json else print(health_text(report))
     if args.watch:
-        for e in _stream(args, "Events", pb.EventsRequest(follow=True, limit=0), None):
-            if e.kind == "health":
+        since = max((g.sampled_at for g in report.gpus), default=0.0)
+        for e in _stream(args, "Events", pb.EventsRequest(follow=True, limit=1), None):
+            if e.kind == "health" and e.time > since:  # changes after the table above
                 print(json.dumps(event_dict(e)) if args.json else event_line(e), flush=True)
     return EXIT_OK
 

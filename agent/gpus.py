@@ -73,28 +73,25 @@ class GpuNeed:
     memory_bytes: int
 
 
-_replay: Any = None
+_replays: dict[str, Any] = {}
 _replay_lock = threading.Lock()
 
 
 def nvml_module() -> Any:
     """pynvml; or, where FERRY_NVML_REPLAY names a telemetry file (tests and drills on machines
-    without a GPU), one shared agent.nvml_replay.ReplayNvml that answers the same calls from it."""
-    global _replay
+    without a GPU), one shared agent.nvml_replay.ReplayNvml per file that answers the same calls."""
     path = os.environ.get("FERRY_NVML_REPLAY")
     if not path:
         import pynvml
 
         return pynvml
     with _replay_lock:
-        if _replay is None:
-            from pathlib import Path
-
+        if path not in _replays:
             from agent.nvml_replay import ReplayNvml
 
             log.warning("NVML replays %s (FERRY_NVML_REPLAY): these are not real GPUs", path)
-            _replay = ReplayNvml.from_file(Path(path))
-        return _replay
+            _replays[path] = ReplayNvml.from_file(path)
+        return _replays[path]
 
 
 @dataclass

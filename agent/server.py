@@ -26,7 +26,7 @@ from agent.agent_config import AgentConfig
 from agent.criu import Criu
 from agent.cuda import DriverInfo
 from agent.cudajob import CudaJobs
-from agent.errors import FerryError, InvalidArgumentError, NotFoundError, RefusedError
+from agent.errors import FerryError, InvalidArgumentError, NotFoundError, PermissionDeniedError, RefusedError
 from agent.events import Event, EventLog
 from agent.gpus import Inventory, nvml_module
 from agent.healing import Holder, Hooks, SelfHealing
@@ -676,6 +676,11 @@ class AgentService(pb_grpc.AgentServicer):
     @rpc
     def Preempt(self, request: pb.PreemptRequest, context: grpc.ServicerContext) -> pb.PreemptResponse:
         check_job_name(request.job)
+        caller = self._peer_name(context)
+        if caller and request.source_node != caller:
+            raise PermissionDeniedError(
+                f"node {caller!r} may not preempt a job on behalf of {request.source_node!r}", step="preempt"
+            )
         return self.healing.preempt(request)
 
 
