@@ -127,8 +127,9 @@ def build_parser() -> Parser:
         "--priority",
         choices=["normal", "low"],
         default="normal",
-        help="low: preemptible. When a normal job must leave a failing GPU and no idle GPU is left, a "
-        "low job is suspended to storage to make room, and resumes on its node once a GPU is free again",
+        help="low: preemptible. When a normal job must leave a degrading or failing GPU and no idle GPU "
+        "is left, a low job is suspended to storage to make room, and resumes on its node once a GPU is "
+        "free again",
     )
     r.add_argument(
         "--on-degraded",

@@ -46,6 +46,10 @@ class RefusedError(FerryError):
     kind = "failed_precondition"
 
 
+class NoFreeGpuError(RefusedError):
+    """No GPU here can take the job now (all taken, held, quarantined or unhealthy): it may later."""
+
+
 class AlreadyExistsError(FerryError):
     kind = "already_exists"
 

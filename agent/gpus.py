@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.errors import RefusedError
+from agent.errors import NoFreeGpuError, RefusedError
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ def choose(
         same_chip = [g for g in inv.gpus if g.name == need.name and not g.mig]
         fits = [g for g in same_chip if g.uuid not in taken and _free(g, releasing) >= need.memory_bytes]
         if not fits:
-            raise RefusedError(
+            raise (NoFreeGpuError if same_chip else RefusedError)(
                 _why_none(need, inv, same_chip, taken, releasing),
                 step="prepare",
                 node=node,

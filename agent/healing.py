@@ -33,7 +33,7 @@ from typing import Protocol
 
 from agent import procs
 from agent.agent_config import AgentConfig, PeerSpec
-from agent.errors import FerryError, RefusedError
+from agent.errors import FerryError, NoFreeGpuError, RefusedError
 from agent.events import EventLog
 from agent.gpus import GpuNeed, Inventory
 from agent.health import Change, GpuHealth, State
@@ -118,6 +118,8 @@ class SelfHealing:
         self._episodes: dict[tuple[str, str, str], _Episode] = {}
         self._holds: dict[str, tuple[str, float, float]] = {}  # GPU → (job it is kept for, since, until)
         self._resume_failed: dict[str, float] = {}  # job → when its last resume failed
+        #: Set when the agent stops: no new automatic move or resume starts.
+        self.draining = threading.Event()
 
     # -- the health monitor's callback ------------------------------------------------
 
@@ -126,9 +128,11 @@ class SelfHealing:
             self._report_change(c)
         bad = [g for g in snapshot if g.state is not State.HEALTHY]
         live = {(g.uuid, g.state.value) for g in bad}
+        failing = {g.uuid for g in bad if g.state is State.FAILING}
         with self._lock:  # an episode ends when its GPU leaves that state
             self._episodes = {k: v for k, v in self._episodes.items() if (k[1], k[2]) in live}
-        if bad:
+            self._given_up = {k for k in self._given_up if k[1] in failing}
+        if bad and not self.draining.is_set():
             holders = self.jobs_by_gpu()
             for g in bad:
                 for h in holders.get(g.uuid, []):
@@ -165,10 +169,12 @@ class SelfHealing:
         for u, for_job in self._live_holds().items():
             if for_job != job:
                 out[u] = f"is kept for job {for_job} (it suspended a low-priority job to get it)"
-        for u, holders in self.jobs_by_gpu().items():
-            others = [h.job.name for h in holders if h.job.name != job]
-            if others:
-                out[u] = f"is held by job {', '.join(others)}"
+        # GPUs given with `ferry run --gpu` are their job's alone; a GPU that NVML shows other CUDA
+        # jobs on may still be shared where its memory allows (gpus.choose prefers idle ones).
+        for rec in self.registry.list():
+            if rec.state.active and rec.name != job:
+                for u in rec.gpus:
+                    out[u] = f"is held by job {rec.name}"
         for g in self.health():
             if g.state is not State.HEALTHY:
                 out[g.uuid] = f"is {g.state} ({'; '.join(e.detail for e in g.evidence)})"
@@ -180,6 +186,11 @@ class SelfHealing:
 
     def held(self) -> set[str]:
         return set(self._live_holds())
+
+    def cleared(self, uuid: str) -> None:
+        """An operator cleared the GPU: a job ferry gave up on there may be tried again."""
+        with self._lock:
+            self._given_up = {k for k in self._given_up if k[1] != uuid}
 
     def _live_holds(self) -> dict[str, str]:
         """GPU → the job it is kept for; a hold ends when it expires or that job has arrived."""
@@ -239,22 +250,31 @@ class SelfHealing:
                 f"in the last {pol.window_s:.0f} s (policy max_moves); {why}",
             )  # fmt: skip
             return
-        if self.quarantine.add(g.uuid, why):
-            self.events.record("quarantine", f"GPU {g.uuid} quarantined: {why}", gpu=g.uuid, job=rec.name)
-        self.events.record(
-            "decision", f"moving job {rec.name} off GPU {g.uuid}: {why}", gpu=g.uuid, job=rec.name
-        )
-        self.hooks.spawn(lambda: self._move(rec.name, g, why))
+        try:
+            self.events.record(
+                "decision", f"moving job {rec.name} off GPU {g.uuid}: {why}", gpu=g.uuid, job=rec.name
+            )
+            self.hooks.spawn(lambda: self._move(rec.name, g, why))
+        except Exception:  # no thread, no move: the job must not stay marked as being moved
+            log.exception("could not start moving job %s", rec.name)
+            with self._lock:
+                self._acting.discard(rec.name)
 
     def _move(self, name: str, g: GpuHealth, why: str) -> None:
         failing = g.state is State.FAILING
+        tried = False  # a migration was started: on a failing GPU, that was the one try
         try:
             rec = self.registry.get(name)
             placement = self._place(rec)
             self.events.record(
                 "decision", f"target for job {name}: {placement.describe()}", gpu=g.uuid, job=name
             )
+            # Quarantined once a move off it is on its way; a GPU nobody could take a job off stays open.
+            if self.quarantine.add(g.uuid, why):
+                self.events.record("quarantine", f"GPU {g.uuid} quarantined: {why}", gpu=g.uuid, job=name)
             peer = self.hooks.peer(placement.peer.address)
+            if self.registry.get(name).state is not JobState.RUNNING:
+                raise RefusedError(f"job {name} is no longer running here", step="policy", node=self.node)
             for victim in placement.preempt:
                 peer.preempt(pb.PreemptRequest(job=victim, for_job=name, source_node=self.node, reason=why))
                 self.events.record(
@@ -263,6 +283,7 @@ class SelfHealing:
                     job=name,
                 )
             lock = self.config.policy.failing_lock_timeout_s if failing else None
+            tried = True
             self.hooks.migrate(name, placement.peer.address, f"automatic: {why}", lock)
             self.registry.update(
                 name, note=f"moved to {placement.node} ({placement.peer.address}) by ferry: {why}"
@@ -274,13 +295,19 @@ class SelfHealing:
                 job=name,
             )
         except Exception as exc:
-            err = exc if isinstance(exc, FerryError) else FerryError(f"{type(exc).__name__}: {exc}")
+            err = (
+                exc
+                if isinstance(exc, FerryError)
+                else FerryError(
+                    f"{type(exc).__name__}: {exc}; see the agent's log", step="policy", node=self.node
+                )
+            )
             if not isinstance(exc, FerryError):
                 log.exception("automatic move of job %s failed", name)
             self.events.record(
                 "migration", f"automatic move of job {name} failed: {err}", gpu=g.uuid, job=name
             )
-            if failing:
+            if failing and tried:
                 with self._lock:
                     self._given_up.add((name, g.uuid))
                 msg = (
@@ -344,11 +371,9 @@ class SelfHealing:
         gpus = [u for u, hs in self.jobs_by_gpu().items() if any(h.job.name == rec.name for h in hs)]
         out = self.state_dir / "preempted" / f"{rec.name}-{uuid.uuid4().hex[:8]}"
         out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._hold(gpus, req.for_job)  # kept already while the suspend runs ...
         self.hooks.suspend(rec.name, out)
-        now = self.clock()
-        with self._lock:
-            for u in gpus:
-                self._holds[u] = (req.for_job, now, now + self.config.policy.preempt_hold_s)
+        self._hold(gpus, req.for_job)  # ... and preempt_hold_s from its end
         note = (
             f"preempted for job {req.for_job} from {req.source_node} ({req.reason}); resumes here by itself "
             f"once a GPU is free (image {out})"
@@ -358,9 +383,18 @@ class SelfHealing:
                            f"from {req.source_node}", job=rec.name)  # fmt: skip
         return pb.PreemptResponse(image_dir=str(out), gpus=gpus)
 
+    def _hold(self, gpus: list[str], for_job: str) -> None:
+        now = self.clock()
+        with self._lock:
+            for u in gpus:
+                since = self._holds[u][1] if u in self._holds and self._holds[u][0] == for_job else now
+                self._holds[u] = (for_job, since, now + self.config.policy.preempt_hold_s)
+
     def resume_preempted(self) -> list[str]:
         """Resume suspended jobs, oldest first, while GPUs can take them; returns those resumed."""
-        done = []
+        done: list[str] = []
+        if self.draining.is_set():
+            return done
         now = self.clock()
         waiting = [r for r in self.registry.list() if r.state is JobState.PREEMPTED]
         for rec in sorted(waiting, key=lambda r: r.updated_at):
@@ -368,7 +402,7 @@ class SelfHealing:
                 continue
             try:
                 new = self.hooks.resume(rec, self.unavailable_gpus)
-            except RefusedError as e:
+            except NoFreeGpuError as e:
                 log.debug("job %s stays preempted: %s", rec.name, e)
                 continue
             except FerryError as e:

@@ -284,7 +284,11 @@ class HealthMonitor:
         self._node = node
         self._on_poll = on_poll
         self._clock = clock
+        # A pass can hang in NVML on a GPU that falls off the bus: it runs under its own lock, and
+        # readers (GetHealth, Prepare) only wait for the short one that guards what it publishes.
+        self._pass_lock = threading.RLock()
         self._lock = threading.RLock()
+        self._published_detail = ""
         self._connected = False
         self._available = False
         self._why = "not polled yet"
@@ -305,18 +309,21 @@ class HealthMonitor:
     @property
     def detail(self) -> str:
         """Empty when every signal is watched; else why NVML is unusable, or what cannot be watched here."""
+        if not self._available:
+            return self._why
         with self._lock:
-            if not self._available:
-                return self._why
-            parts = [self._events_note] if self._events_note else []
-            for h in self._snapshot:
-                tr = self._tracks[h.uuid]
-                if tr.events_note:
-                    parts.append(tr.events_note)
-                unread = sorted(tr.unsupported - _EXPECTED_MISSING)
-                if unread:
-                    parts.append(f"{tr.uuid}: {', '.join(unread)} not supported")
-            return "; ".join(parts)
+            return self._published_detail
+
+    def _detail_now(self) -> str:
+        parts = [self._events_note] if self._events_note else []
+        for h in self._snapshot:
+            tr = self._tracks[h.uuid]
+            if tr.events_note:
+                parts.append(tr.events_note)
+            unread = sorted(tr.unsupported - _EXPECTED_MISSING)
+            if unread:
+                parts.append(f"{tr.uuid}: {', '.join(unread)} not supported")
+        return "; ".join(parts)
 
     def snapshot(self) -> list[GpuHealth]:
         with self._lock:
@@ -328,9 +335,11 @@ class HealthMonitor:
 
     def poll(self) -> list[GpuHealth]:
         """One pass over every GPU; calls on_poll with the snapshot and the GPUs whose state changed."""
-        with self._lock:
+        with self._pass_lock:
             snapshot, changes = self._pass(self._clock())
-            self._snapshot = snapshot
+            with self._lock:
+                self._snapshot = snapshot
+                self._published_detail = self._detail_now()
         for c in changes:
             _log_change(c, self._node)
         if self._on_poll is not None:
@@ -339,7 +348,7 @@ class HealthMonitor:
 
     def clear(self, uuid: str) -> bool:
         """An operator says the GPU is fixed: forget what latched and count afresh from now."""
-        with self._lock:
+        with self._pass_lock:
             tr = self._tracks.get(uuid)
             if tr is None:
                 return False
@@ -366,7 +375,7 @@ class HealthMonitor:
             self._wait(stop, self.config.interval_s)
 
     def close(self) -> None:
-        with self._lock:
+        with self._pass_lock:
             self._disconnect(self._why if not self._available else "the health monitor is closed")
 
     # --- NVML session --------------------------------------------------------------------------
@@ -781,7 +790,8 @@ class HealthMonitor:
 
     def _drain(self, now: float) -> None:
         """Take the events run() queued and those pending now, without blocking."""
-        queued, self._queued = self._queued, []
+        with self._lock:
+            queued, self._queued = self._queued, []
         for ev, at in queued:
             self._on_event(ev, at)
         for _ in range(_MAX_DRAIN):

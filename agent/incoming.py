@@ -16,7 +16,7 @@ import signal
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,14 +135,36 @@ class TargetMigrations:
         self.journal = journal or Journal(registry.root.parent)
         self._lock = threading.Lock()
         self._incoming: dict[str, Incoming] = {}
+        self._claims: dict[str, tuple[str, ...]] = {}  # a local start → the GPUs it is taking
         #: GPUs here that no incoming job may take, with why (quarantined, unhealthy, another job's),
         #: given the incoming job's name. The agent's self-healing sets it.
         self.unavailable_gpus: Callable[[str], dict[str, str]] = lambda job: {}
 
     def promised_gpus(self) -> set[str]:
-        """GPUs here that leases in flight have promised to incoming jobs."""
+        """GPUs here that leases in flight have promised to incoming jobs, or that a start claims."""
         with self._lock:
-            return {u for i in self._incoming.values() if i.state in _IN_FLIGHT for u in i.gpu_map.values()}
+            return set(self._taken_locked(""))
+
+    def claim(self, owner: str, pick: Callable[[dict[str, str]], Iterable[str]]) -> None:
+        """Choose GPUs and hold them for `owner` (a resume, a restore, a `ferry run --gpu`) in one
+        step, under the lock leases are granted under: no lease or other start takes them meanwhile.
+
+        `pick` gets the GPUs already taken, with why, and returns those it chose (or raises).
+        """
+        with self._lock:
+            self._claims[owner] = tuple(pick(self._taken_locked(owner)))
+
+    def release(self, owner: str) -> None:
+        """The start is over: its job holds its GPUs now (or it failed and holds none)."""
+        with self._lock:
+            self._claims.pop(owner, None)
+
+    def _taken_locked(self, owner: str) -> dict[str, str]:
+        out = {u: f"is being taken by {o}" for o, us in self._claims.items() if o != owner for u in us}
+        for i in self._incoming.values():
+            if i.state in _IN_FLIGHT:
+                out.update(dict.fromkeys(i.gpu_map.values(), "is promised to another incoming job"))
+        return out
 
     # -- the protocol ------------------------------------------------------------
 
@@ -213,8 +235,7 @@ class TargetMigrations:
             if req.gpus:
                 # Under the lock, so two incoming jobs are never promised the same GPU.
                 needs = [GpuNeed(g.uuid, g.name, g.memory_bytes) for g in req.gpus]
-                taken = {u: "is promised to another incoming job" for i in busy for u in i.gpu_map.values()}
-                taken.update(unavailable)
+                taken = {**unavailable, **self._taken_locked("")}
                 # A GPU the job holds on this very host (two agents, one node) is freed by its checkpoint.
                 inc.gpu_map = self.cuda.choose_gpus(
                     needs,

@@ -189,12 +189,19 @@ class JobRegistry:
             self.save(rec)
             return rec
 
-    def reserve_name(self, name: str) -> None:
-        """Refuse a name an active job holds; a final job's name may be reused."""
+    def reserve_name(self, name: str, resuming: bool = False) -> None:
+        """Refuse a name an active or preempted job holds; a final job's name may be reused.
+
+        resuming: the preempted job of that name itself is coming back.
+        """
         check_job_name(name)
         with self._lock:
             rec = self._jobs.get(name)
-            if rec is not None and rec.state.holds_name:
+            if (
+                rec is not None
+                and rec.state.holds_name
+                and not (resuming and rec.state is JobState.PREEMPTED)
+            ):
                 raise AlreadyExistsError(
                     f"job {name!r} already exists here and is {rec.state.value}",
                     node=self.node,

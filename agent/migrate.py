@@ -50,6 +50,7 @@ from agent.image import (
     StreamDigest,
     build_manifest,
     host_bytes,
+    read_manifest,
     verify,
 )
 from agent.jobs import JobKind, JobRecord, JobRegistry, JobState
@@ -625,6 +626,7 @@ def restore_tree(
     on_criu_start: Callable[[int], None] | None = None,
     before_release: Callable[[JobRecord], None] | None = None,
     lazy_pages: bool = False,
+    resuming: bool = False,
 ) -> JobRecord:
     """Restore a verified image as job `name` on this node, its logs re-pointed to our job dir.
 
@@ -637,7 +639,7 @@ def restore_tree(
     """
     times = {} if times is None else times
     spec = manifest.job
-    registry.reserve_name(name)
+    registry.reserve_name(name, resuming=resuming)
     job_dir = registry.job_dir(name)
     job_dir.mkdir(parents=True, exist_ok=True)
     out, err = job_dir / "stdout.log", job_dir / "stderr.log"
@@ -833,17 +835,19 @@ def restore_image(
     name: str,
     node: str,
     cuda_jobs: CudaJobs | None = None,
-    reserved: Mapping[str, str] | None = None,
+    claim: Callable[[Callable[[Mapping[str, str]], dict[str, str]]], dict[str, str]] | None = None,
 ) -> JobRecord:
     """Resume a saved image on this node, after checking every digest; a CUDA job onto suitable GPUs.
 
-    `reserved`: GPUs here it may not take, each with why (agent.healing.unavailable_gpus).
+    `claim` chooses its GPUs, given those it may not take, and holds them for it
+    (TargetMigrations.claim); without one, any suitable GPU will do.
     """
     if not image_dir.is_dir():
         raise NotFoundError(f"no image directory {image_dir} on this node", node=node)
     m = verify(image_dir)
     cj = cuda_jobs or default_cuda_jobs(node)
-    gpu_map = local_gpu_map(cj, m, reserved or {})
+    claim = claim or (lambda pick: pick({}))
+    gpu_map = claim(lambda reserved: local_gpu_map(cj, m, reserved))
     rec = restore_tree(
         registry,
         criu,
@@ -875,18 +879,21 @@ def resume_preempted(
     registry: JobRegistry,
     criu: Criu,
     rec: JobRecord,
-    reserved: Mapping[str, str],
+    claim: Callable[[Callable[[Mapping[str, str]], dict[str, str]]], dict[str, str]],
     node: str,
     cuda_jobs: CudaJobs,
 ) -> JobRecord:
-    """Resume a job suspended by a preemption from its image; RefusedError while no GPU can take it."""
+    """Resume a job suspended by a preemption; NoFreeGpuError while no GPU here can take it.
+
+    `claim` chooses its GPUs and holds them until the restore is over (TargetMigrations.claim).
+    The record stays PREEMPTED until the restored job replaces it: a failure or a crash on
+    the way leaves it waiting, never lost.
+    """
     image_dir = Path(rec.checkpoint_dir)
-    m = verify(image_dir)
-    gpu_map = local_gpu_map(cuda_jobs, m, reserved)
-    note = rec.note
-    # PREEMPTED holds the name; the restore registers the job afresh under it.
-    registry.update(rec.name, state=JobState.CHECKPOINTED, note="resuming after preemption")
+    m = read_manifest(image_dir)  # cheap; the digests are checked once a GPU is free
+    gpu_map = claim(lambda reserved: local_gpu_map(cuda_jobs, m, reserved))
     try:
+        verify(image_dir, m)
         new = restore_tree(
             registry,
             criu,
@@ -896,9 +903,10 @@ def resume_preempted(
             note=f"resumed after preemption from {image_dir}",
             cuda_jobs=cuda_jobs,
             gpu_map=gpu_map,
+            resuming=True,
         )
-    except BaseException as e:
-        registry.update(rec.name, state=JobState.PREEMPTED, note=f"{note}; the last resume failed: {e}")
+    except FerryError as e:
+        registry.update(rec.name, note=f"{rec.note}; the last resume failed: {e}")
         raise
     shutil.rmtree(image_dir, ignore_errors=True)
     log.info("job %s: resumed after preemption as pid %d", rec.name, new.pid)

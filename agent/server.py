@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,6 +31,7 @@ from agent.events import Event, EventLog
 from agent.gpus import Inventory, nvml_module
 from agent.healing import Holder, Hooks, SelfHealing
 from agent.health import GpuHealth, HealthMonitor
+from agent.image import read_manifest
 from agent.incoming import TargetMigrations, private_dir
 from agent.jobs import JobRecord, JobRegistry, JobState, OnDegraded, Priority, check_job_name
 from agent.journal import Journal
@@ -76,6 +77,7 @@ _PHASES = {
 _STATES = {s: getattr(pb, f"JOB_STATE_{s.name}") for s in JobState}
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 #: How often an agent expires leases and asks about unresolved migrations.
 HOUSEKEEPING_S = float(os.environ.get("FERRY_HOUSEKEEPING_S", "5"))
 
@@ -270,9 +272,7 @@ class AgentService(pb_grpc.AgentServicer):
                 migrate=self._auto_migrate,
                 spawn=self._spawn,
                 suspend=self._suspend,
-                resume=lambda rec, unavailable: resume_preempted(
-                    self.registry, self.criu, rec, unavailable(rec.name), self.node, self.cuda
-                ),
+                resume=self._resume,
                 promised=self.targets.promised_gpus,
                 agent_id=self.agent_id,
             ),
@@ -331,7 +331,49 @@ class AgentService(pb_grpc.AgentServicer):
                 self._in_flight(-1)
 
         self._in_flight(+1)
-        threading.Thread(target=run, name="healing", daemon=True).start()
+        try:
+            threading.Thread(target=run, name="healing", daemon=True).start()
+        except BaseException:
+            self._in_flight(-1)
+            raise
+
+    def _claimed(self, owner: str, job: str, pick: Callable[[dict[str, str]], tuple[T, Iterable[str]]]) -> T:
+        """Run `pick` (GPUs `job` may not take → its result and the GPUs it chose) as one claim for
+        `owner`, released by the caller once the job holds its GPUs."""
+        out: list[T] = []
+        # Read before the claim's lock: it asks NVML, the registry and (under that lock) the leases.
+        unavailable = self.healing.unavailable_gpus(job)
+
+        def choose(taken: dict[str, str]) -> Iterable[str]:
+            result, gpus = pick({**unavailable, **taken})
+            out.append(result)
+            return gpus
+
+        self.targets.claim(owner, choose)
+        return out[0]
+
+    @staticmethod
+    def _by_map(
+        choose: Callable[[Mapping[str, str]], dict[str, str]],
+    ) -> Callable[[dict[str, str]], tuple[dict[str, str], Iterable[str]]]:
+        def pick(taken: dict[str, str]) -> tuple[dict[str, str], Iterable[str]]:
+            gpu_map = choose(taken)
+            return gpu_map, gpu_map.values()
+
+        return pick
+
+    def _resume(self, rec: JobRecord, _unavailable: Callable[[str], dict[str, str]]) -> JobRecord:
+        owner = f"the resume of job {rec.name}"
+
+        def claim(pick: Callable[[Mapping[str, str]], dict[str, str]]) -> dict[str, str]:
+            return self._claimed(owner, rec.name, self._by_map(pick))
+
+        self._in_flight(+1)
+        try:
+            return resume_preempted(self.registry, self.criu, rec, claim, self.node, self.cuda)
+        finally:
+            self.targets.release(owner)
+            self._in_flight(-1)
 
     def _source_migration(
         self, spec: MigrationSpec, emit: Callable[[Progress], None] = lambda p: None
@@ -427,27 +469,32 @@ class AgentService(pb_grpc.AgentServicer):
                 f"invalid on-degraded policy {on_degraded!r}: expected migrate or alert"
             )
         gpus = list(request.gpus)
-        chip = self._check_gpus(request.name, gpus) if gpus else ""
-        rec = self.registry.launch(
-            request.name,
-            list(request.command),
-            request.cwd or "/",
-            list(request.env),
-            priority=priority,
-            on_degraded=on_degraded,
-            gpus=gpus,
-            gpu_chip=chip,
-        )
-        return job_pb(rec, self.node)
-
-    def _check_gpus(self, job: str, gpus: list[str]) -> str:
-        """GPUs for `ferry run --gpu`: present, one chip, and free for this job; returns the chip."""
         if len(set(gpus)) != len(gpus):
             raise InvalidArgumentError(f"--gpu lists a GPU twice: {', '.join(gpus)}")
+        owner = f"the start of job {request.name}"
+        chip = ""
+        if gpus:
+            chip = self._claimed(owner, request.name, lambda taken: (self._check_gpus(gpus, taken), gpus))
+        try:
+            rec = self.registry.launch(
+                request.name,
+                list(request.command),
+                request.cwd or "/",
+                list(request.env),
+                priority=priority,
+                on_degraded=on_degraded,
+                gpus=gpus,
+                gpu_chip=chip,
+            )
+        finally:
+            self.targets.release(owner)
+        return job_pb(rec, self.node)
+
+    def _check_gpus(self, gpus: list[str], unavailable: dict[str, str]) -> str:
+        """GPUs for `ferry run --gpu`: present, one chip, and free; returns the chip."""
         inv = self.cuda.nvml.inventory()
         if not inv.available:
             raise RefusedError(f"--gpu needs this node's GPUs, but {inv.detail}", step="run", node=self.node)
-        unavailable = self.healing.unavailable_gpus(job)
         chips = set()
         for u in gpus:
             g = inv.by_uuid(u)
@@ -568,15 +615,21 @@ class AgentService(pb_grpc.AgentServicer):
             raise InvalidArgumentError(f"image directory must be an absolute path, got {request.image_dir!r}")
         if request.name:
             check_job_name(request.name)
-        rec = restore_image(
-            self.registry,
-            self.criu,
-            Path(request.image_dir),
-            request.name,
-            self.node,
-            self.cuda,
-            reserved=self.healing.unavailable_gpus(request.name),
-        )
+        image_dir = Path(request.image_dir)
+        name = request.name or (read_manifest(image_dir).job.name if image_dir.is_dir() else "")
+        owner = f"the restore of job {name or image_dir}"
+        try:
+            rec = restore_image(
+                self.registry,
+                self.criu,
+                image_dir,
+                request.name,
+                self.node,
+                self.cuda,
+                claim=lambda pick: self._claimed(owner, name, self._by_map(pick)),
+            )
+        finally:
+            self.targets.release(owner)
         return job_pb(rec, self.node)
 
     @rpc
@@ -659,6 +712,7 @@ class AgentService(pb_grpc.AgentServicer):
             known = ", ".join(x.uuid for x in self.monitor.snapshot()) or "none"
             raise NotFoundError(f"no GPU {request.uuid!r} here; its GPUs: {known}", hint="see `ferry health`")
         self.monitor.clear(request.uuid)
+        self.healing.cleared(request.uuid)
         self.monitor.poll()  # the answer shows the GPU as read after the clear
         was = (
             f"quarantined since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(entry.since))}"
@@ -809,6 +863,7 @@ def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
+    service.healing.draining.set()  # no new automatic move or resume from here on
     log.info("stopping: waiting for in-flight migrations")
     if not service.wait_idle(timeout_s=600):
         log.warning("in-flight migrations did not finish in 600 s; stopping anyway")

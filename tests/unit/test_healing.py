@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agent.agent_config import AgentConfig, PeerSpec, PolicyConfig
-from agent.errors import RefusedError, TransferError
+from agent.errors import NoFreeGpuError, RefusedError, TransferError
 from agent.events import EventLog
 from agent.gpus import Nvml
 from agent.healing import Hooks, SelfHealing
@@ -119,7 +119,7 @@ class Rig:
 
     def _resume(self, rec: JobRecord, unavailable) -> JobRecord:
         if not self.resumable or set(rec.gpus) & set(unavailable(rec.name)):
-            raise RefusedError("no free GPU")
+            raise NoFreeGpuError("no free GPU")
         return self.registry.update(rec.name, state=JobState.RUNNING)
 
     def run(self, seconds: float, step: float = 1.0) -> None:
@@ -250,3 +250,40 @@ def test_preempting_a_low_priority_job_keeps_its_gpu_for_the_job_moving_in(tmp_p
     rig.clock.advance(PolicyConfig().preempt_hold_s + 1)
     assert rig.healing.resume_preempted() == ["scav"]
     assert rig.kinds("resume") == ["resumed preempted job scav on GPU-a0"]
+
+
+def test_a_resume_that_can_never_work_is_reported_not_waited_on_silently(tmp_path):
+    rig = Rig(tmp_path, [])
+    rig.job("scav", priority="low")
+    rig.healing.preempt(pb.PreemptRequest(job="scav", for_job="train", source_node="node-b"))
+
+    def wrong_chip(rec, unavailable):
+        raise RefusedError("no NVIDIA H200 here (restore needs the same chip)")
+
+    rig.healing.hooks.resume = wrong_chip
+    rig.clock.advance(PolicyConfig().preempt_hold_s + 1)
+    assert rig.healing.resume_preempted() == []
+    assert rig.healing.resume_preempted() == []  # backs off: said once, not every pass
+    said = rig.kinds("resume")
+    assert (
+        len(said) == 1 and "could not resume preempted job scav (next try in 60 s): no NVIDIA H200" in said[0]
+    )
+    assert rig.registry.get("scav").state is JobState.PREEMPTED
+
+
+def test_nothing_new_starts_once_the_agent_is_stopping(tmp_path):
+    rig = Rig(tmp_path, [(1.0, "GPU-a0", {"remapped": {"pending": True}})])
+    rig.job("train")
+    rig.healing.draining.set()
+    rig.run(5)
+    assert rig.moves == [] and rig.healing.resume_preempted() == []
+
+
+def test_no_peers_means_no_quarantine(tmp_path):
+    rig = Rig(tmp_path, [(1.0, "GPU-a0", {"remapped": {"pending": True}})])
+    rig.healing.config = AgentConfig(health=rig.healing.config.health, peers=())
+    rig.job("train")
+    rig.run(3)
+    assert rig.moves == [] and rig.quarantine.all() == {}
+    failed = rig.kinds("migration")
+    assert len(failed) == 1 and "no peers are configured" in failed[0]

@@ -128,3 +128,14 @@ def test_preempt_refusals_are_precise(gpu_agent):
             stub.Preempt(pb.PreemptRequest(job="prod", for_job="t", source_node="b"), timeout=10)
         assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
         assert "normal priority; only low-priority jobs are preempted" in e.value.details()
+
+
+def test_a_gpu_being_taken_by_a_resume_is_not_given_to_anyone_else(gpu_agent, capsys):
+    svc, _ = gpu_agent
+    svc.targets.claim("the resume of job scav", lambda taken: ["GPU-a0"])
+    code, _, err = run(capsys, "run", "--name", "j", "--gpu", "GPU-a0", "--", SLEEP, "60")
+    assert code == 1 and "GPU GPU-a0 is being taken by the resume of job scav" in err
+    assert svc.targets.promised_gpus() == {"GPU-a0"}
+    svc.targets.release("the resume of job scav")
+    assert run(capsys, "run", "--name", "j", "--gpu", "GPU-a0", "--", SLEEP, "60")[0] == 0
+    assert svc.targets.promised_gpus() == set()  # the job holds it now, not the claim
