@@ -139,3 +139,17 @@ def test_a_gpu_being_taken_by_a_resume_is_not_given_to_anyone_else(gpu_agent, ca
     svc.targets.release("the resume of job scav")
     assert run(capsys, "run", "--name", "j", "--gpu", "GPU-a0", "--", SLEEP, "60")[0] == 0
     assert svc.targets.promised_gpus() == set()  # the job holds it now, not the claim
+
+
+def test_events_follow_gives_the_last_n_then_each_new_one(gpu_agent):
+    svc, address = gpu_agent
+    for i in range(3):
+        svc.events.record("decision", f"past {i}")
+    with grpc.insecure_channel(address) as ch:
+        stream = pb_grpc.AgentStub(ch).Events(pb.EventsRequest(follow=True, limit=2), timeout=20)
+        got = [next(stream).message, next(stream).message]
+        svc.events.record("alert", "new one", job="j")
+        new = next(stream)
+        stream.cancel()
+    assert got == ["past 1", "past 2"]
+    assert (new.kind, new.message, new.job, new.node) == ("alert", "new one", "j", "nodea")
