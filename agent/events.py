@@ -62,6 +62,11 @@ class EventLog:
                 q.put(ev)
         return ev
 
+    @property
+    def followers(self) -> int:
+        with self._lock:
+            return len(self._followers)
+
     def recent(self, limit: int = 50) -> list[Event]:
         with self._lock:
             return self._read()[-limit:] if limit > 0 else []

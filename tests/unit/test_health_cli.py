@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from fakes import SLEEP
+from fakes import SLEEP, wait_for
 
 from agent import cli
 from agent.rpc import pb, pb_grpc
@@ -151,5 +151,7 @@ def test_events_follow_gives_the_last_n_then_each_new_one(gpu_agent):
         svc.events.record("alert", "new one", job="j")
         new = next(stream)
         stream.cancel()
+        # The agent notices within one wait slice; its call must be over before the next test counts fds.
+        wait_for(lambda: svc.events.followers == 0, what="the agent to end the cancelled follow")
     assert got == ["past 1", "past 2"]
     assert (new.kind, new.message, new.job, new.node) == ("alert", "new one", "j", "nodea")
