@@ -16,14 +16,14 @@ Every key is optional; an unknown key is an error, so a typo never silently leav
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agent.errors import InvalidArgumentError
 from agent.health import HealthConfig
+from agent.settings import from_table
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def load(path: Path | None) -> AgentConfig:
 def parse(raw: Mapping[str, Any], where: str = "") -> AgentConfig:
     _known(raw, {"health", "policy", "peers"}, "top level")
     health = HealthConfig.from_dict(_table(raw, "health"))
-    policy = _policy(_table(raw, "policy"))
+    policy = from_table(PolicyConfig, _table(raw, "policy"), "policy")
     peers_raw = raw.get("peers", [])
     if not isinstance(peers_raw, list):
         raise InvalidArgumentError("peers must be an array of tables ([[peers]])")
@@ -96,19 +96,6 @@ def _known(d: Mapping[str, Any], known: set[str], where: str) -> None:
         raise InvalidArgumentError(
             f"unknown key {unknown[0]!r} in {where}; known: {', '.join(sorted(known))}"
         )
-
-
-def _policy(d: Mapping[str, Any]) -> PolicyConfig:
-    spec = {f.name: f for f in fields(PolicyConfig)}
-    _known(d, set(spec), "[policy]")
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        want = int if k == "max_moves" else float
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-        if not ok or (want is int and not isinstance(v, int)):
-            raise InvalidArgumentError(f"[policy] {k} = {v!r}: expected a non-negative {want.__name__}")
-        out[k] = want(v)
-    return PolicyConfig(**out)
 
 
 def _peer(p: Any, i: int) -> PeerSpec:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -31,7 +30,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 from agent.compat import StrEnum
-from agent.errors import InvalidArgumentError
+from agent.settings import from_table
 
 log = logging.getLogger(__name__)
 
@@ -134,15 +133,7 @@ class HealthConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, object]) -> HealthConfig:
         """Overrides from the agent's [health] table; anything unknown or out of range is refused."""
-        kinds = {f.name: str(f.type) for f in fields(cls)}
-        values: dict[str, Any] = {}
-        for key, raw in d.items():
-            if key not in kinds:
-                raise InvalidArgumentError(
-                    f"unknown [health] setting {key!r}", hint=f"known settings: {', '.join(kinds)}"
-                )
-            values[key] = _setting(key, raw, kinds[key])
-        return cls(**values)
+        return from_table(cls, d, "health", positive=frozenset({"interval_s"}))
 
     def as_dict(self) -> dict[str, object]:
         """Every setting, XID lists as lists (as a TOML/JSON file writes them)."""
@@ -151,39 +142,6 @@ class HealthConfig:
 
 def _plain(v: object) -> object:
     return list(v) if isinstance(v, tuple) else v
-
-
-def _setting(key: str, raw: object, kind: str) -> Any:
-    if kind.startswith("tuple"):
-        if isinstance(raw, (list, tuple)) and all(_count(v) is not None for v in raw):
-            return tuple(int(v) for v in raw)
-        want = "a list of XID numbers"
-    elif kind == "int":
-        n = _count(raw)
-        if n is not None:
-            return n
-        want = "a whole number ≥ 0"
-    else:
-        x = _number(raw)
-        if x is not None and (x > 0 or key != "interval_s"):
-            return x
-        want = "a number > 0" if key == "interval_s" else "a number ≥ 0"
-    raise InvalidArgumentError(
-        f"[health] {key} = {raw!r} is not valid: expected {want}",
-        hint="fix the [health] table of the agent's config file",
-    )
-
-
-def _count(v: object) -> int | None:
-    """v as a non-negative int; None for anything else (bools included: TOML true is not 1)."""
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
-
-
-def _number(v: object) -> float | None:
-    """v as a finite float ≥ 0; None for anything else."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    return float(v) if math.isfinite(v) and v >= 0 else None
 
 
 class _Finding(NamedTuple):
@@ -257,8 +215,11 @@ class _Track:
     hot_since: float | None = None
     throttle_since: float | None = None
 
-    def window(self, key: str, window_s: float) -> _Series:
-        return self.series.setdefault(key, _Series(window_s))
+    def sample(self, key: str, window_s: float, t: float, v: float) -> _Series:
+        """Record a counter reading in its window; the window then answers increase and span."""
+        s = self.series.setdefault(key, _Series(window_s))
+        s.add(t, v)
+        return s
 
 
 class _GpuLost(Exception):
@@ -675,9 +636,7 @@ class HealthMonitor:
         if v is None:
             return []
         c = self.config
-        s = tr.window("ecc_corrected", c.ecc_window_s)
-        s.add(p.now, v)
-        n = s.increase()
+        n = tr.sample("ecc_corrected", c.ecc_window_s, p.now, v).increase()
         if n <= 0 or n < c.ecc_corrected_burst:
             return []
         detail = f"{n:g} corrected ECC errors in {c.ecc_window_s:g} s (threshold {c.ecc_corrected_burst})"
@@ -748,8 +707,7 @@ class HealthMonitor:
         v = p.readings.get("pcie_replay")
         if v is None:
             return []
-        s = tr.window("pcie_replay", _PCIE_WINDOW_S)
-        s.add(p.now, v)
+        s = tr.sample("pcie_replay", _PCIE_WINDOW_S, p.now, v)
         # Counted over the last minute, not extrapolated: one replay early on is not "12 a minute".
         n, limit = s.increase(), self.config.pcie_replay_per_min
         if n <= limit:
@@ -761,12 +719,14 @@ class HealthMonitor:
         c = self.config
         errors, crc = [], []
         for link, n in sorted(p.links.items()):
-            e = tr.window(f"nvlink{link}_errors", c.ecc_window_s)
-            e.add(p.now, n.get("replay", 0) + n.get("recovery", 0))
+            e = tr.sample(
+                f"nvlink{link}_errors", c.ecc_window_s, p.now, n.get("replay", 0) + n.get("recovery", 0)
+            )
             if e.increase() > c.nvlink_errors_max:
                 errors.append(f"link {link} +{e.increase():g}")
-            k = tr.window(f"nvlink{link}_crc", c.ecc_window_s)
-            k.add(p.now, n.get("crc_flit", 0) + n.get("crc_data", 0))
+            k = tr.sample(
+                f"nvlink{link}_crc", c.ecc_window_s, p.now, n.get("crc_flit", 0) + n.get("crc_data", 0)
+            )
             rate = k.increase() / max(k.span(), 1.0)  # a floor: two passes a moment apart are no rate
             if rate > c.nvlink_crc_per_s:
                 crc.append(f"link {link} {rate:.0f}/s")

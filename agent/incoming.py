@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 import psutil
@@ -313,11 +314,7 @@ class TargetMigrations:
             with self._lock:
                 if inc.state == pb.TARGET_STATE_RECEIVING:
                     self._drop(inc, f"page stream failed: {e}")
-            if isinstance(e, GeneratorExit):  # the call was cancelled: nobody to tell
-                raise
-            if isinstance(e, FerryError):
-                raise e.at(step="transfer", node=self.node) from None
-            raise TransferError(f"the page stream failed: {e!r}", step="transfer", node=self.node) from e
+            self._stream_failed(e, "transfer", "the page stream")
         with self._lock:
             inc.relay = None
             if inc.state != pb.TARGET_STATE_RECEIVING:  # aborted while the last bytes came in
@@ -327,6 +324,14 @@ class TargetMigrations:
             self._set(inc, pb.TARGET_STATE_PREPARED)
         log.info("migration %s: %d bytes of memory streamed in", inc.migration_id, digest.bytes)
         yield pb.PageData(end=pb.PageStreamEnd(bytes=digest.bytes, check=digest.check))
+
+    def _stream_failed(self, e: BaseException, step: str, what: str) -> NoReturn:
+        """Re-raise a StreamPages failure as the error the source sees (with step and node)."""
+        if isinstance(e, GeneratorExit):  # the call was cancelled: nobody to tell
+            raise e
+        if isinstance(e, FerryError):
+            raise e.at(step=step, node=self.node) from None
+        raise TransferError(f"{what} failed: {e!r}", step=step, node=self.node) from e
 
     def _post_copy(
         self, inc: Incoming, relay: LazyTargetRelay, requests: Iterator[pb.PageData]
@@ -338,11 +343,7 @@ class TargetMigrations:
         except BaseException as e:
             relay.kill()
             self._post_copy_failed(inc, str(e) if isinstance(e, FerryError) else repr(e))
-            if isinstance(e, GeneratorExit):
-                raise
-            if isinstance(e, FerryError):
-                raise e.at(step="pages", node=self.node) from None
-            raise TransferError(f"the post-copy transfer failed: {e!r}", step="pages", node=self.node) from e
+            self._stream_failed(e, "pages", "the post-copy transfer")
         with self._lock:
             inc.relay = None
             inc.pages = digest

@@ -179,6 +179,17 @@ class SourceRelay:
         self.local.close()
 
 
+def _drained(writer: threading.Thread, relay: TargetRelay | LazyTargetRelay) -> StreamDigest:
+    """What a target relay received, once the source has ended its stream (it does when its dump
+    returns)."""
+    writer.join(DRAIN_S)
+    if writer.is_alive():
+        raise StepTimeoutError(f"the source did not end the page stream within {DRAIN_S:.0f} s")
+    if relay.error is not None:
+        raise relay.error
+    return relay.received.digest()
+
+
 class TargetRelay:
     """Feeds a StreamPages call into a `criu page-server` writing into staging.
 
@@ -224,12 +235,7 @@ class TargetRelay:
                 raise self.server_error
             if waiter.is_alive():
                 raise self.error or StepTimeoutError(f"the page server did not end within {DRAIN_S:.0f} s")
-            writer.join(DRAIN_S)  # the source ends its stream once its dump returns
-            if writer.is_alive():
-                raise StepTimeoutError(f"the source did not end the page stream within {DRAIN_S:.0f} s")
-            if self.error is not None:
-                raise self.error
-            return self.received.digest()
+            return _drained(writer, self)
         finally:
             local.close()
 
@@ -300,12 +306,7 @@ class LazyTargetRelay:
                 raise self.error or TransferError("the page stream ended before the restore began")
             if code := self.daemon.wait():
                 raise self.daemon.error(f"the lazy-pages daemon failed (exit {code})")
-            writer.join(DRAIN_S)  # the source ends its stream once its dump returns
-            if writer.is_alive():
-                raise StepTimeoutError(f"the source did not end the page stream within {DRAIN_S:.0f} s")
-            if self.error is not None:
-                raise self.error
-            return self.received.digest()
+            return _drained(writer, self)
         finally:
             local.close()
             self._daemon_end.close()
