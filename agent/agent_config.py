@@ -7,6 +7,9 @@ self-healing policy and the peers it may move jobs to.
     [policy]              # PolicyConfig below
     cooldown_s = 600
 
+    [cuda]                # agent.cudajob.CudaConfig: lock timeout, explicit GPU pairs
+    lock_timeout_s = 30
+
     [[peers]]             # other agents, in order of preference
     address = "10.0.0.2:7070"
     spare = true          # an idle node kept for jobs moving off failing GPUs
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.cudajob import CudaConfig
 from agent.errors import InvalidArgumentError
 from agent.health import HealthConfig
 from agent.settings import from_table
@@ -53,6 +57,7 @@ class AgentConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     peers: tuple[PeerSpec, ...] = ()
+    cuda: CudaConfig = field(default_factory=CudaConfig)
     path: str = ""  # where it was read from ("" for the defaults)
 
 
@@ -75,13 +80,15 @@ def load(path: Path | None) -> AgentConfig:
 
 
 def parse(raw: Mapping[str, Any], where: str = "") -> AgentConfig:
-    _known(raw, {"health", "policy", "peers"}, "top level")
+    _known(raw, {"health", "policy", "peers", "cuda"}, "top level")
     health = HealthConfig.from_dict(_table(raw, "health"))
     policy = from_table(PolicyConfig, _table(raw, "policy"), "policy")
+    cuda = from_table(CudaConfig, _table(raw, "cuda"), "cuda", positive=frozenset({"lock_timeout_s"}))
     peers_raw = raw.get("peers", [])
     if not isinstance(peers_raw, list):
         raise InvalidArgumentError("peers must be an array of tables ([[peers]])")
-    return AgentConfig(health, policy, tuple(_peer(p, i) for i, p in enumerate(peers_raw)), where)
+    peers = tuple(_peer(p, i) for i, p in enumerate(peers_raw))
+    return AgentConfig(health, policy, peers, cuda, where)
 
 
 def _table(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:

@@ -6,8 +6,14 @@ unlock → RUNNING; FAILED is terminal. Every call acts on another process by
 PID, and that process's own restore thread does the work: it must be able to
 run, so nothing here may be called while the job is SIGSTOPped or frozen.
 
-`freeze` and `thaw` act on all CUDA processes of a job and undo what they did
-when one process fails, so a failure leaves the job as it was.
+`freeze` and `thaw` act on all CUDA processes of a job and try to undo what
+they did when one process fails. The driver does not promise that an undo
+works: NVIDIA's README says it "does not attempt to keep the process in a good
+state" when it meets what it cannot capture (managed memory), and after a
+failed restore the driver may refuse every later restore (CUDA_ERROR_OPERATING_
+SYSTEM, 304) and unlock (ILLEGAL_STATE, 401) (cuda-checkpoint issue #44). So an
+undo reports what it tried and what state the driver reports afterwards
+(`UndoReport`), and callers say exactly that instead of "left as it was".
 """
 
 from __future__ import annotations
@@ -25,13 +31,26 @@ from agent.errors import CudaCheckpointError, RefusedError
 
 log = logging.getLogger(__name__)
 
-#: CUresult values that mean "this driver has no checkpoint support".
-NOT_FOUND = 500
-NOT_SUPPORTED = 801
+# CUresult values (cuda.bindings.driver.CUresult), as documented for the checkpoint calls.
 SUCCESS = 0
-#: What get-state answers for a process without a CUDA context of its own.
-NO_CONTEXT = (1, 3)  # INVALID_VALUE, NOT_INITIALIZED
+INVALID_VALUE = 1
+OUT_OF_MEMORY = 2
+NOT_INITIALIZED = 3
+OPERATING_SYSTEM = 304
+ILLEGAL_STATE = 401
+#: With NOT_SUPPORTED (on a driver without the API): "this driver has no checkpoint support".
+NOT_FOUND = 500
+NOT_READY = 600
+NOT_SUPPORTED = 801
 TIMEOUT = 909
+#: A lock that ran out of time. cuCheckpointProcessLock documents NOT_READY for it (and leaves the
+#: process RUNNING); TIMEOUT is accepted too, in case a driver branch answers that.
+LOCK_TIMED_OUT = (NOT_READY, TIMEOUT)
+#: What get-state answers for a process without a CUDA context of its own.
+NO_CONTEXT = (INVALID_VALUE, NOT_INITIALIZED)
+#: Our code for "the bindings raised ValueError": older cuda-bindings turn the undefined state
+#: that a failed get-state leaves behind into a CUprocessState and fail (cuda-python #561).
+UNDECODABLE = -1
 #: The driver API version (cuDriverGetVersion) of the first driver with the checkpoint API (r570).
 MIN_CUDA_VERSION = 12080
 DEFAULT_LOCK_TIMEOUT_S = 30.0
@@ -67,6 +86,41 @@ class DriverInfo:
     detail: str = ""
 
 
+@dataclass(frozen=True)
+class StateReading:
+    """What get-state said about one process: its state, or None with the driver's reason."""
+
+    state: ProcessState | None  # None: the driver knows no CUDA context of this process
+    code: int  # the raw CUresult (UNDECODABLE when the bindings could not decode the answer)
+    detail: str  # e.g. "CUDA_ERROR_INVALID_VALUE (1)"
+
+
+@dataclass(frozen=True)
+class UndoReport:
+    """What an undo of a CUDA freeze tried and what the driver reports afterwards."""
+
+    failures: tuple[str, ...] = ()  # "pid 12: cuda restore of pid 12 failed: ... (304)"
+    states: tuple[tuple[int, str], ...] = ()  # (pid, state the driver reports after the undo)
+
+    def __bool__(self) -> bool:
+        return bool(self.failures)
+
+    def summary(self) -> str:
+        """One sentence: what failed, then what the driver says now (empty when all went back)."""
+        if not self.failures:
+            return ""
+        now = ", ".join(f"pid {pid} {state}" for pid, state in self.states)
+        return f"putting CUDA back failed ({'; '.join(self.failures)}); the driver now reports {now}"
+
+
+#: What an operator can do after a failed undo: the driver keeps no good state to fall back on.
+UNDO_HINT = (
+    "the NVIDIA driver does not roll back a failed checkpoint or restore and may refuse every later "
+    "restore, so the job's CUDA calls stay blocked: end it with `ferry stop` and restart it from its "
+    "last checkpoint"
+)
+
+
 def uuid_bytes(uuid: str) -> bytes:
     """NVML's 'GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx' as the driver's 16 raw bytes."""
     text = uuid.removeprefix("GPU-").replace("-", "")
@@ -84,9 +138,12 @@ def uuid_text(raw: bytes) -> str:
 class CudaDriver:
     """One method per driver action; `driver` defaults to `cuda.bindings.driver` (tests pass a fake)."""
 
-    def __init__(self, driver: Any = None, node: str = "") -> None:
+    def __init__(self, driver: Any = None, node: str = "", *, explicit_gpu_pairs: bool = False) -> None:
         self._driver = driver
         self.node = node
+        #: Pass the GPU pairs to every restore, identity pairs included (the driver then checks
+        #: them), instead of none when the GPUs stay the same: `[cuda] explicit_gpu_pairs`.
+        self.explicit_gpu_pairs = explicit_gpu_pairs
         self._init_lock = threading.Lock()
         self._ready = False
         self._info: DriverInfo | None = None
@@ -167,12 +224,32 @@ class CudaDriver:
 
     def state(self, pid: int) -> ProcessState | None:
         """The process's checkpoint state, or None when it is not a CUDA process."""
+        return self.read_state(pid).state
+
+    def read_state(self, pid: int) -> StateReading:
+        """get-state, classified: a state; None with the raw code when the driver knows no
+        context (INVALID_VALUE, NOT_INITIALIZED, or NOT_SUPPORTED from a driver that has the
+        API); raises CudaCheckpointError for anything else. Never lets a ValueError out."""
         drv = self._drv()
-        err, state = self._call(drv, "cuCheckpointProcessGetState", pid, "get-state", pid)
-        if int(err) in NO_CONTEXT:
-            return None
+        try:
+            err, state = self._call(drv, "cuCheckpointProcessGetState", pid, "get-state", pid)
+        except ValueError as e:
+            return StateReading(
+                None,
+                UNDECODABLE,
+                f"cuda-bindings could not decode the driver's answer (ValueError: {e}); these bindings do so "
+                "when get-state fails, as for a process without a CUDA context",
+            )
+        code = int(err)
+        if code in NO_CONTEXT or (code == NOT_SUPPORTED and self.probe().checkpoint):
+            return StateReading(None, code, f"{self._name(err)} ({code})")
         self._check(err, pid, "get-state")
-        return _STATES.get(int(state), ProcessState.FAILED)
+        value = int(state)
+        if value not in _STATES:
+            raise CudaCheckpointError(
+                pid, "get-state", code, f"unknown process state {value}", node=self.node
+            )
+        return StateReading(_STATES[value], code, f"{self._name(err)} ({code})")
 
     def restore_thread(self, pid: int) -> int:
         drv = self._drv()
@@ -187,8 +264,11 @@ class CudaDriver:
         args.timeoutMs = max(1, int(timeout_s * 1000))
         (err,) = self._call(drv, "cuCheckpointProcessLock", pid, "lock", pid, args)
         hint = ""
-        if int(err) == TIMEOUT:
-            hint = f"the job did not reach a point where CUDA can be locked within {timeout_s:g} s; retry"
+        if int(err) in LOCK_TIMED_OUT:
+            hint = (
+                f"the job did not reach a point where CUDA can be locked within {timeout_s:g} s "
+                "(it is left running); retry"
+            )
         self._check(err, pid, "lock", hint=hint)
 
     def checkpoint(self, pid: int) -> None:
@@ -201,7 +281,8 @@ class CudaDriver:
         drv = self._drv()
         args = None
         keep: list[Any] = []  # the UUID buffers must outlive the call
-        if gpu_map and any(old != new for old, new in gpu_map.items()):  # same GPUs: no pairs (r570 ok)
+        # Same GPUs: no pairs (r570 accepts that); explicit pairs must list every checkpointed GPU.
+        if gpu_map and (self.explicit_gpu_pairs or any(old != new for old, new in gpu_map.items())):
             pairs = []
             for old, new in sorted(gpu_map.items()):
                 pair = drv.CUcheckpointGpuPair()
@@ -229,6 +310,12 @@ class CudaDriver:
         except RuntimeError as e:  # cuda-bindings: the driver lacks the symbol ("Function ... not found")
             raise CudaCheckpointError(
                 pid, action, NOT_FOUND, f"CUDA_ERROR_NOT_FOUND: {e}", node=self.node
+            ) from e
+        except ValueError as e:
+            if action == "get-state":
+                raise  # read_state classifies it
+            raise CudaCheckpointError(
+                pid, action, UNDECODABLE, f"cuda-bindings could not decode the answer: {e}", node=self.node
             ) from e
 
     def _check(self, err: Any, pid: int, action: str, hint: str = "") -> None:
@@ -267,27 +354,30 @@ def _ver(v: int) -> str:
 def freeze(driver: CudaDriver, pids: Iterable[int], lock_timeout_s: float, times: dict[str, float]) -> None:
     """Lock every CUDA process of a job, then checkpoint each (device → host).
 
-    On any failure (of any kind) the processes are put back as they were
-    (restored onto their own GPUs and unlocked) before the error propagates.
+    On any failure (of any kind) the processes are put back (restored onto their own GPUs and
+    unlocked) before the error propagates; if that fails too, the error says what the driver
+    reports now and what the operator can do.
     """
     pids = list(pids)
-    locked: list[int] = []
-    saved: list[int] = []
+    known: dict[int, ProcessState] = {}  # what each call that succeeded left behind
     try:
         t = time.monotonic()
         for pid in pids:
-            driver.lock(pid, lock_timeout_s)
-            locked.append(pid)
+            driver.lock(pid, lock_timeout_s)  # a failed lock changes nothing (a timeout: RUNNING)
+            known[pid] = ProcessState.LOCKED
         times["cuda lock"] = time.monotonic() - t
         t = time.monotonic()
         for pid in pids:
+            del known[pid]  # a checkpoint that fails half-way leaves a state only get-state knows
             driver.checkpoint(pid)
-            saved.append(pid)
+            known[pid] = ProcessState.CHECKPOINTED
         times["cuda checkpoint"] = time.monotonic() - t
     except BaseException as e:
-        problems = _undo(driver, saved, locked)
-        if problems and isinstance(e, CudaCheckpointError):
-            e.cause += f"; putting CUDA back failed too: {'; '.join(problems)}"
+        touched = pids if "cuda lock" in times else list(known)  # checkpointing: the failed one too
+        report = undo(driver, touched, known)
+        if report and isinstance(e, CudaCheckpointError):
+            e.cause += f"; {report.summary()}"
+            e.hint = UNDO_HINT
         raise
 
 
@@ -314,28 +404,45 @@ def unlock_all(driver: CudaDriver, pids: list[int], times: dict[str, float]) -> 
     times["cuda unlock"] = time.monotonic() - t
 
 
-def unfreeze(driver: CudaDriver, pids: Iterable[int]) -> list[str]:
-    """After an abort: the job's checkpointed processes run again on their own GPUs.
-
-    Returns what could not be undone (empty when all is well); never raises.
-    """
-    pids = list(pids)
-    return _undo(driver, pids, pids)
+def unfreeze(driver: CudaDriver, pids: Iterable[int]) -> UndoReport:
+    """After an abort: the job's processes run again on their own GPUs, whatever part of the
+    freeze had happened. Returns what could not be undone (falsy when all is well); never raises."""
+    return undo(driver, list(pids), {pid: ProcessState.CHECKPOINTED for pid in pids})
 
 
-def _undo(driver: CudaDriver, saved: list[int], locked: list[int]) -> list[str]:
-    problems = []
-    for pid in saved:
+def undo(driver: CudaDriver, pids: list[int], known: Mapping[int, ProcessState] | None = None) -> UndoReport:
+    """The one CUDA undo: each process is restored if CHECKPOINTED and unlocked if LOCKED. Its
+    state comes from `known` where the caller knows it, else from get-state (slow: seconds a
+    call on real drivers), so recovery needs no record of how far a freeze went. What failed, and
+    the state the driver reports afterwards, are in the report (the driver may leave a process
+    CHECKPOINTED or FAILED for good: cuda-checkpoint #44)."""
+    failures: list[str] = []
+    states: list[tuple[int, str]] = []
+    for pid in pids:
+        failure = ""
         try:
-            driver.restore(pid, None)
+            state = known[pid] if known and pid in known else driver.state(pid)
+            if state is ProcessState.CHECKPOINTED:
+                driver.restore(pid, None)
+                state = ProcessState.LOCKED
+            if state is ProcessState.LOCKED:
+                driver.unlock(pid)
+            elif state not in (ProcessState.RUNNING, None):
+                failure = f"pid {pid} is {state.value}, which the driver cannot undo"
         except Exception as e:
-            problems.append(str(e))
-            locked = [p for p in locked if p != pid]  # cannot unlock what is not restored
-    for pid in locked:
-        try:
-            driver.unlock(pid)
-        except Exception as e:
-            problems.append(str(e))
-    for p in problems:
-        log.error("cuda: %s", p)
-    return problems
+            failure = f"pid {pid}: {e}"
+        if failure:
+            failures.append(failure)
+            states.append((pid, _state_now(driver, pid)))
+    report = UndoReport(tuple(failures), tuple(states))
+    if report:
+        log.error("cuda: %s", report.summary())
+    return report
+
+
+def _state_now(driver: CudaDriver, pid: int) -> str:
+    try:
+        state = driver.state(pid)
+    except Exception as e:
+        return f"no state ({e})"
+    return state.value if state is not None else "no CUDA context"

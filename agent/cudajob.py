@@ -15,11 +15,11 @@ import contextlib
 import os
 import re
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent import cuda
+from agent import cuda, pidprobe
 from agent.cuda import CudaDriver, ProcessState
 from agent.errors import FerryError, RefusedError
 from agent.gpus import GpuNeed, Inventory, Nvml, choose
@@ -72,6 +72,17 @@ class ProcView:
 
 
 @dataclass(frozen=True)
+class CudaConfig:
+    """`[cuda]` in the agent's config file."""
+
+    #: How long a CUDA lock may wait for the job's kernels before the move is refused (retry).
+    lock_timeout_s: float = cuda.DEFAULT_LOCK_TIMEOUT_S
+    #: Give the driver the GPU pairs on every restore, identity pairs included, not only when
+    #: the job lands on other GPUs (a one-GPU node never remaps; this exercises the pair path).
+    explicit_gpu_pairs: bool = False
+
+
+@dataclass(frozen=True)
 class CudaProcess:
     pid: int  # host PID on this node
     ns_pid: int
@@ -116,6 +127,9 @@ class CudaJobs:
     node: str = ""
     view: ProcView = field(default_factory=ProcView)
     lock_timeout_s: float = cuda.DEFAULT_LOCK_TIMEOUT_S
+    #: How `nvml_pids` probes (tests give one that needs no GPU).
+    pid_probe: Callable[[Nvml], pidprobe.PidProbe] = pidprobe.probe
+    _pid_probe: pidprobe.PidProbe | None = field(default=None, repr=False)
     _held: dict[tuple[int, ...], dict[str, int]] = field(default_factory=dict, repr=False)
     _held_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -133,11 +147,12 @@ class CudaJobs:
             raise self._refuse(f"the job uses the GPU but NVML cannot list this node's GPUs: {inv.detail}")
         found: list[CudaProcess] = []
         for pid in candidates:
-            state = self.driver.state(pid)
+            reading = self.driver.read_state(pid)
+            state = reading.state
             if state is None and pid in usage:
                 raise self._refuse(
                     f"NVML lists pid {pid} on GPU {usage[pid][0][0].uuid} but the driver reports no "
-                    "CUDA context for it",
+                    f"CUDA context for it (get-state: {reading.detail})",
                     "check that the agent and the job see the same NVIDIA driver",
                 )
             if state is None:
@@ -149,7 +164,7 @@ class CudaJobs:
                 )
             held = usage.get(pid, [])
             if not held:
-                raise self._refuse(f"pid {pid} has a CUDA context but NVML lists it on no GPU")
+                raise self._unlisted(pid, state)
             found.append(
                 CudaProcess(
                     pid, self.view.ns_pid(pid), tuple(g.uuid for g, _ in held), sum(b for _, b in held)
@@ -256,12 +271,30 @@ class CudaJobs:
         if pids:
             cuda.unlock_all(self.driver, pids, times)
 
-    def unfreeze(self, fp: Footprint) -> list[str]:
+    def unfreeze(self, fp: Footprint) -> cuda.UndoReport:
         """After an abort: back onto its own GPUs; returns what failed (then the GPUs stay held)."""
-        problems = cuda.unfreeze(self.driver, fp.pids)
-        if not problems:
+        report = cuda.unfreeze(self.driver, fp.pids)
+        if not report:
             self.release(fp)
-        return problems
+        return report
+
+    def nvml_pids(self) -> pidprobe.PidProbe:
+        """Whether NVML reports PIDs as this agent sees them (probed once, then remembered)."""
+        with self._held_lock:
+            if self._pid_probe is not None:
+                return self._pid_probe
+        result = self.pid_probe(self.nvml)
+        with self._held_lock:
+            if result.verdict is not pidprobe.PidVerdict.UNKNOWN:
+                self._pid_probe = result
+        return result
+
+    def _unlisted(self, pid: int, state: ProcessState) -> RefusedError:
+        why = f"pid {pid} has a CUDA context (driver state {state.value}) but NVML lists it on no GPU"
+        probe = self.nvml_pids()
+        if probe.mismatch:
+            return self._refuse(f"{why}: {probe.detail}", pidprobe.MISMATCH_HINT)
+        return self._refuse(f"{why} (PID probe: {probe.verdict.value}, {probe.detail})")
 
     def _uses_devices(self, pid: int) -> bool:
         if any(_DEVICE.match(f) for f in self.view.device_files(pid)):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent import config
+from agent import config, pidprobe
 from agent.criu import Criu
 from agent.criu_lazy import LAZY_PIPE_BYTES, lazy_dump_blocker
 from agent.cuda import CudaDriver
@@ -89,9 +90,14 @@ def _criu_checks() -> list[Check]:
     ]
 
 
-def _gpu_checks(nvml: Nvml | None = None, driver: CudaDriver | None = None) -> list[Check]:
+def _gpu_checks(
+    nvml: Nvml | None = None,
+    driver: CudaDriver | None = None,
+    pid_probe: Callable[[Nvml], pidprobe.PidProbe] = pidprobe.probe,
+) -> list[Check]:
     """NVIDIA driver (NVML) and what its CUDA checkpoint API offers: optional, CPU jobs move without."""
-    inv = (nvml or Nvml()).inventory()
+    nvml = nvml or Nvml()
+    inv = nvml.inventory()
     if not inv.available:
         return [Check("nvidia driver", False, inv.detail, "CPU jobs only on this host", required=False)]
     checks = [Check("nvidia driver", True, inv.detail, required=False)]
@@ -126,6 +132,17 @@ def _gpu_checks(nvml: Nvml | None = None, driver: CudaDriver | None = None) -> l
             required=False,
         )
     )
+    if info.checkpoint and inv.gpus:
+        probe = pid_probe(nvml)
+        checks.append(
+            Check(
+                "nvml pids",
+                probe.verdict is pidprobe.PidVerdict.MATCH,
+                f"{probe.verdict.value}: {probe.detail}",
+                pidprobe.MISMATCH_HINT if probe.mismatch else "see the detail",
+                required=False,
+            )
+        )
     if mig := [g.uuid for g in inv.gpus if g.mig]:
         checks.append(
             Check(

@@ -27,7 +27,7 @@ from agent.compat import StrEnum
 from agent.criu import Criu, DumpResult, InheritFd
 from agent.criu_images import bound_socket_dirs
 from agent.criu_lazy import LazyDump, lazy_dump_blocker
-from agent.cudajob import CudaJobs, Footprint, ProcView, restore_plan
+from agent.cudajob import CudaConfig, CudaJobs, Footprint, ProcView, restore_plan
 from agent.errors import (
     CriuError,
     FerryError,
@@ -545,13 +545,11 @@ class SourceMigration:
         procs.resume(pids)  # first: the driver's restore thread must run for the CUDA calls below
         note = f"migration to {self.spec.target} aborted while {phase}: {err.cause}"
         outcome = f"the job keeps running on {self.node}"
-        if self.cuda_frozen and (problems := self.cuda.unfreeze(self.footprint)):
-            outcome = (
-                f"the job's processes run on {self.node} but its CUDA state could not be restored "
-                f"({'; '.join(problems)}): its CUDA calls stay blocked until CUDA is restored for pids "
-                f"{' '.join(map(str, self.footprint.pids))}"
-            )
-            note += f"; {outcome}"
+        hint = err.hint
+        if self.cuda_frozen and (undone := self.cuda.unfreeze(self.footprint)):
+            outcome = f"the job's processes run on {self.node}, but {undone.summary()}"
+            hint = cuda.UNDO_HINT
+            note += f"; {outcome}; {hint}"
         running = procs.alive(rec.pid, rec.pid_started)
         self.registry.update(
             rec.name,
@@ -566,7 +564,7 @@ class SourceMigration:
             f"{err.cause}; migration aborted, {outcome}",
             step=err.step or phase,
             node=err.node or self.node,
-            hint=err.hint,
+            hint=hint,
         ) from err
 
     def _end_lazy_dump(self) -> None:
@@ -718,8 +716,10 @@ def _kill_restored(root: int) -> None:
         os.waitpid(root, 0)
 
 
-def default_cuda_jobs(node: str) -> CudaJobs:
-    return CudaJobs(cuda.CudaDriver(node=node), Nvml(node=node), node, ProcView())
+def default_cuda_jobs(node: str, config: CudaConfig | None = None) -> CudaJobs:
+    cfg = config or CudaConfig()
+    driver = cuda.CudaDriver(node=node, explicit_gpu_pairs=cfg.explicit_gpu_pairs)
+    return CudaJobs(driver, Nvml(node=node), node, ProcView(), cfg.lock_timeout_s)
 
 
 def wait_for_output(rec: JobRecord, timeout_s: float) -> float:
@@ -793,8 +793,10 @@ def checkpoint(
         e = as_ferry_error(exc, "checkpoint", node)
         procs.resume(pids)
         note = f"checkpoint failed: {e.cause}"
-        if frozen and (problems := cj.unfreeze(fp)):
-            note += f"; CUDA could not be resumed: {'; '.join(problems)}"
+        if frozen and (undone := cj.unfreeze(fp)):
+            note += f"; {undone.summary()}; {cuda.UNDO_HINT}"
+            e.cause += f"; {undone.summary()}"
+            e.hint = cuda.UNDO_HINT
         registry.update(name, state=JobState.RUNNING, migration_id="", note=note)
         e.at(step="checkpoint", node=node)
         if e is exc:
@@ -803,14 +805,14 @@ def checkpoint(
     assert isinstance(m, Manifest)
     if leave_running:
         procs.resume(pids)
-        problems = cj.unfreeze(fp) if frozen else []
+        undone = cj.unfreeze(fp) if frozen else cuda.UndoReport()
         note = f"checkpointed to {out_dir}"
-        if problems:
-            note += f"; its CUDA state could not be restored here, its CUDA calls stay blocked: {problems}"
+        if undone:
+            note += f"; but here {undone.summary()}: its CUDA calls stay blocked"
         registry.update(name, state=JobState.RUNNING, migration_id="", note=note)
-        if problems:
+        if undone:
             raise FerryError(
-                f"saved to {out_dir}, but {'; '.join(problems)}",
+                f"saved to {out_dir}, but {undone.summary()}",
                 step="checkpoint",
                 node=node,
                 hint=f"the image is complete: `ferry stop {name}`, then `ferry restore {out_dir}`",

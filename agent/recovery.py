@@ -146,10 +146,10 @@ class SourceRecovery:
         job = self.registry.get(rec.job)
         pids = procs.tree_pids(job.pid) if procs.alive(job.pid, job.pid_started) else []
         procs.resume(pids)  # first: the CUDA driver's restore thread must run
-        problems = self._cuda_back(rec.cuda_pids)
+        undone = cuda.undo(self.driver, rec.cuda_pids)  # no record of how far the freeze went: read
         note = f"migration to {rec.peer} settled: {why}; the job resumed here"
-        if problems:
-            note += f", but its CUDA state could not be restored ({'; '.join(problems)})"
+        if undone:
+            note += f", but {undone.summary()}; {cuda.UNDO_HINT}"
         running = bool(pids) and procs.alive(job.pid, job.pid_started)
         self.registry.update(
             rec.job, state=JobState.RUNNING if running else JobState.LOST, migration_id="", note=note
@@ -196,16 +196,3 @@ class SourceRecovery:
             "migration %s: waiting for CRIU (pid %d) to finish its dump", rec.migration_id, rec.criu_pid
         )
         procs.end_within(rec.criu_pid, rec.criu_started, CRIU_WAIT_S)
-
-    def _cuda_back(self, pids: list[int]) -> list[str]:
-        """Undo whatever part of the CUDA freeze happened: restore if checkpointed, unlock if locked."""
-        problems = []
-        for pid in pids:
-            try:
-                if self.driver.state(pid) is cuda.ProcessState.CHECKPOINTED:
-                    self.driver.restore(pid, None)
-                if self.driver.state(pid) is cuda.ProcessState.LOCKED:
-                    self.driver.unlock(pid)
-            except Exception as e:
-                problems.append(f"pid {pid}: {e}")
-        return problems

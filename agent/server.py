@@ -247,7 +247,8 @@ class AgentService(pb_grpc.AgentServicer):
         self.agent_id = uuid.uuid4().hex
         self.staging_root = staging_root
         self.criu = criu or Criu(node=node)
-        self.cuda = cuda_jobs or default_cuda_jobs(node)
+        self.config = config or AgentConfig()
+        self.cuda = cuda_jobs or default_cuda_jobs(node, self.config.cuda)
         self.registry = JobRegistry(state_dir, node)
         self.journal = Journal(state_dir)
         self.targets = TargetMigrations(self.registry, self.criu, staging_root, node, self.cuda, self.journal)
@@ -257,7 +258,6 @@ class AgentService(pb_grpc.AgentServicer):
         self._moves = 0
         self._moves_lock = threading.Condition()
         self._stopping = threading.Event()
-        self.config = config or AgentConfig()
         self.events = EventLog(state_dir, node)
         self.quarantine = Quarantine(state_dir)
         self.healing = SelfHealing(

@@ -7,9 +7,22 @@ They are faithful where ferry depends on them:
   the real CUresult values. It keeps the driver's per-process state machine:
   RUNNING → lock → LOCKED → checkpoint → CHECKPOINTED → restore → LOCKED →
   unlock → RUNNING, with FAILED terminal and every other call ILLEGAL_STATE.
-  A lock that times out leaves the process RUNNING. Restore needs pairs that
-  cover every checkpointed GPU, each onto an existing GPU of the same chip
-  with room; an old driver has no checkpoint API (NOT_SUPPORTED).
+  A lock that times out answers CUDA_ERROR_NOT_READY (600), as the binding's
+  docstring documents, and leaves the process RUNNING. Restore needs pairs
+  that cover every checkpointed GPU, each onto an existing GPU of the same
+  chip with room; an old driver has no checkpoint API (NOT_SUPPORTED). After
+  a restore that failed past its argument checks (out of memory, or a failure
+  a test injects) every later restore answers CUDA_ERROR_OPERATING_SYSTEM
+  (304) and unlock ILLEGAL_STATE: the process stays CHECKPOINTED for good, as
+  cuda-checkpoint issue #44 reports for driver 580. get-state for a process
+  without a CUDA context answers `no_context` (INVALID_VALUE by default;
+  NOT_SUPPORTED, which the docstring also lists, or "undecodable": raise the
+  ValueError that older bindings raise for the undefined state, cuda-python
+  #561). A process with managed memory fails its checkpoint with
+  NOT_SUPPORTED and is left in `managed_leaves` (LOCKED by default; FAILED
+  models a driver that "does not attempt to keep the process in a good
+  state", NVIDIA's README). What the real driver does there is recorded by
+  the GPU suite's --managed test in the device report.
 - FakeNvml has the `pynvml` calls ferry uses. Its process lists follow the
   driver state: a checkpointed process holds no GPU memory.
 - FakeProcView answers what /proc would: device files, maps, thread names,
@@ -151,6 +164,12 @@ class FakeDriver:
         #: Processes stuck in a long kernel: lock times out.
         self.busy: set[int] = set()
         self.restore_args: list[dict[str, str] | None] = []
+        #: What get-state answers for a pid without a CUDA context (see the module docstring).
+        self.no_context: R | str = R.CUDA_ERROR_INVALID_VALUE
+        #: Where a managed-memory process is left by its refused checkpoint.
+        self.managed_leaves = LOCKED
+        #: Processes whose restore failed once: the driver refuses them from then on (#44).
+        self.broken: set[int] = set()
 
     def cuInit(self, flags: int) -> tuple[R]:
         if not self.library:
@@ -188,7 +207,10 @@ class FakeDriver:
             return None, R.CUDA_ERROR_NOT_SUPPORTED
         proc = self.world.procs.get(pid)
         if proc is None:
-            return None, R.CUDA_ERROR_INVALID_VALUE  # not a CUDA process
+            if self.no_context == "undecodable":
+                raise ValueError("32718 is not a valid CUprocessState")  # as cuda-python #561 shows
+            assert isinstance(self.no_context, R)
+            return None, self.no_context  # not a CUDA process
         injected = self.fail_once.pop(action, None) or self.fail.get((action, pid), self.fail.get(action))
         if injected is not None:
             if action in self.fail_terminal:
@@ -214,7 +236,7 @@ class FakeDriver:
             return (R.CUDA_ERROR_ILLEGAL_STATE,)
         if pid in self.busy:
             assert args is not None and args.timeoutMs > 0, "ferry always bounds the lock"
-            return (R.CUDA_ERROR_TIMEOUT,)  # the driver leaves it RUNNING
+            return (R.CUDA_ERROR_NOT_READY,)  # the documented timeout code; the process stays RUNNING
         proc.state = LOCKED
         return (R.CUDA_SUCCESS,)
 
@@ -225,11 +247,24 @@ class FakeDriver:
         if proc.state != LOCKED:
             return (R.CUDA_ERROR_ILLEGAL_STATE,)
         if pid in self.world.managed:
+            proc.state = self.managed_leaves
             return (R.CUDA_ERROR_NOT_SUPPORTED,)
         proc.state = CHECKPOINTED  # device memory now in host memory, GPUs released
         return (R.CUDA_SUCCESS,)
 
     def cuCheckpointProcessRestore(self, pid: int, args: Any) -> tuple[R]:
+        if pid in self.broken:
+            self.calls.append(("restore", pid))
+            return (R.CUDA_ERROR_OPERATING_SYSTEM,)  # every restore after a failed one (#44)
+        (err,) = self._restore(pid, args)
+        # Arguments are checked first (bad pairs, wrong chip); a restore that got further and failed
+        # (out of memory, or a failure a test injects) leaves the driver unable to try again.
+        checked_first = (R.CUDA_SUCCESS, R.CUDA_ERROR_INVALID_VALUE, R.CUDA_ERROR_INVALID_DEVICE)
+        if err not in checked_first and self.world.procs.get(pid, CudaProc(0, [], 0)).state == CHECKPOINTED:
+            self.broken.add(pid)
+        return (err,)
+
+    def _restore(self, pid: int, args: Any) -> tuple[R]:
         proc, err = self._enter("restore", pid)
         if err is not None or proc is None:
             return (err,)
@@ -292,10 +327,13 @@ class FakeNvml:
 
     NVMLError = NVMLError
 
-    def __init__(self, world: CudaWorld, *, library: bool = True) -> None:
+    def __init__(self, world: CudaWorld, *, library: bool = True, host_pid_offset: int = 0) -> None:
         self.world = world
         self.library = library
         self.inits = 0
+        #: Non-zero: the caller is in a PID namespace of its own, and NVML answers with host PIDs
+        #: (the driver's PIDs), here the caller's PID plus this offset.
+        self.host_pid_offset = host_pid_offset
 
     def nvmlInit(self) -> None:
         if not self.library:
@@ -334,7 +372,7 @@ class FakeNvml:
 
     def nvmlDeviceGetComputeRunningProcesses(self, h: FakeGpu) -> list[Any]:
         out = [
-            SimpleNamespace(pid=pid, usedGpuMemory=p.bytes_per_gpu)
+            SimpleNamespace(pid=pid + self.host_pid_offset, usedGpuMemory=p.bytes_per_gpu)
             for pid, p in self.world.procs.items()
             if h.uuid in p.gpus and p.state != CHECKPOINTED and pid not in self.world.mps_clients
         ]
@@ -367,12 +405,49 @@ class FakeProcView:
         return self.world.ns_pids.get(pid, pid)
 
 
-def fake_cuda_jobs(world: CudaWorld, node: str = "nodea", **driver_kw: Any) -> tuple[Any, FakeDriver]:
-    """agent.cudajob.CudaJobs over this world, and its fake driver (to inspect calls, inject faults)."""
+def fake_cuda_jobs(
+    world: CudaWorld, node: str = "nodea", host_pid_offset: int = 0, **driver_kw: Any
+) -> tuple[Any, FakeDriver]:
+    """agent.cudajob.CudaJobs over this world, and its fake driver (to inspect calls, inject faults).
+
+    Its PID probe is `probe_in(world)`: a real process that the world gives a CUDA context."""
     from agent.cuda import CudaDriver
     from agent.cudajob import CudaJobs
     from agent.gpus import Nvml
 
     drv = FakeDriver(world, **driver_kw)
-    jobs = CudaJobs(CudaDriver(drv, node), Nvml(FakeNvml(world), node), node, FakeProcView(world), 0.5)
+    nvml = Nvml(FakeNvml(world, host_pid_offset=host_pid_offset), node)
+    jobs = CudaJobs(CudaDriver(drv, node), nvml, node, FakeProcView(world), 0.5, pid_probe=probe_in(world))
     return jobs, drv
+
+
+def probe_in(world: CudaWorld, *, makes_context: bool = True) -> Any:
+    """agent.pidprobe.probe with a probe process that needs no GPU: a real child that prints
+    "ready PID" like the real probe, and that the world lists as a CUDA process on its first GPU."""
+    import subprocess
+    import sys
+
+    from agent import pidprobe
+
+    code = (
+        "import os, sys; print('ready', os.getpid(), flush=True); sys.stdin.read()"
+        if makes_context
+        else "import sys; sys.exit('cuInit failed: CUDA_ERROR_NO_DEVICE')"
+    )
+
+    def spawn() -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        if makes_context and world.gpus:
+            world.add_cuda_process(proc.pid, [next(iter(world.gpus))], bytes_per_gpu=1 << 20)
+        return proc
+
+    def run(nvml: Any) -> Any:
+        return pidprobe.probe(nvml, spawn, ready_timeout_s=10, list_timeout_s=0.5)
+
+    return run

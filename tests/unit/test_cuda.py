@@ -83,9 +83,17 @@ def test_lock_timeout_names_pid_action_and_result_and_leaves_running() -> None:
     with pytest.raises(CudaCheckpointError) as ei:
         drv.lock(PID, 0.25)
     e = ei.value
-    assert (e.pid, e.action, e.result, e.result_name) == (PID, "lock", 909, "CUDA_ERROR_TIMEOUT")
-    assert "0.25 s" in e.hint and "nodea" in str(e)
+    assert (e.pid, e.action, e.result, e.result_name) == (PID, "lock", 600, "CUDA_ERROR_NOT_READY")
+    assert "0.25 s" in e.hint and "retry" in e.hint and "nodea" in str(e)
     assert w.state(PID) == RUNNING
+
+
+def test_a_lock_answering_cuda_error_timeout_is_a_timeout_too() -> None:
+    drv, fake, _w = make()
+    fake.fail["lock"] = R.CUDA_ERROR_TIMEOUT
+    with pytest.raises(CudaCheckpointError) as ei:
+        drv.lock(PID, 2.0)
+    assert ei.value.result == 909 and "within 2 s" in ei.value.hint and "retry" in ei.value.hint
 
 
 @pytest.mark.parametrize(
@@ -237,19 +245,23 @@ def test_freeze_failure_that_cannot_be_undone_says_so() -> None:
     fake.fail[("restore", 1)] = R.CUDA_ERROR_OUT_OF_MEMORY
     with pytest.raises(CudaCheckpointError) as ei:
         cuda.freeze(drv, [1, 2], 1.0, {})
-    assert "putting CUDA back failed too" in ei.value.cause and "pid 1" in ei.value.cause
+    cause = ei.value.cause
+    assert "putting CUDA back failed (pid 1:" in cause and "CUDA_ERROR_OUT_OF_MEMORY (2)" in cause
+    assert "the driver now reports pid 1 checkpointed" in cause
+    assert ei.value.hint == cuda.UNDO_HINT and "ferry stop" in ei.value.hint
     assert w.state(1) == CHECKPOINTED  # not unlocked: it was never restored
 
 
 def test_unfreeze_resumes_in_place_and_reports_what_failed() -> None:
     drv, fake, w = two_procs()
     cuda.freeze(drv, [1, 2], 1.0, {})
-    assert cuda.unfreeze(drv, [1, 2]) == []
+    assert not cuda.unfreeze(drv, [1, 2])
     assert (w.state(1), w.state(2)) == (RUNNING, RUNNING)
     cuda.freeze(drv, [1, 2], 1.0, {})
     fake.fail[("restore", 2)] = R.CUDA_ERROR_OUT_OF_MEMORY
-    problems = cuda.unfreeze(drv, [1, 2])
-    assert len(problems) == 1 and "pid 2" in problems[0]
+    report = cuda.unfreeze(drv, [1, 2])
+    assert len(report.failures) == 1 and report.failures[0].startswith("pid 2:")
+    assert report.states == ((2, "checkpointed"),)
     assert w.state(1) == RUNNING
 
 

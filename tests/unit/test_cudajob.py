@@ -265,6 +265,6 @@ def test_a_frozen_jobs_gpu_memory_is_held_until_released() -> None:
     assert w.used(GPU0) == 0  # NVML: free...
     with pytest.raises(RefusedError, match=r"has 2\.0 GiB free"):  # ...but promised to the frozen job
         jobs.choose_gpus([GpuNeed("GPU-other", H200, 4 * GIB)])
-    assert jobs.unfreeze(fp) == []
+    assert not jobs.unfreeze(fp)
     w.procs.pop(JOB)  # the job moved away: its memory is really free
     assert jobs.choose_gpus([GpuNeed("GPU-other", H200, 4 * GIB)]) == {"GPU-other": GPU0}
