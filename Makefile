@@ -42,12 +42,13 @@ $(INIT): native/ferry-init.c
 	$(CC) -O2 -Wall -Wextra -Werror -o $@ $<
 
 # The GPU test app, built only where there is an nvcc. Machine code for A100 (sm_80) and
-# H100/H200 (sm_90), plus sm_90 PTX for newer GPUs; cudart linked statically, so running it
-# needs only the driver (r580+ for this toolkit's CUDA 13).
+# H100/H200 (sm_90), plus sm_90 PTX for newer GPUs; cudart, libstdc++ and libgcc linked
+# statically, so running it needs only the driver (r580+ for this toolkit's CUDA 13) and a
+# glibc as new as the build host's.
 NVCC ?= $(firstword $(shell command -v nvcc 2>/dev/null) $(wildcard /usr/local/cuda/bin/nvcc /usr/local/cuda-13.0/bin/nvcc))
 NVCC_FLAGS ?= -O2 -std=c++17 -cudart static \
 	-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90 \
-	-Xcompiler -Wall,-Wextra -Werror all-warnings
+	-Xcompiler -Wall,-Wextra -Werror all-warnings -Xcompiler -static-libstdc++,-static-libgcc
 CUDA_COUNTER := $(PREFIX)/bin/cuda-counter
 ifneq ($(NVCC),)
 native: $(CUDA_COUNTER)

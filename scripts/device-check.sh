@@ -36,17 +36,31 @@
 #       possible, installs into /tmp/ferry-device-site on PYTHONPATH instead),
 #       installs the wheels with --no-index, puts the stubs back in ferry/ and
 #       agent/criu_pb/, exports FERRY_CRIU, FERRY_INIT, FERRY_CUDA_COUNTER
-#       (when bundled) and PYTHONPATH, prints a report header (host, GPU,
-#       python, torch, CRIU), then runs
-#         python -m pytest tests/gpu -v -rs -p no:cacheprovider --timeout 300
+#       (when bundled) and PYTHONPATH, and prints a report header (host, GPU,
+#       python, torch, CRIU). Then it stops at once, with one line and exit 1,
+#       at the first precondition that does not hold: root; `criu check`; the
+#       driver's CUDA checkpoint API; NVML reporting PIDs as the agent sees
+#       them (python -m agent.pidprobe: an agent in a PID namespace of its own
+#       gets host PIDs from NVML and could move no CUDA job). Then it runs
+#         python -m pytest tests/gpu -v -rs -p no:cacheprovider --timeout 120
 #       plus PYTEST_ARGS, with pytest plugin autoloading off (only
-#       pytest-timeout is loaded: a preinstalled plugin cannot break the run).
-#       Everything is logged to $OUT/device-check.log ($OUT set), else to
-#       .ferry/device-check.log; with $OUT set, the *.log files the tests left
-#       (CRIU, agent and job logs) are copied to $OUT/test-logs/. Exit status:
-#       pytest's. Reads the GPU's state, never changes its settings.
+#       pytest-timeout is loaded: a preinstalled plugin cannot break the run),
+#       bounded as a whole by FERRY_DEVICE_BUDGET_S (default 450 s). It fails
+#       when pytest fails and when no GPU test ran (all skipped is never a pass
+#       on a GPU machine). It ends with the figures table
+#       (scripts/device_report.py): per migration lock, checkpoint (D2H GB/s),
+#       CRIU dump, transfer, CRIU restore, CUDA restore (H2D GB/s), unlock,
+#       frozen, downtime and bit-identical; and the driver, CUDA, cuda-bindings,
+#       NVML and Python versions and the GPU's UUID.
+#       With $OUT set it leaves there 4 files (the device tool brings back at
+#       most 8): device-check.log, figures.jsonl, junit.xml and
+#       test-logs.tar.gz (agent, CRIU and job logs, repacked after every test
+#       and from an EXIT/TERM trap, so a run killed at its limit still brings
+#       them back); without $OUT, the same under .ferry/device-check/. Reads
+#       the GPU's state, never changes its settings.
 #       Overrides: FERRY_DEVICE_PYTHON (the base python; default: the first of
-#       python3, python that imports torch), FERRY_DEVICE_VENV.
+#       python3, python that imports torch), FERRY_DEVICE_VENV,
+#       FERRY_DEVICE_BUDGET_S.
 #
 # Carry list, the only git-ignored path the GPU machine needs: .ferry/device
 # (tests/gpu and this script are untracked-but-not-ignored or tracked, so they
@@ -429,20 +443,62 @@ sys.exit(platform.python_version() not in SpecifierSet(sys.argv[1]))' "$need" 2>
   echo "bundle: $(head -n 1 "$BUNDLE/MANIFEST.txt")"
 }
 
-# Copies the *.log files the tests left (CRIU, agents, jobs) to $1, at most 20 MiB.
-collect_logs() {
+# Packs the *.log files under $1 (agents, CRIU, jobs) into the archive $2, newest first, 12 MiB at most.
+pack_logs() {
   local from=$1 to=$2
   [[ -d $from ]] || return 0
-  mkdir -p "$to"
-  (cd "$from" && find . -type f -name '*.log' -size -4M -printf '%s %P\n' | sort -k2 \
-    | awk '{ t += $1; if (t > 20 * 1048576) exit; sub(/^[0-9]+ /, ""); print }' \
-    | while IFS= read -r f; do mkdir -p "$to/$(dirname "$f")" && cp "$f" "$to/$f"; done)
+  if (cd "$from" && find . -type f -name '*.log' -printf '%T@ %s %P\n' | sort -rn \
+    | awk '{ t += $2; if (t > 12 * 1048576) exit; print $3 }' \
+    | tar -czf "$to.part" -T - 2>/dev/null); then
+    mv -f "$to.part" "$to"
+  else
+    rm -f "$to.part"
+  fi
+}
+
+# One line, exit 1: the check cannot run here, and why.
+stop_check() {
+  echo "device-check: STOPPED: $*"
+  exit 1
+}
+
+# What must hold before any GPU test: each failure is one line.
+preflight() {
+  local out
+  out="$("$FERRY_CRIU" check 2>&1)" \
+    || stop_check "'criu check' fails on this host (kernel $(uname -r)): $(grep -v '^[[:space:]]*$' <<<"$out" | tail -n 1)"
+  out="$("$VPY" -c 'import sys
+from agent.cuda import CudaDriver
+i = CudaDriver().probe()
+print(i.detail)
+sys.exit(0 if i.checkpoint else 1)' 2>&1)" \
+    || stop_check "the NVIDIA driver offers no CUDA checkpoint API here: $(tail -n 1 <<<"$out")"
+  echo "cuda checkpoint: $out"
+  out="$("$VPY" -m agent.pidprobe 2>&1)" \
+    || stop_check "NVML PID probe: $(paste -sd ' ' <<<"$out")"
+  echo "$out"
+}
+
+# How many tests of a junit report ran (not skipped).
+tests_run() {
+  "$VPY" - "$1" <<'EOF'
+import sys
+import xml.etree.ElementTree as ET
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except (OSError, ET.ParseError):
+    print(0)
+    sys.exit()
+suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+print(sum(int(s.get("tests", 0)) - int(s.get("skipped", 0)) for s in suites))
+EOF
 }
 
 run_inner() {
   set -euo pipefail
-  local base bad basetemp=/tmp/ferry-device-pytest pylog rc=0 last
+  local base bad basetemp=/tmp/ferry-device-pytest pylog rc=0 last ran budget=${FERRY_DEVICE_BUDGET_S:-450}
   cd "$REPO"
+  (( EUID == 0 )) || stop_check "not root (euid $EUID): CRIU and the CUDA checkpoint API act on other processes; run as root"
   # The stubs the bundle was built with (ferry/ and agent/criu_pb/ are git-ignored).
   mkdir -p ferry agent/criu_pb
   cp -R "$BUNDLE/stubs/ferry/." ferry/
@@ -468,29 +524,43 @@ run_inner() {
   export PATH="$BUNDLE/bin:$PATH"
   export PYTHONPATH="$REPO${EXTRA_SITE:+:$EXTRA_SITE}${PYTHONPATH:+:$PYTHONPATH}"
   export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 PYTHONDONTWRITEBYTECODE=1
+  export FERRY_DEVICE_FIGURES="$RESULTS/figures.jsonl" FERRY_DEVICE_LOGS="$RESULTS/test-logs.tar.gz"
+  export FERRY_DEVICE_BASETEMP="$basetemp"
+  : >"$FERRY_DEVICE_FIGURES"
+  trap 'pack_logs "$FERRY_DEVICE_BASETEMP" "$FERRY_DEVICE_LOGS"' EXIT
+  trap 'pack_logs "$FERRY_DEVICE_BASETEMP" "$FERRY_DEVICE_LOGS"; exit 143' TERM
 
   report_header
-  [[ -d tests/gpu ]] || log "warning: there is no tests/gpu directory in this working tree"
-  echo "== python -m pytest tests/gpu -v -rs -p no:cacheprovider --timeout 300 $*"
+  preflight
+  [[ -d tests/gpu ]] || stop_check "there is no tests/gpu directory in this working tree"
+  echo "== python -m pytest tests/gpu -v -rs -p no:cacheprovider --timeout 120 $* (budget ${budget} s)"
   pylog="$(mktemp /tmp/ferry-device-pytest.XXXXXX.log)"
-  "$VPY" -m pytest tests/gpu -v -rs -p no:cacheprovider -p pytest_timeout --timeout 300 \
-    --basetemp "$basetemp" "$@" 2>&1 | tee "$pylog" || rc=${PIPESTATUS[0]}
-  if [[ -n ${OUT:-} ]]; then collect_logs "$basetemp" "$OUT/test-logs"; fi
+  timeout --signal=TERM --kill-after=20 "$budget" \
+    "$VPY" -m pytest tests/gpu -v -rs -p no:cacheprovider -p pytest_timeout --timeout 120 \
+    --junitxml "$RESULTS/junit.xml" --basetemp "$basetemp" "$@" 2>&1 | tee "$pylog" || rc=${PIPESTATUS[0]}
+  pack_logs "$basetemp" "$FERRY_DEVICE_LOGS"
   last="$(grep -v '^[[:space:]]*$' "$pylog" | tail -n 1 | sed 's/^=* *//; s/ *=*$//')"
   rm -f "$pylog"
+  (( rc != 124 )) || last="stopped after its ${budget} s budget; $last"
+  ran="$(tests_run "$RESULTS/junit.xml")"
+  echo
+  "$VPY" "$REPO/scripts/device_report.py" "$FERRY_DEVICE_FIGURES" || true
   echo
   echo "== summary: pytest on $(uname -n) ($("$VPY" -c 'import platform; print(platform.python_version())'))," \
     "criu $(criu_version "$FERRY_CRIU"), $(command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 || echo 'no GPU') finished:" \
-    "${last:-no output} -- exit code $rc${OUT:+; log at $OUT/device-check.log, test logs under $OUT/test-logs}."
+    "${last:-no output} -- $ran GPU tests ran, exit code $rc; results in $RESULTS."
+  (( ran > 0 )) || { echo "device-check: FAILED: no GPU test ran (all skipped or none collected): see the skip reasons above"; return 1; }
   return "$rc"
 }
 
 run_mode() {
   local logfile rc
+  (( EUID == 0 )) || stop_check "not root (euid $EUID): CRIU and the CUDA checkpoint API act on other processes; run as root"
   [[ -f $BUNDLE/MANIFEST.txt && -x $BUNDLE/criu/criu ]] \
     || die "no bundle at $BUNDLE_REL: run 'scripts/device-check.sh bundle' first (on a machine with the package index), and carry $BUNDLE_REL"
-  if [[ -n ${OUT:-} ]]; then logfile="$OUT/device-check.log"; else logfile="$REPO/.ferry/device-check.log"; fi
-  mkdir -p "$(dirname "$logfile")"
+  RESULTS="${OUT:-$REPO/.ferry/device-check}"
+  mkdir -p "$RESULTS"
+  logfile="$RESULTS/device-check.log"
   set +e
   run_inner "$@" 2>&1 | tee "$logfile"
   rc=${PIPESTATUS[0]}

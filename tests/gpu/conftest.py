@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.gpu)
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+#: Logs of the run so far, packed after every test (a run killed at its limit still brings them
+#: back; the device tool returns at most 8 files, so one archive): set by scripts/device-check.sh.
+LOG_ARCHIVE = os.environ.get("FERRY_DEVICE_LOGS", "")
+MAX_LOG_BYTES = 12 << 20
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    if LOG_ARCHIVE:
+        pack_logs(
+            Path(os.environ.get("FERRY_DEVICE_BASETEMP", "/tmp/ferry-device-pytest")), Path(LOG_ARCHIVE)
+        )
+
+
+def pack_logs(root: Path, archive: Path) -> None:
+    """Every *.log under root (agents, CRIU, jobs), newest first, up to MAX_LOG_BYTES."""
+    logs = sorted((p for p in root.rglob("*.log") if p.is_file()), key=lambda p: -p.stat().st_mtime)
+    tmp = archive.with_suffix(".part")
+    total = 0
+    with tarfile.open(tmp, "w:gz") as tar:
+        for log in logs:
+            total += log.stat().st_size
+            if total > MAX_LOG_BYTES:
+                break
+            tar.add(log, arcname=str(log.relative_to(root)))
+    tmp.replace(archive)
