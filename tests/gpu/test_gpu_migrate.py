@@ -62,7 +62,6 @@ def test_cuda_counter_1gib_moves_and_resumes_at_the_next_step(agents):
     move_and_check(a, b, "counter", cmd, 40, "cuda-counter 1 GiB", 1 << 30)
 
 
-@pytest.mark.timeout(200)  # the one exception to 120 s: 16 GiB cross the Python relay twice
 def test_cuda_counter_16gib_moves_and_resumes_at_the_next_step(agents):
     a, b = agents("node-a"), agents("node-b")
     cmd = counter_cmd(20, mib=16384, step_time=0.2)
