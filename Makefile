@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]' --config-settings editable_mode=compat
 	touch $@
 
-# CRIU >= 4.0: the system's when it works, else built from Debian's source tarball.
+# CRIU >= 4.2.1: the system's when it works, else built from Debian's source tarball.
 criu: $(CRIU)
 $(CRIU) $(CRIU_PROTO)/rpc.proto: scripts/install-criu.sh
 	scripts/install-criu.sh $(PREFIX)/criu

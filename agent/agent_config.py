@@ -10,6 +10,11 @@ self-healing policy and the peers it may move jobs to.
     [cuda]                # agent.cudajob.CudaConfig: lock timeout, explicit GPU pairs
     lock_timeout_s = 30
 
+    [network]             # agent.jobnet.NetworkConfig: the job network (docs/networking.md)
+    bridge = "ferry0"
+    subnet = "10.77.0.0/16"
+    pool = "10.77.1.0/24"
+
     [[peers]]             # other agents, in order of preference
     address = "10.0.0.2:7070"
     spare = true          # an idle node kept for jobs moving off failing GPUs
@@ -27,6 +32,7 @@ from typing import Any
 from agent.cudajob import CudaConfig
 from agent.errors import InvalidArgumentError
 from agent.health import HealthConfig
+from agent.jobnet import NetworkConfig
 from agent.settings import from_table
 
 
@@ -58,6 +64,7 @@ class AgentConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     peers: tuple[PeerSpec, ...] = ()
     cuda: CudaConfig = field(default_factory=CudaConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
     path: str = ""  # where it was read from ("" for the defaults)
 
 
@@ -80,15 +87,16 @@ def load(path: Path | None) -> AgentConfig:
 
 
 def parse(raw: Mapping[str, Any], where: str = "") -> AgentConfig:
-    _known(raw, {"health", "policy", "peers", "cuda"}, "top level")
+    _known(raw, {"health", "policy", "peers", "cuda", "network"}, "top level")
     health = HealthConfig.from_dict(_table(raw, "health"))
     policy = from_table(PolicyConfig, _table(raw, "policy"), "policy")
     cuda = from_table(CudaConfig, _table(raw, "cuda"), "cuda", positive=frozenset({"lock_timeout_s"}))
     peers_raw = raw.get("peers", [])
     if not isinstance(peers_raw, list):
         raise InvalidArgumentError("peers must be an array of tables ([[peers]])")
+    network = from_table(NetworkConfig, _table(raw, "network"), "network").check()
     peers = tuple(_peer(p, i) for i, p in enumerate(peers_raw))
-    return AgentConfig(health, policy, peers, cuda, where)
+    return AgentConfig(health, policy, peers, cuda, network, where)
 
 
 def _table(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:

@@ -306,7 +306,18 @@ def build_parser() -> Parser:
     dr = sub.add_parser(
         "doctor", help="check this host", description="Check whether this host can migrate jobs."
     )
-    dr.add_argument("--staging-dir", type=Path, default=config.DEFAULT_STAGING_ROOT)
+    dr.add_argument(
+        "--staging-dir",
+        type=Path,
+        default=config.DEFAULT_STAGING_ROOT,
+        help="where the agent stages incoming images (default: %(default)s)",
+    )
+    dr.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="the agent's config file, to check its [network] too (the job network's bridge)",
+    )
     _json_arg(dr)
     return p
 
@@ -589,9 +600,10 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    from agent import agent_config
     from agent.doctor import can_migrate, run_checks
 
-    checks = run_checks(args.staging_dir)
+    checks = run_checks(args.staging_dir, agent_config.load(args.config).network)
     ok = can_migrate(checks)
     if args.json:
         _print_json({"can_migrate": ok, "checks": [c.__dict__ for c in checks]})

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent import config, criu_images
+from agent import config, criu_images, criu_logs
 from agent.errors import CriuError, RefusedError
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,8 @@ STATS_RESTORE = "stats-restore"
 GHOST_LIMIT = 1 << 31
 _MAX_MSG = 1 << 20
 START_TIMEOUT_S = 60.0
-MIN_VERSION = (4, 0)
+#: 4.1.1 cannot dump inet sockets on Linux >= 6.16 (it asks every socket for SO_PASSCRED).
+MIN_VERSION = (4, 2, 1)
 
 
 @dataclass(frozen=True)
@@ -106,12 +107,13 @@ class Criu:
     def require_usable(self) -> str:
         """Raise a precise refusal unless CRIU is present and new enough; return its version."""
         major, minor, patch = self.version()
-        if (major, minor) < MIN_VERSION:
+        if (major, minor, patch) < MIN_VERSION:
+            need = ".".join(map(str, MIN_VERSION))
             raise RefusedError(
-                f"CRIU {major}.{minor}.{patch} at {self.binary} is too old (need >= 4.0)",
+                f"CRIU {major}.{minor}.{patch} at {self.binary} is too old (need >= {need})",
                 step="criu check",
                 node=self.node,
-                hint="run `make criu` to build CRIU 4.1.1",
+                hint=f"run `make criu` to build CRIU {need}",
             )
         return f"{major}.{minor}.{patch}"
 
@@ -126,12 +128,17 @@ class Criu:
         timeout_s: int = 0,
         on_start: Callable[[int], None] | None = None,
         page_server_fd: int = -1,
+        log_dir: Path | None = None,
+        external: list[str] | None = None,
     ) -> DumpResult:
-        """Dump the tree rooted at `pid` into `images_dir` (log: criu-dump.log there).
+        """Dump the tree rooted at `pid` into `images_dir` (log: criu-dump.log in log_dir, by
+        default images_dir; CRIU's stats go there too).
 
         on_start gets CRIU's pid as soon as it runs (the migration journal keeps it). With
         page_server_fd, a connected stream socket, the memory pages go to a page server on
         its other end instead of into images_dir; the rest of the image is written there.
+        `external`: CRIU's --external items (the job's link, `veth[eth0]:NAME`). CRIU never
+        locks the network: ferry does, by cutting the job's link (agent.jobnet).
         """
         opts = self._opts(images_dir, DUMP_LOG)
         pass_fds = []
@@ -148,10 +155,21 @@ class Criu:
         opts.tcp_established = True
         opts.ext_unix_sk = True
         opts.file_locks = True
+        opts.network_lock = rpc_pb2.SKIP
+        opts.external.extend(external or [])
         if timeout_s:
             opts.timeout = timeout_s
-        self._call("dump", rpc_pb2.DUMP, opts, images_dir, DUMP_LOG, pass_fds=pass_fds, on_start=on_start)
-        return DumpResult(stats=read_stats(images_dir / STATS_DUMP, "dump"))
+        self._call(
+            "dump",
+            rpc_pb2.DUMP,
+            opts,
+            images_dir,
+            DUMP_LOG,
+            pass_fds=pass_fds,
+            log_dir=log_dir,
+            on_start=on_start,
+        )
+        return DumpResult(stats=read_stats((log_dir or images_dir) / STATS_DUMP, "dump"))
 
     def restore(
         self,
@@ -163,13 +181,20 @@ class Criu:
         on_start: Callable[[int], None] | None = None,
         leave_stopped: bool = False,
         lazy_pages: bool = False,
+        root: str = "",
+        external: list[str] | None = None,
     ) -> RestoreResult:
         """Restore the tree as a sibling of CRIU, i.e. as a child of this process; with
         leave_stopped, every task waits for SIGCONT. With lazy_pages, the memory comes from
-        a `criu lazy-pages` daemon already listening in log_dir (criu_lazy.LazyPagesDaemon)."""
+        a `criu lazy-pages` daemon already listening in log_dir (criu_lazy.LazyPagesDaemon).
+        root: "/" for a job in a mount namespace of its own (CRIU rebuilds it on this root);
+        external: its link's new outer end, `veth[eth0]:NAME@BRIDGE`."""
         opts = self._opts(images_dir, RESTORE_LOG)
         opts.rst_sibling = True
         opts.lazy_pages = lazy_pages
+        if root:
+            opts.root = root
+        opts.external.extend(external or [])
         if leave_stopped:
             opts.leave_stopped = True
         opts.shell_job = shell_job
@@ -188,22 +213,27 @@ class Criu:
             log_dir=log_dir,
             on_start=on_start,
         )
-        return RestoreResult(pid=resp.restore.pid, stats=read_stats(images_dir / STATS_RESTORE, "restore"))
+        stats = read_stats((log_dir or images_dir) / STATS_RESTORE, "restore")
+        return RestoreResult(pid=resp.restore.pid, stats=stats)
 
-    def page_server(self, images_dir: Path, sock_fd: int) -> PageServer:
+    def page_server(self, images_dir: Path, sock_fd: int, log_dir: Path | None = None) -> PageServer:
         """Start a page server that reads CRIU's page protocol from `sock_fd` (a connected
-        stream socket) and writes the pages into `images_dir` (log: criu-page-server.log).
+        stream socket) and writes the pages into `images_dir` (log: criu-page-server.log in
+        log_dir, by default images_dir).
 
         It runs until the dumping side closes the protocol; `PageServer.wait` says how it ended.
         """
         opts = self._opts(images_dir, PAGE_SERVER_LOG)
         opts.ps.fd = sock_fd
         opts.ps.port = 0
-        log_path = str(images_dir / PAGE_SERVER_LOG)
-        # CRIU opens the directory through /proc/<our pid>/fd/N: it stays open until CRIU answers.
+        log_path = str((log_dir or images_dir) / PAGE_SERVER_LOG)
+        # CRIU opens the directories through /proc/<our pid>/fd/N: they stay open until CRIU answers.
         dir_fd = _open_dir(images_dir, "page-server", self.node)
+        work_fd = _open_dir(log_dir, "page-server", self.node) if log_dir is not None else -1
         try:
             opts.images_dir_fd = dir_fd
+            if work_fd >= 0:
+                opts.work_dir_fd = work_fd
             proc, ours = self._start_swrk("page-server", [sock_fd], stderr=subprocess.DEVNULL)
             server = PageServer(proc, ours, log_path, self.node)
             # keep_open: the same swrk later waits for the server (WAIT_PID) and reports its status.
@@ -211,9 +241,11 @@ class Criu:
             resp = server.request(req, START_TIMEOUT_S)
         finally:
             os.close(dir_fd)
+            if work_fd >= 0:
+                os.close(work_fd)
         if not resp.success or not resp.ps.pid:
             server.kill()
-            cause = resp.cr_errmsg or last_error(Path(log_path)) or "CRIU could not start a page server"
+            cause = criu_logs.cause(log_path, resp.cr_errmsg) or "CRIU could not start a page server"
             raise CriuError("page-server", cause, log_path=log_path, node=self.node)
         server.pid = resp.ps.pid
         return server
@@ -306,7 +338,7 @@ class Criu:
         resp = rpc_pb2.criu_resp()
         resp.ParseFromString(data)
         if not resp.success:
-            cause = resp.cr_errmsg or last_error(Path(log_path)) or "CRIU reported failure"
+            cause = criu_logs.cause(log_path, resp.cr_errmsg) or "CRIU reported failure"
             raise CriuError(op, cause, log_path=log_path, errno=resp.cr_errno, node=self.node)
         log.debug("criu %s ok (log %s)", op, log_path)
         return resp
@@ -348,7 +380,7 @@ class PageServer:
             self.close()
         status = resp.status if resp.HasField("status") else -1
         if not resp.success or status != 0:
-            cause = last_error(Path(self.log_path)) or f"page server ended with wait status {status}"
+            cause = criu_logs.cause(self.log_path) or f"page server ended with wait status {status}"
             raise CriuError("page-server", cause, log_path=self.log_path, node=self.node)
 
     def kill(self) -> None:
@@ -390,17 +422,6 @@ def _open_dir(path: Path, op: str, node: str) -> int:
         return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as e:
         raise CriuError(op, f"cannot open directory {path}: {e.strerror}", node=node) from e
-
-
-def last_error(log_path: Path) -> str:
-    """The last line CRIU marked as an error, for a one-line message."""
-    try:
-        lines = log_path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    # CRIU logs a harmless RLIMIT_NOFILE error on every run here; it is never the cause.
-    errors = [ln for ln in lines if "Error (" in ln and "RLIMIT_NOFILE" not in ln]
-    return errors[-1].strip() if errors else ""
 
 
 def read_stats(path: Path, which: str) -> dict[str, int]:

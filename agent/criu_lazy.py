@@ -22,13 +22,13 @@ import subprocess
 import time
 from pathlib import Path
 
+from agent import criu_logs
 from agent.criu import (
     DUMP_LOG,
     GHOST_LIMIT,
     STATS_DUMP,
     Criu,
     DumpResult,
-    last_error,
     no_plugins_dir,
     read_stats,
 )
@@ -111,16 +111,27 @@ class LazyDump:
     """
 
     def __init__(
-        self, criu: Criu, pid: int, images_dir: Path, sock_fd: int, *, shell_job: bool = False
+        self,
+        criu: Criu,
+        pid: int,
+        images_dir: Path,
+        sock_fd: int,
+        *,
+        shell_job: bool = False,
+        log_dir: Path | None = None,
+        external: list[str] | None = None,
     ) -> None:
         self.criu = criu
-        self.images_dir = images_dir
-        self.log_path = images_dir / DUMP_LOG
+        self.work_dir = log_dir or images_dir  # the log and the stats go there
+        self.log_path = self.work_dir / DUMP_LOG
         args = [
-            "dump", "--tree", str(pid), "--images-dir", str(images_dir), "--log-file", DUMP_LOG,
+            "dump", "--tree", str(pid), "--images-dir", str(images_dir), "--work-dir", str(self.work_dir),
+            "--log-file", DUMP_LOG,
             "--lazy-pages", "--leave-stopped", "--tcp-established", "--ext-unix-sk", "--file-locks",
-            "--ghost-limit", str(GHOST_LIMIT),
+            "--ghost-limit", str(GHOST_LIMIT), "--network-lock", "skip",
         ]  # fmt: skip
+        for item in external or []:
+            args += ["--external", item]
         if shell_job:
             args.append("--shell-job")
         self.proc, self._ready_fd = _start(criu, "dump", args, sock_fd)
@@ -144,13 +155,13 @@ class LazyDump:
             ) from None
         if code != 0:
             raise self._error(f"the lazy page transfer failed (criu exit {code})")
-        return DumpResult(stats=read_stats(self.images_dir / STATS_DUMP, "dump"))
+        return DumpResult(stats=read_stats(self.work_dir / STATS_DUMP, "dump"))
 
     def kill(self) -> None:
         _kill(self.proc)
 
     def _error(self, what: str) -> CriuError:
-        cause = last_error(self.log_path) or what
+        cause = criu_logs.cause(self.log_path) or what
         return CriuError("dump", cause, log_path=str(self.log_path), node=self.criu.node)
 
 
@@ -174,7 +185,7 @@ class LazyPagesDaemon:
         return self.proc.wait()
 
     def error(self, what: str) -> CriuError:
-        cause = last_error(self.log_path) or what
+        cause = criu_logs.cause(self.log_path) or what
         return CriuError("lazy-pages", cause, log_path=str(self.log_path), node=self.criu.node)
 
     def kill(self) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +17,7 @@ from agent.cuda import CudaDriver
 from agent.cudajob import REMAP_BRANCH
 from agent.errors import FerryError
 from agent.gpus import Nvml
+from agent.jobnet import NetworkConfig
 
 MIN_STAGING_BYTES = 1 << 30
 
@@ -28,7 +31,7 @@ class Check:
     required: bool = True
 
 
-def run_checks(staging_root: Path) -> list[Check]:
+def run_checks(staging_root: Path, network: NetworkConfig | None = None) -> list[Check]:
     checks: list[Check] = []
     checks.append(Check("root", os.geteuid() == 0, f"euid {os.geteuid()}", "run the agent as root"))
     try:
@@ -50,8 +53,82 @@ def run_checks(staging_root: Path) -> list[Check]:
         )
     except OSError as e:
         checks.append(Check("staging space", False, f"{probe}: {e.strerror}", "create it or pick another"))
+    checks.extend(_job_checks(network or NetworkConfig()))
     checks.extend(_gpu_checks())
     return checks
+
+
+def _job_checks(network: NetworkConfig) -> list[Check]:
+    """What a job started here gets, and so what can move with it."""
+    checks = []
+    try:
+        init = config.init_binary()
+        with tempfile.TemporaryDirectory(prefix="ferry-doctor-") as logs:
+            for f in ("stdout.log", "stderr.log"):
+                Path(logs, f).write_bytes(b"")
+            p = subprocess.run(
+                [init, "--private", "--netns", "--logs", logs, "--no-io-uring", "--", "true"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
+        ok, said = p.returncode == 0, (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
+    except (FerryError, OSError, subprocess.TimeoutExpired) as e:
+        ok, said = False, str(e)
+    checks.append(
+        Check(
+            "job namespaces",
+            ok,
+            "each job gets its own PID, mount (fresh /tmp, /dev/shm, /run) and network namespace"
+            if ok
+            else said,
+            "run the agent as root on a kernel with mount and network namespaces",
+        )
+    )
+    uring = _read("/proc/sys/kernel/io_uring_disabled")
+    checks.append(
+        Check(
+            "io_uring",
+            True,
+            f"kernel.io_uring_disabled = {uring or 'n/a'}; CRIU cannot dump io_uring: jobs started by "
+            "`ferry run` cannot open one (seccomp), so libraries fall back; adopted processes holding "
+            "one are refused before anything is frozen",
+            required=False,
+        )
+    )
+    if not network.enabled:
+        checks.append(
+            Check(
+                "job network",
+                False,
+                "none given (`ferry doctor --config FILE` reads the agent's [network]): jobs share this "
+                "node's network, and jobs holding inet sockets cannot move to another node",
+                "configure [network] (docs/networking.md)",
+                required=False,
+            )
+        )
+    else:
+        bridge = os.path.isdir(f"/sys/class/net/{network.bridge}/bridge")
+        checks.append(
+            Check(
+                "job network",
+                bridge,
+                f"jobs get addresses from {network.pool} of {network.subnet} on bridge {network.bridge}; "
+                "their TCP connections move with them"
+                if bridge
+                else f"bridge {network.bridge} does not exist",
+                f"create bridge {network.bridge} and join it to the job network's segment",
+            )
+        )
+    return checks
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return ""
 
 
 def _criu_checks() -> list[Check]:

@@ -71,6 +71,8 @@ class JobSpec:
     on_degraded: str = "migrate"
     gpus: list[str] = field(default_factory=list)  # `ferry run --gpu` UUIDs on the node it was dumped on
     gpu_chip: str = ""
+    private: bool = False  # in namespaces of its own: restore with CRIU's --root /, a new link
+    address: str = ""  # its address on the job network, which it keeps wherever it runs
 
 
 @dataclass(frozen=True)

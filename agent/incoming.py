@@ -26,6 +26,7 @@ import psutil
 
 from agent import faults, procs
 from agent.criu import START_TIMEOUT_S, Criu
+from agent.criu_logs import CriuLogs
 from agent.cudajob import CudaJobs
 from agent.errors import (
     FerryError,
@@ -134,6 +135,8 @@ class TargetMigrations:
         self.staging_root = staging_root
         self.node = node
         self.journal = journal or Journal(registry.root.parent)
+        #: CRIU's logs of each incoming migration: kept where the errors say when it fails.
+        self.criu_logs = CriuLogs(registry.root.parent)
         self._lock = threading.Lock()
         self._incoming: dict[str, Incoming] = {}
         self._claims: dict[str, tuple[str, ...]] = {}  # a local start → the GPUs it is taking
@@ -199,6 +202,8 @@ class TargetMigrations:
         if missing := [p for p in req.paths if not os.path.exists(p)]:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise self._refuse(f"files the job uses are missing here: {shown}", "put them on shared storage")
+        if req.address:
+            self._require_job_network(req.address)
         if taken := [p for p in req.pids if psutil.pid_exists(p)]:
             raise self._refuse(
                 f"the adopted job keeps host PIDs, and PIDs {taken[:5]} are in use here",
@@ -303,7 +308,9 @@ class TargetMigrations:
                 inc.relay = LazyTargetRelay(inc.max_bytes, self.node)
             else:
                 self._set(inc, pb.TARGET_STATE_RECEIVING)
-                inc.relay = TargetRelay(self.criu, inc.staging, inc.max_bytes, self.node)
+                inc.relay = TargetRelay(
+                    self.criu, inc.staging, inc.max_bytes, self.node, self.criu_logs.dir_for(inc.migration_id)
+                )
         if isinstance(inc.relay, LazyTargetRelay):
             yield from self._post_copy(inc, inc.relay, requests)
             return
@@ -350,8 +357,25 @@ class TargetMigrations:
             if inc.state == pb.TARGET_STATE_POSTCOPY:
                 self._set(inc, pb.TARGET_STATE_RUNNING)
         shutil.rmtree(inc.staging, ignore_errors=True)
+        self.criu_logs.done(inc.migration_id)
         log.info("migration %s: post-copy done, %d bytes of memory pulled in", inc.migration_id, digest.bytes)
         yield pb.PageData(end=pb.PageStreamEnd(bytes=digest.bytes, check=digest.check))
+
+    def _require_job_network(self, address: str) -> None:
+        """The job keeps its address: this node must carry its job network, and no job here may
+        hold the same address."""
+        net = self.registry.network
+        if net is None or not net.config.covers(address):
+            where = f"job network {net.config.subnet}" if net else "no job network ([network] in its config)"
+            raise self._refuse(
+                f"the job's address {address} is on a job network, but this node has {where}",
+                "move it to a node of the same job network",
+            )
+        net.require_bridge()
+        if holder := next(
+            (r.name for r in self.registry.list() if r.address == address and r.state.active), None
+        ):
+            raise self._refuse(f"job {holder!r} here already has the address {address}")
 
     def _post_copy_failed(self, inc: Incoming, why: str) -> None:
         """The job's missing pages will never come: its copy here must not run on (they would
@@ -468,9 +492,8 @@ class TargetMigrations:
 
         try:
             faults.check("target-restore", self.node)
+            work_dir = self.criu_logs.dir_for(inc.migration_id)  # CRIU's logs; a lazy daemon listens there
             if isinstance(inc.relay, LazyTargetRelay):
-                work_dir = self.registry.job_dir(inc.job)  # the restore's work dir: the daemon listens there
-                work_dir.mkdir(parents=True, exist_ok=True)
                 inc.relay.attach(self.criu, inc.staging, work_dir, START_TIMEOUT_S)
             rec = restore_tree(
                 self.registry,
@@ -485,12 +508,14 @@ class TargetMigrations:
                 on_criu_start=criu_started,
                 before_release=lambda _rec: self._commit_point(inc),
                 lazy_pages=inc.lazy,
+                log_dir=work_dir,
             )
         except BaseException as e:
             self._drop(inc, f"restore failed: {e}")
             raise
         if not inc.lazy:  # post-copy: the daemon reads the page maps there until it is done
             shutil.rmtree(inc.staging, ignore_errors=True)
+            self.criu_logs.done(inc.migration_id)
         first = wait_for_output(rec, PROGRESS_WAIT_S)
         log.info("migration %s: job %s runs here as pid %d", inc.migration_id, inc.job, rec.pid)
         return pb.CommitResponse(
@@ -701,17 +726,11 @@ def restored_processes(job_dir: Path, adopted_pids: list[int], since: float) -> 
     """A restore's processes, found without CRIU's answer: a launched job's hold its log here
     open (no other process does: the job directory is this agent's); an adopted job's are its
     own PIDs, created after the restore began."""
-    logs = {str(job_dir / "stdout.log"), str(job_dir / "stderr.log")}
-    found = []
+    found = set(procs.holders([job_dir / "stdout.log", job_dir / "stderr.log"]))
     for p in psutil.process_iter(["pid", "create_time"]):
-        try:
-            if (p.info["pid"] in adopted_pids and p.info["create_time"] >= since - 1) or (
-                logs and any(f.path in logs for f in p.open_files())
-            ):
-                found.append(p.info["pid"])
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
+        if p.info["pid"] in adopted_pids and p.info["create_time"] >= since - 1:
+            found.add(p.info["pid"])
+    return sorted(found)
 
 
 def _safe_id(mid: str) -> str:

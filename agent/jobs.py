@@ -8,11 +8,14 @@ it survives an agent restart.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -23,11 +26,14 @@ import psutil
 
 from agent import config, procs
 from agent.compat import StrEnum
-from agent.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, RefusedError
+from agent.errors import AlreadyExistsError, FerryError, InvalidArgumentError, NotFoundError, RefusedError
 from agent.image import JobSpec
+from agent.jobnet import JobNetwork, veth_name
 
 log = logging.getLogger(__name__)
 
+#: How long ferry-init may take to set up the job's namespaces.
+START_TIMEOUT_S = 10.0
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -100,6 +106,10 @@ class JobRecord:
     on_degraded: str = OnDegraded.MIGRATE.value
     gpus: list[str] = field(default_factory=list)  # given by `ferry run --gpu`: UUIDs on this node
     gpu_chip: str = ""  # their chip, which a target must match
+    #: Launched into namespaces of its own (mount, and network with an address): see ferry-init.
+    private: bool = False
+    address: str = ""  # the job's address on the job network ("" without one)
+    veth: str = ""  # the node's end of the job's link, on this node
 
     def spec(self) -> JobSpec:
         return JobSpec(
@@ -116,6 +126,8 @@ class JobRecord:
             on_degraded=self.on_degraded,
             gpus=list(self.gpus),
             gpu_chip=self.gpu_chip,
+            private=self.private,
+            address=self.address,
         )
 
     def to_json(self) -> str:
@@ -142,11 +154,19 @@ def check_job_name(name: str) -> str:
 class JobRegistry:
     """All jobs of this node. Thread-safe; every change is written through to disk."""
 
-    def __init__(self, state_dir: Path, node: str, init_binary: str | None = None) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        node: str,
+        init_binary: str | None = None,
+        network: JobNetwork | None = None,
+    ) -> None:
         self.root = state_dir / "jobs"
         self.root.mkdir(parents=True, exist_ok=True)
         self.node = node
         self._init_binary = init_binary
+        #: The job network this node's jobs get their address on (None: they share the node's).
+        self.network = network if network is not None and network.enabled else None
         self._lock = threading.RLock()
         self._jobs: dict[str, JobRecord] = {}
         self._load()
@@ -241,34 +261,43 @@ class JobRegistry:
         if gpus:
             job_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         init = self._init_binary or config.init_binary()
+        _refuse_hidden(cwd, "working directory", self.node)
         with self._lock:
             self.reserve_name(name)
             d = self.job_dir(name)
             d.mkdir(parents=True, exist_ok=True)
             out_path, err_path = d / "stdout.log", d / "stderr.log"
-            with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            out_path.write_bytes(b"")
+            err_path.write_bytes(b"")
+            ours, theirs = socket.socketpair()
+            keep = tmp_keeps([cwd, init, _which(command[0], job_env), *command[1:]])
+            args = [init, "--private", *(["--netns"] if self.network else [])]
+            args += [a for k in keep for a in ("--keep", k)]
+            args += ["--logs", str(d)]
+            args += ["--sync-fd", str(theirs.fileno()), "--no-io-uring", "--", *command]
+            with open(out_path, "ab") as out, open(err_path, "ab") as err:
                 try:
                     outer = subprocess.Popen(
-                        [init, *command],
+                        args,
                         cwd=cwd,
                         env=job_env,
                         stdin=subprocess.DEVNULL,
                         stdout=out,
                         stderr=err,
                         start_new_session=True,
+                        pass_fds=[theirs.fileno()],
                     )
                 except OSError as e:
+                    ours.close()
                     raise RefusedError(
                         f"cannot start {init}: {e.strerror}", step="run", node=self.node
                     ) from e
-            pid1 = _wait_for_child(outer)
-            if pid1 is None:
-                code = outer.wait()
-                raise RefusedError(
-                    f"job {name!r} failed to start (exit {code}): {_tail(err_path)}",
-                    step="run",
-                    node=self.node,
-                )
+                finally:
+                    theirs.close()
+            try:
+                pid1, address, veth = self._set_up(outer, ours, name, err_path)
+            finally:
+                ours.close()
             rec = JobRecord(
                 name=name,
                 kind=JobKind.LAUNCHED,
@@ -284,11 +313,52 @@ class JobRegistry:
                 on_degraded=on_degraded,
                 gpus=list(gpus or []),
                 gpu_chip=gpu_chip,
+                private=True,
+                address=address,
+                veth=veth,
             )
             self.save(rec)
         log.info("job %s: launched pid %d: %s", name, pid1, " ".join(command))
         self._watch(rec, lambda: outer.wait())
         return rec
+
+    def _set_up(
+        self, outer: subprocess.Popen[bytes], sync: socket.socket, name: str, err_path: Path
+    ) -> tuple[int, str, str]:
+        """ferry-init's handshake: once its namespaces exist, plumb the job's link (when this
+        node has a job network), then let the job run. Any failure kills it."""
+        sync.settimeout(START_TIMEOUT_S)
+        try:
+            said = sync.makefile("r").readline().strip()
+        except OSError:
+            said = ""
+        pid1 = _wait_for_child(outer) if said.startswith("ready") else None
+        if pid1 is None:
+            _end(outer)
+            raise RefusedError(
+                f"job {name!r} failed to start (exit {outer.returncode}): {_tail(err_path)}",
+                step="run",
+                node=self.node,
+            )
+        address = veth = ""
+        try:
+            if self.network is not None:
+                address = self.network.allocate(self._addresses())
+                veth = veth_name(f"{self.node}/{name}/{time.time_ns()}")
+                self.network.plumb(pid1, veth, address)
+            sync.sendall(b"go\n")
+        except FerryError as e:
+            _end(outer)
+            raise e.at(step="run", node=self.node) from None
+        except OSError as e:
+            _end(outer)
+            raise RefusedError(f"job {name!r} could not be released: {e}", step="run", node=self.node) from e
+        return pid1, address, veth
+
+    def _addresses(self) -> set[str]:
+        """Job-network addresses this node's records hold (a moved job may still use its own)."""
+        with self._lock:
+            return {r.address for r in self._jobs.values() if r.address and r.state is not JobState.EXITED}
 
     def adopt(self, name: str, pid: int) -> JobRecord:
         if pid <= 1:
@@ -345,6 +415,8 @@ class JobRegistry:
             on_degraded=spec.on_degraded,
             gpus=list(spec.gpus),
             gpu_chip=spec.gpu_chip,
+            private=spec.private,
+            address=spec.address,
         )
         for k, v in extra.items():
             setattr(rec, k, v)
@@ -461,6 +533,52 @@ def _wait_for_child(outer: subprocess.Popen[bytes], timeout_s: float = 5.0) -> i
             return None
         time.sleep(0.005)
     return None
+
+
+def _end(outer: subprocess.Popen[bytes]) -> None:
+    """A job that never ran: its init and everything under it."""
+    for pid in reversed(procs.tree_pids(outer.pid)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        outer.wait(10)
+
+
+#: What every job gets fresh (ferry-init --private): the node's are hidden from it.
+FRESH = ("/tmp", "/dev/shm", "/run")
+#: Where a private job sees its log directory: an external mount for CRIU, which each node binds
+#: to its own copy of the job's logs (ferry-init --logs).
+LOG_MOUNT = "/run/ferry-job"
+LOG_MOUNT_KEY = "ferry-job"
+
+
+def tmp_keeps(paths: list[str]) -> list[str]:
+    """The top directories under /tmp that these paths need (symlink and target alike): ferry-init
+    binds them into the job's fresh /tmp, so code, cwd and logs there stay visible."""
+    keep: set[str] = set()
+    for p in paths:
+        if not p or not p.startswith("/"):
+            continue
+        for path in {os.path.abspath(p), os.path.realpath(p)}:
+            parts = Path(path).parts
+            if len(parts) > 2 and parts[1] == "tmp" and os.path.exists(path):
+                keep.add(f"/tmp/{parts[2]}")
+    return sorted(keep)
+
+
+def _refuse_hidden(path: str, what: str, node: str) -> None:
+    real = os.path.realpath(path)
+    for fresh in FRESH[1:]:  # /tmp keeps what the job needs (tmp_keeps)
+        if real == fresh or real.startswith(fresh + "/"):
+            raise InvalidArgumentError(
+                f"the job's {what} {path} lies under {fresh}, which every job gets fresh",
+                node=node,
+                hint="use a directory on the node's disk or on shared storage",
+            )
+
+
+def _which(cmd: str, env: dict[str, str]) -> str:
+    return cmd if "/" in cmd else (shutil.which(cmd, path=env.get("PATH")) or "")
 
 
 def _fd_path(pid: int, fd: int) -> str:

@@ -22,12 +22,14 @@ from typing import Protocol
 
 import psutil
 
-from agent import cuda, faults, procs
+from agent import cuda, faults, procs, tcp_repair
 from agent.compat import StrEnum
 from agent.criu import Criu, DumpResult, InheritFd
 from agent.criu_images import bound_socket_dirs
 from agent.criu_lazy import LazyDump, lazy_dump_blocker
+from agent.criu_logs import CriuLogs
 from agent.cudajob import CudaConfig, CudaJobs, Footprint, ProcView, restore_plan
+from agent.dumpable import refuse_node_sockets, refuse_undumpable
 from agent.errors import (
     CriuError,
     FerryError,
@@ -53,7 +55,8 @@ from agent.image import (
     read_manifest,
     verify,
 )
-from agent.jobs import JobKind, JobRecord, JobRegistry, JobState
+from agent.jobnet import LinkLock, veth_name
+from agent.jobs import LOG_MOUNT, LOG_MOUNT_KEY, JobKind, JobRecord, JobRegistry, JobState
 from agent.journal import SOURCE, Journal, MigrationRecord
 from agent.pagestream import PageCall, SourceRelay
 from agent.rpc import pb
@@ -197,8 +200,11 @@ class SourceMigration:
     ) -> None:
         self.spec = spec
         self.journal = journal or Journal(registry.root.parent)
+        #: CRIU's logs of this migration: kept where the errors say when it fails.
+        self.criu_logs = CriuLogs(registry.root.parent)
         self.cuda = cuda_jobs or default_cuda_jobs(node)
         self.footprint = Footprint()
+        self.link = LinkLock(None, "")  # the job's link, cut during the move (agent.jobnet)
         self.cuda_frozen = False
         self.target_aborted = False
         self.registry = registry
@@ -333,8 +339,10 @@ class SourceMigration:
             self.result.image_bytes += pages.bytes
             self.result.host_bytes += pages.bytes
 
-        # Committed: the target runs the job. Only now the frozen copy goes.
+        # Committed: the target runs the job. Only now the frozen copy goes, and its link.
         self.registry.kill_tree(rec, pids)
+        if self.link.network is not None:
+            self.link.network.delete(self.link.veth)
         self.cuda.release(self.footprint)
         self.result.frozen_s = time.monotonic() - frozen_at
         assert isinstance(resp, pb.CommitResponse)
@@ -359,9 +367,14 @@ class SourceMigration:
         xfer = sum(self.phases.times.get(p, 0.0) for p in copy_phases)
         self.result.transfer_gbps = self.result.image_bytes / xfer / 1e9 if xfer > 0 else 0.0
         self._set(MigrationState.COMMITTED, "done", f"job {rec.name} runs on {self.result.target_node}")
+        self.criu_logs.done(self.spec.migration_id)
         return self.result
 
+    def _externals(self) -> list[str]:
+        return dump_externals(self.registry.get(self.spec.job), self.link)
+
     def _dump(self, root: int, shell_job: bool) -> DumpResult:
+        self.link.engage()  # from here nothing reaches the job until the target runs it
         try:
             return self.criu.dump(
                 root,
@@ -369,6 +382,8 @@ class SourceMigration:
                 shell_job=shell_job,
                 on_start=self._criu_started,
                 page_server_fd=self.relay.criu_fd if self.relay else -1,
+                log_dir=self.criu_logs.dir_for(self.spec.migration_id),
+                external=self._externals(),
             )
         except CriuError:
             # A target that refused or broke the page stream makes CRIU fail with a broken
@@ -383,7 +398,16 @@ class SourceMigration:
         # Stopped first: when a lazy transfer breaks, CRIU lets the tree go, and it must then
         # stay stopped until the target is known not to run it.
         procs.stop(pids)
-        self.lazy_dump = LazyDump(self.criu, root, self.staging, self.relay.criu_fd, shell_job=shell_job)
+        self.link.engage()
+        self.lazy_dump = LazyDump(
+            self.criu,
+            root,
+            self.staging,
+            self.relay.criu_fd,
+            shell_job=shell_job,
+            log_dir=self.criu_logs.dir_for(self.spec.migration_id),
+            external=self._externals(),
+        )
         self._criu_started(self.lazy_dump.pid)
         try:
             self.lazy_dump.ready(LAZY_READY_S)
@@ -460,6 +484,15 @@ class SourceMigration:
         pids = procs.tree_pids(rec.pid)
         if not pids:
             raise NotFoundError(f"job {rec.name!r} has no running process (pid {rec.pid})")
+        refuse_undumpable(pids, self.node)  # what CRIU would fail on half-way through the dump
+        if not rec.address:
+            refuse_node_sockets(pids, self.node)  # the node's addresses stay here
+        self.link = LinkLock(self.registry.network, rec.veth)
+        if rec.veth and self.registry.network is None:
+            raise RefusedError(
+                f"job {rec.name!r} has a job-network address ({rec.address}) but this agent has no [network]",
+                hint="start the agent with the [network] it had when the job started",
+            )
         # Before anything is frozen: what CUDA state there is, and whether the driver can take it.
         self.footprint = self.cuda.inspect(pids)
         _require_host_memory(self.footprint, self.node)
@@ -479,6 +512,7 @@ class SourceMigration:
             cuda_driver=self.footprint.driver_version,
             lazy=self.spec.lazy,
             reason=self.spec.reason,
+            address=rec.address,
         )
         lease = self.lease = self.peer.prepare(req)
         if self.spec.lazy and not lease.lazy:
@@ -542,7 +576,7 @@ class SourceMigration:
                 self.peer.abort(self.spec.migration_id, str(err))
         except FerryError as e:
             log.warning("migration %s: target abort failed: %s", self.spec.migration_id, e)
-        procs.resume(pids)  # first: the driver's restore thread must run for the CUDA calls below
+        _go_on(pids, self.link)  # first: the driver's restore thread must run for the CUDA calls below
         note = f"migration to {self.spec.target} aborted while {phase}: {err.cause}"
         outcome = f"the job keeps running on {self.node}"
         hint = err.hint
@@ -625,8 +659,10 @@ def restore_tree(
     before_release: Callable[[JobRecord], None] | None = None,
     lazy_pages: bool = False,
     resuming: bool = False,
+    log_dir: Path | None = None,
 ) -> JobRecord:
     """Restore a verified image as job `name` on this node, its logs re-pointed to our job dir.
+    CRIU logs in log_dir (by default the job's dir); a lazy restore's daemon must listen there.
 
     CRIU restores the tree stopped. A CUDA job then gets SIGCONT (the driver's
     restore thread must run) and its device memory back onto the GPUs of
@@ -644,25 +680,35 @@ def restore_tree(
     inherit: list[InheritFd] = []
     fds: list[int] = []
     try:
+        external: list[str] = []
         if spec.kind == JobKind.LAUNCHED.value:
             for src, dst, key in ((STDOUT_LOG, out, spec.stdout_path), (STDERR_LOG, err, spec.stderr_path)):
                 shutil.copyfile(image_dir / src, dst)
-                fds.append(os.open(dst, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC))
-                inherit.append(InheritFd(key, fds[-1]))
+                if not spec.private:
+                    fds.append(os.open(dst, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC))
+                    inherit.append(InheritFd(key, fds[-1]))
+            if spec.private:  # CRIU binds our copy of the logs where the job sees them, and reopens them
+                external.append(f"mnt[{LOG_MOUNT_KEY}]:{job_dir}")
             paths = (str(out), str(err))
         else:
             paths = (spec.stdout_path, spec.stderr_path)
-        for d in bound_socket_dirs(image_dir):
-            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not spec.private:  # a private job's sockets live in its own /tmp, which CRIU restores
+            for d in bound_socket_dirs(image_dir):
+                d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        net = _job_link(registry, spec, name)
+        if net and registry.network is not None:
+            external.append(registry.network.criu_restore_external(net))
         t = time.monotonic()
         res = criu.restore(
             image_dir,
             inherit=inherit,
             shell_job=spec.shell_job,
-            log_dir=job_dir,
+            log_dir=log_dir or job_dir,
             on_start=on_criu_start,
             leave_stopped=True,
             lazy_pages=lazy_pages,
+            root="/" if spec.private else "",
+            external=external,
         )
         times["restore"] = time.monotonic() - t
     finally:
@@ -678,13 +724,17 @@ def restore_tree(
             cuda_jobs.thaw(plan, times, unlock=False)
         gpus_here = [gpu_map.get(u, u) for u in spec.gpus]
         spec_here = JobSpec(**{**spec.__dict__, "name": name, "gpus": gpus_here})
-        rec = registry.register_restored(spec_here, res.pid, paths[0], paths[1], note=note)
+        rec = registry.register_restored(spec_here, res.pid, paths[0], paths[1], note=note, veth=net)
         if before_release is not None:
             before_release(rec)
     except BaseException:
         _kill_restored(res.pid)
+        if net and registry.network is not None:
+            registry.network.delete(net)
         raise
     # Recorded as running: from now on this is the job's one copy, so it is never killed here.
+    if net and registry.network is not None:
+        registry.network.announce(res.pid, spec.address)  # the segment learns the job's new port
     try:
         if manifest.cuda is not None:
             cuda_jobs.unlock([pid for pid, _ in plan], times)
@@ -694,6 +744,38 @@ def restore_tree(
         log.error("job %s: restored, but could not be released: %s", name, e)
         rec = registry.update(name, note=f"{note}; its CUDA calls stay blocked: unlock failed: {e}")
     return rec
+
+
+def _go_on(pids: list[int], link: LinkLock) -> None:
+    """The dumped tree runs on here: its TCP sockets out of repair mode, its link back on the
+    bridge, then SIGCONT (CRIU left it stopped)."""
+    tcp_repair.release(pids)
+    link.release()
+    procs.resume(pids)
+
+
+def dump_externals(rec: JobRecord, link: LinkLock | None = None) -> list[str]:
+    """What CRIU must treat as outside the job: its log mount and its link."""
+    ext = [f"mnt[{LOG_MOUNT}]:{LOG_MOUNT_KEY}"] if rec.private else []
+    return ext + (link.external() if link is not None else [])
+
+
+def _job_link(registry: JobRegistry, spec: JobSpec, name: str) -> str:
+    """The name of the job's new link here ("" for a job on the node's network); refuses a job
+    whose address this node's job network does not carry."""
+    if not spec.address:
+        return ""
+    net = registry.network
+    if net is None or not net.config.covers(spec.address):
+        where = f"job network {net.config.subnet}" if net else "no job network ([network])"
+        raise RefusedError(
+            f"job {name!r} has the address {spec.address}, but this node has {where}",
+            step="restore",
+            node=registry.node,
+            hint="restore it on a node of its job network",
+        )
+    net.require_bridge()
+    return veth_name(f"{registry.node}/{name}/{time.time_ns()}")
 
 
 def _require_host_memory(fp: Footprint, node: str) -> None:
@@ -756,6 +838,7 @@ def checkpoint(
     if out_dir.exists() and any(out_dir.iterdir()):
         raise InvalidArgumentError(f"{out_dir} is not empty; choose a new directory for the image", node=node)
     rec = registry.begin_move(name, f"checkpoint-{int(time.time())}", "checkpoint")
+    link = LinkLock(registry.network, rec.veth)
     phases = _Phases()
     pids: list[int] = []
     fp = Footprint()
@@ -763,6 +846,7 @@ def checkpoint(
     t0 = time.monotonic()
     try:
         tree = procs.tree_pids(rec.pid)
+        refuse_undumpable(tree, node, step="checkpoint", same_node=True)
         fp = cj.inspect(tree)
         _require_host_memory(fp, node)
         out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the job's memory: root only
@@ -772,7 +856,11 @@ def checkpoint(
             frozen = True
         shell_job = _needs_shell_job(rec, tree)
         # Stopped, not killed, so the logs copied below end exactly where the dump did.
-        dump = phases.run("dump", lambda: criu.dump(rec.pid, out_dir, shell_job=shell_job))
+        link.engage()
+        dump = phases.run(
+            "dump",
+            lambda: criu.dump(rec.pid, out_dir, shell_job=shell_job, external=dump_externals(rec, link)),
+        )
         pids = procs.tree_pids(rec.pid)
         _copy_logs(rec, out_dir)
         emit(Progress("transfer", "writing the manifest and digests"))
@@ -791,7 +879,7 @@ def checkpoint(
         )
     except Exception as exc:
         e = as_ferry_error(exc, "checkpoint", node)
-        procs.resume(pids)
+        _go_on(pids, link)
         note = f"checkpoint failed: {e.cause}"
         if frozen and (undone := cj.unfreeze(fp)):
             note += f"; {undone.summary()}; {cuda.UNDO_HINT}"
@@ -804,7 +892,7 @@ def checkpoint(
         raise e from exc
     assert isinstance(m, Manifest)
     if leave_running:
-        procs.resume(pids)
+        _go_on(pids, link)
         undone = cj.unfreeze(fp) if frozen else cuda.UndoReport()
         note = f"checkpointed to {out_dir}"
         if undone:
@@ -819,6 +907,8 @@ def checkpoint(
             )
     else:
         registry.kill_tree(rec, pids)
+        if link.network is not None:
+            link.network.delete(link.veth)
         cj.release(fp)
         registry.update(
             name, state=JobState.CHECKPOINTED, checkpoint_dir=str(out_dir), note=f"saved to {out_dir}"

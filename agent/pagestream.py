@@ -199,9 +199,12 @@ class TargetRelay:
     unblocks a writer stuck on a server that died.
     """
 
-    def __init__(self, criu: Criu, staging: Path, max_bytes: int, node: str) -> None:
+    def __init__(
+        self, criu: Criu, staging: Path, max_bytes: int, node: str, log_dir: Path | None = None
+    ) -> None:
         self.criu = criu
         self.staging = staging
+        self.log_dir = log_dir  # where the page server logs (kept if the migration fails)
         self.max_bytes = max_bytes
         self.node = node
         self.received = _Counter()
@@ -216,7 +219,7 @@ class TargetRelay:
         local, theirs = _socketpair()
         self._local = local
         try:
-            self.server = self.criu.page_server(self.staging, theirs.fileno())
+            self.server = self.criu.page_server(self.staging, theirs.fileno(), self.log_dir)
         finally:
             theirs.close()
         waiter = threading.Thread(target=self._wait_server, args=(local,), name="page-server", daemon=True)

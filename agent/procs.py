@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import time
+from pathlib import Path
 
 import psutil
 
@@ -67,15 +68,42 @@ def tree_rss(root: int) -> int:
 
 
 def open_paths(root: int) -> set[str]:
-    """Regular files the tree holds open, plus each process's cwd and executable."""
+    """Regular files the tree holds open, plus each process's cwd and executable: what must exist
+    on a target. Files on the job's own /tmp, /dev/shm and /run (ferry-init's fresh tmpfs) travel
+    inside the image, so they are left out."""
     paths: set[str] = set()
     for pid in tree_pids(root):
+        own = _fresh_devices(pid)
         with contextlib.suppress(psutil.Error):
             p = psutil.Process(pid)
-            paths.update(f.path for f in p.open_files())
-            paths.add(p.cwd())
-            paths.add(p.exe())
+            paths.update(f.path for f in p.open_files() if _dev(f"/proc/{pid}/fd/{f.fd}") not in own)
+            if _dev(f"/proc/{pid}/cwd") not in own:
+                paths.add(p.cwd())
+            if _dev(f"/proc/{pid}/exe") not in own:
+                paths.add(p.exe())
     return {p for p in paths if p.startswith("/") and not p.endswith(" (deleted)")}
+
+
+#: What ferry-init gives every job fresh (tmpfs in the job's mount namespace).
+FRESH_DIRS = ("tmp", "dev/shm", "run")
+
+
+def _fresh_devices(pid: int) -> set[int]:
+    """Devices of the tmpfs the process sees at /tmp, /dev/shm and /run, if they are its own
+    (a process in the agent's mount namespace has none)."""
+    try:
+        if os.readlink(f"/proc/{pid}/ns/mnt") == os.readlink("/proc/self/ns/mnt"):
+            return set()
+    except OSError:
+        return set()
+    return {d for d in (_dev(f"/proc/{pid}/root/{p}") for p in FRESH_DIRS) if d is not None}
+
+
+def _dev(path: str) -> int | None:
+    try:
+        return os.stat(path).st_dev
+    except OSError:
+        return None
 
 
 def session_id(pid: int) -> int:
@@ -108,3 +136,25 @@ def _all_threads_stopped(pid: int) -> bool:
         if state not in "TtXZ":
             return False
     return True
+
+
+def holders(paths: list[Path | str]) -> list[int]:
+    """Processes that hold any of these files open, by the file itself (device and inode), not
+    its name: a job in its own mount namespace sees its logs under another path."""
+    want = set()
+    for path in paths:
+        with contextlib.suppress(OSError):
+            st = os.stat(path)
+            want.add((st.st_dev, st.st_ino))
+    if not want:
+        return []
+    found = []
+    for pid in psutil.pids():
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    st = os.stat(f"/proc/{pid}/fd/{fd}")
+                    if (st.st_dev, st.st_ino) in want:
+                        found.append(pid)
+                        break
+    return found

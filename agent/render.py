@@ -43,11 +43,13 @@ def jobs_table(jobs: list[pb.Job]) -> str:
                 state,
                 str(j.pid or "-"),
                 "-" if not j.kind else pb.JobKind.Name(j.kind).removeprefix("JOB_KIND_").lower(),
+                j.address or "-",
                 " ".join(j.command)[:48],
                 where,
             ]
         )
-    return table(["NAME", "STATE", "PID", "KIND", "COMMAND", "NOTE"], rows) if rows else "no jobs"
+    head = ["NAME", "STATE", "PID", "KIND", "ADDRESS", "COMMAND", "NOTE"]
+    return table(head, rows) if rows else "no jobs"
 
 
 def job_dict(job: pb.Job) -> dict[str, Any]:
@@ -73,6 +75,7 @@ def job_dict(job: pb.Job) -> dict[str, Any]:
         "priority": job.priority,
         "on_degraded": job.on_degraded,
         "gpus": list(job.gpus),
+        "address": job.address,
     }
 
 

@@ -33,6 +33,7 @@ from agent.healing import Holder, Hooks, SelfHealing
 from agent.health import GpuHealth, HealthMonitor
 from agent.image import read_manifest
 from agent.incoming import TargetMigrations, private_dir
+from agent.jobnet import JobNetwork
 from agent.jobs import JobRecord, JobRegistry, JobState, OnDegraded, Priority, check_job_name
 from agent.journal import Journal
 from agent.migrate import (
@@ -149,6 +150,7 @@ def job_pb(rec: JobRecord, node: str) -> pb.Job:
         priority=rec.priority,
         on_degraded=rec.on_degraded,
         gpus=rec.gpus,
+        address=rec.address,
     )
 
 
@@ -249,7 +251,7 @@ class AgentService(pb_grpc.AgentServicer):
         self.criu = criu or Criu(node=node)
         self.config = config or AgentConfig()
         self.cuda = cuda_jobs or default_cuda_jobs(node, self.config.cuda)
-        self.registry = JobRegistry(state_dir, node)
+        self.registry = JobRegistry(state_dir, node, network=JobNetwork(self.config.network, node))
         self.journal = Journal(state_dir)
         self.targets = TargetMigrations(self.registry, self.criu, staging_root, node, self.cuda, self.journal)
         self.recovery = SourceRecovery(

@@ -21,7 +21,7 @@ def from_table(
     cls: type[C], d: Mapping[str, object], table: str, positive: frozenset[str] = frozenset()
 ) -> C:
     """`cls` with the overrides in `d`: ints are whole numbers ≥ 0, floats finite numbers ≥ 0
-    (> 0 for the keys in `positive`), tuples lists of whole numbers, bools true or false."""
+    (> 0 for the keys in `positive`), tuples lists of whole numbers, bools true or false, strs strings."""
     kinds = {f.name: str(f.type) for f in fields(cls)}  # type: ignore[arg-type]
     values: dict[str, Any] = {}
     for key, raw in d.items():
@@ -38,6 +38,10 @@ def _value(table: str, key: str, raw: object, kind: str, positive: bool) -> Any:
         if isinstance(raw, (list, tuple)) and all(_count(v) is not None for v in raw):
             return tuple(int(v) for v in raw)  # type: ignore[call-overload]
         want = "a list of whole numbers"
+    elif kind == "str":
+        if isinstance(raw, str):
+            return raw
+        want = "a string"
     elif kind == "bool":
         if isinstance(raw, bool):
             return raw

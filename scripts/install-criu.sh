@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install CRIU (>= 4.0) for ferry at PREFIX/bin/criu, plus the rpc/stats protos
+# Install CRIU (>= 4.2.1) for ferry at PREFIX/bin/criu, plus the rpc/stats protos
 # at PREFIX/share/criu/proto/ that ferry compiles at build time.
 #
 # Usage: scripts/install-criu.sh [PREFIX]
@@ -9,11 +9,13 @@
 # passes; otherwise builds CRIU from Debian's pristine source tarball.
 set -euo pipefail
 
-CRIU_VERSION=4.1.1
+CRIU_VERSION=4.2.1
 CRIU_TARBALL="criu_${CRIU_VERSION}.orig.tar.xz"
-CRIU_SHA256=f80a66cb3726bb2116266d4759ce3bcbfab7abdb6b6d430bf20dd41911717afe
-# Debian 12's CRIU 3.17 fails on 6.x kernels, so anything below 4.0 is rejected.
-MIN_MAJOR=4
+# As listed in Debian's criu_4.2.1-1.dsc (Checksums-Sha256).
+CRIU_SHA256=29ec0ee09e296479fe7048c80980e8ef1d0684d0b0204c2b101dfea19f6725b9
+# Debian 12's CRIU 3.17 fails on 6.x kernels, and 4.1.1 cannot dump any inet socket on
+# Linux >= 6.16 (it asks every socket for SO_PASSCRED), so anything below 4.2.1 is rejected.
+MIN_VERSION=4.2.1
 # What `make criu` needs (libaio/libnl-route are only for CRIU's tests,
 # python3-protobuf only for crit); iproute2 is a runtime need (criu runs `ip`).
 BUILD_DEPS=(build-essential pkg-config libprotobuf-dev libprotobuf-c-dev
@@ -30,11 +32,15 @@ TARBALL="$CACHE/$CRIU_TARBALL"
 log() { echo "install-criu: $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-# Prints the "X.Y.Z" from `criu --version` ("Version: 4.1.1"), or nothing.
+# Prints the "X.Y.Z" from `criu --version` ("Version: 4.2.1"), or nothing.
 criu_version() {
   { "$1" --version 2>/dev/null || true; } | sed -n '/^Version:/{s/^Version: *\([0-9][0-9.]*\).*/\1/p;q}'
 }
-version_ok() { [[ $1 =~ ^[0-9]+ ]] && (( BASH_REMATCH[0] >= MIN_MAJOR )); }
+# True when version $1 ("4.2.1") is MIN_VERSION or newer.
+version_ok() {
+  [[ $1 =~ ^[0-9]+(\.[0-9]+)*$ ]] || return 1
+  [[ $(printf '%s\n%s\n' "$MIN_VERSION" "$1" | sort -V | head -n 1) == "$MIN_VERSION" ]]
+}
 protos_ok() { [[ -s $PROTO_DIR/rpc.proto && -s $PROTO_DIR/stats.proto ]]; }
 
 # Fast path (no network, no apt): a working install is already in place.
@@ -114,7 +120,7 @@ fetch_tarball() {
 }
 
 # The protos always come from the pinned tarball, so ferry's generated RPC
-# code matches CRIU 4.1.1 even when a (newer) system CRIU is used.
+# code matches CRIU 4.2.1 even when a (newer) system CRIU is used.
 install_protos() {
   local f
   mkdir -p "$PROTO_DIR"
@@ -144,7 +150,7 @@ if (( ! have_bin )); then
   for cand in "$(command -v criu || true)" /usr/sbin/criu; do
     [[ -n $cand && -x $cand && ! $cand -ef $BIN ]] || continue
     ver="$(criu_version "$cand")"
-    if ! version_ok "$ver"; then log "ignoring $cand (version ${ver:-unknown}, need >= $MIN_MAJOR.0)"; continue; fi
+    if ! version_ok "$ver"; then log "ignoring $cand (version ${ver:-unknown}, need >= $MIN_VERSION)"; continue; fi
     if ! "$cand" check >/dev/null 2>&1; then log "ignoring $cand ($ver): 'criu check' fails"; continue; fi
     mkdir -p "$PREFIX/bin" && ln -sfn "$(readlink -f "$cand")" "$BIN"
     did="using system criu $ver ($cand) -> $BIN"

@@ -62,6 +62,9 @@ def main() -> None:
         print(f"device {device} {torch.cuda.get_device_name(device)}", flush=True)
     else:
         device = torch.device("cpu")
+        # One intra-op thread: a BLAS free to pick its thread count by load (MKL_DYNAMIC) rounds
+        # differently from run to run, and a test comparing digests would see a different model.
+        torch.set_num_threads(1)
         print("device cpu", flush=True)
 
     torch.manual_seed(args.seed)

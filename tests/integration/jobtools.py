@@ -22,19 +22,33 @@ def train_args(steps: int, workers: int = 0, step_time: float = 0.1) -> list[str
     return ["--steps", str(steps), "--step-time", str(step_time), "--workers", str(workers)]
 
 
-def reference_digest(steps: int, workers: int = 0) -> str:
-    """The final digest of the same training run, uninterrupted (cached per arguments)."""
+def reference_output(steps: int, workers: int = 0) -> str:
+    """The output of the same training run, uninterrupted (cached per arguments)."""
     key = (str(steps), str(workers))
     if key not in _REFERENCE:
-        out = subprocess.run(
+        _REFERENCE[key] = subprocess.run(
             [sys.executable, str(WORKLOAD), *train_args(steps, workers, step_time=0)],
             capture_output=True,
             text=True,
             check=True,
             env={**os.environ, "PYTHONWARNINGS": "ignore"},
         ).stdout
-        _REFERENCE[key] = final_digest(out)
     return _REFERENCE[key]
+
+
+def reference_digest(steps: int, workers: int = 0) -> str:
+    """The final digest of the same training run, uninterrupted."""
+    return final_digest(reference_output(steps, workers))
+
+
+def first_difference(log: str, reference: str) -> str:
+    """The first step line where a run left the uninterrupted one, for a failure message."""
+    ours = [ln for ln in log.splitlines() if ln.startswith("step ")]
+    theirs = [ln for ln in reference.splitlines() if ln.startswith("step ")]
+    for a, b in zip(ours, theirs, strict=False):
+        if a != b:
+            return f"first difference: {a!r} (uninterrupted: {b!r})"
+    return "every step line matches"
 
 
 def steps_in(log: str) -> list[int]:
@@ -82,4 +96,6 @@ def assert_completed_exactly_once(agent: LocalAgent, name: str, steps: int, work
     log = agent.cli("logs", name).stdout
     assert j["exit_code"] == 0, f"exit {j['exit_code']}; stderr:\n{agent.cli('logs', name).stderr[-2000:]}"
     assert steps_in(log) == list(range(steps))
-    assert final_digest(log) == reference_digest(steps, workers)
+    assert final_digest(log) == reference_digest(steps, workers), first_difference(
+        log, reference_output(steps, workers)
+    )

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 from tests.integration.jobtools import (
     WORKLOAD,
@@ -79,3 +83,60 @@ def test_failure_during_transfer_resumes_source(agents):
     assert p.returncode == 1 and "keeps running" in p.stderr
     wait_steps(a, "xfer", before + 3)
     assert_completed_exactly_once(a, "xfer", steps=30)
+
+
+def test_a_criu_failure_mid_dump_quotes_the_failing_line_and_keeps_its_log(agents):
+    # CRIU's own fault injection: the dump fails while dumping the job's memory pages.
+    a = agents("node-a", env={"CRIU_FAULT": "3"})
+    b = agents("node-b")
+    run_training(a, "crit", steps=40)
+    wait_steps(a, "crit", 3)
+
+    p = a.cli("migrate", "crit", "--to", b.address, check=False)
+
+    assert p.returncode == 1, p.stderr
+    error = p.stderr.strip().splitlines()[-1]  # the lines before it are the live progress
+    assert "Error (criu/mem.c" in error and "fault: Dump VMA pages failure!" in error, error
+    assert "RLIMIT_NOFILE" not in p.stderr
+    log = re.search(r"CRIU log: (\S+?\.log)", error)
+    assert log and Path(log[1]).is_file(), error  # still there to read after the abort
+    assert "fault: Dump VMA pages failure!" in Path(log[1]).read_text()
+    assert job(a, "crit")["state"] == "running"
+    assert_completed_exactly_once(a, "crit", steps=40)
+
+
+IO_URING_HOLDER = (
+    "import ctypes, time\n"
+    "fd = ctypes.CDLL(None, use_errno=True).syscall(425, 4, ctypes.create_string_buffer(120))\n"
+    "assert fd >= 0, ctypes.get_errno()\n"
+    "for i in range(600):\n"
+    "    print('tick', i, flush=True)\n"
+    "    time.sleep(0.1)\n"
+)
+
+
+def test_an_adopted_process_with_io_uring_is_refused_before_anything_is_frozen(agents, tmp_path):
+    a, b = agents("node-a"), agents("node-b")
+    out = tmp_path / "uring.log"
+    with open(out, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", IO_URING_HOLDER],
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        a.cli("adopt", "--pid", str(proc.pid), "--name", "uring")
+        p = a.cli("migrate", "uring", "--to", b.address, check=False)
+
+        assert p.returncode == 1
+        error = p.stderr.strip().splitlines()[-1]
+        assert "prepare on node-a" in error and "CRIU cannot dump io_uring" in error, error
+        assert "anon_inode:[io_uring]" in error and "nothing was frozen" in error
+        assert job(a, "uring")["state"] == "running"
+        ticks = out.read_text().count("tick")
+        time.sleep(0.5)
+        assert proc.poll() is None and out.read_text().count("tick") > ticks  # never stopped
+    finally:
+        proc.kill()

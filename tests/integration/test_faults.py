@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agent import certs
+from agent import certs, procs
 from agent.localcluster import LocalAgent
 from tests.integration.jobtools import (
     WORKLOAD,
@@ -152,14 +152,16 @@ def jobs_of(agent: LocalAgent) -> dict[str, dict]:
 
 
 def job_processes(agent: LocalAgent, name: str) -> list[psutil.Process]:
-    """Every process holding the job's logs on this agent open: the job's tree (and its ferry-init)."""
-    logs = {str(agent.state_dir / "jobs" / name / f) for f in ("stdout.log", "stderr.log")}
+    """Every process holding the job's logs on this agent open: the job's tree (and its ferry-init),
+    found by the files themselves (the job sees them under its own /run/ferry-job)."""
+    logs = [agent.state_dir / "jobs" / name / f for f in ("stdout.log", "stderr.log")]
     found = []
-    for p in psutil.process_iter():
+    for pid in procs.holders(logs):
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and any(f.path in logs for f in p.open_files()):
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE:
                 found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+        except psutil.NoSuchProcess:
             continue
     return found
 

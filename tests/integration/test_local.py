@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -131,7 +131,8 @@ def test_finished_job_after_completion(agents):
 
 
 def test_restore_on_a_host_without_the_dataloader_socket_dirs(agents, tmp_path):
-    """DataLoader workers listen on /tmp/pymp-*/listener-*; a new host has no such directories."""
+    """DataLoader workers listen on /tmp/pymp-*/listener-*. A job's /tmp is its own: the node
+    never has these directories, and the restore brings the job's /tmp back from the image."""
     a = agents("node-a")
     run_training(a, "workers", steps=30, workers=2)
     wait_steps(a, "workers", 5)
@@ -139,9 +140,37 @@ def test_restore_on_a_host_without_the_dataloader_socket_dirs(agents, tmp_path):
     a.cli("checkpoint", "workers", "--out", str(image))
     dirs = bound_socket_dirs(image)
     assert dirs and all(d.name.startswith("pymp-") for d in dirs)
-    for d in dirs:
-        shutil.rmtree(d)
+    assert not any(d.exists() for d in dirs), "the job's /tmp leaked into the node's"
 
     a.cli("restore", str(image))
 
     assert_completed_exactly_once(a, "workers", steps=30, workers=2)
+
+
+def test_sigterm_lets_an_in_flight_migration_finish(agents):
+    a, b = agents("node-a"), agents("node-b")
+    run_training(a, "graceful", steps=40)
+    wait_steps(a, "graceful", 5)
+    cmd = [
+        sys.executable,
+        "-m",
+        "agent.cli",
+        "migrate",
+        "graceful",
+        "--agent",
+        f"unix:{a.socket}",
+        "--to",
+        b.address,
+    ]
+    migrating = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while job(a, "graceful")["state"] != "migrating":
+        assert time.monotonic() < deadline and migrating.poll() is None
+        time.sleep(0.01)
+
+    assert a.stop(signal.SIGTERM) == 0
+
+    out, err = migrating.communicate(timeout=120)
+    assert migrating.returncode == 0, err
+    assert "moved node-a -> node-b" in out
+    assert_completed_exactly_once(b, "graceful", steps=40)

@@ -127,7 +127,7 @@ class FakeCriu:
     def require_usable(self) -> str:
         if not self.usable:
             raise RefusedError("criu not found", step="criu check", node=self.node, hint="run `make criu`")
-        return "4.1.1"
+        return "4.2.1"
 
     def dump(
         self,
@@ -140,9 +140,17 @@ class FakeCriu:
         timeout_s: int = 0,
         on_start: Callable[[int], None] | None = None,
         page_server_fd: int = -1,
+        log_dir: Path | None = None,
+        external: list[str] | None = None,
     ) -> DumpResult:
         self.dumps.append(
-            {"pid": pid, "images_dir": images_dir, "shell_job": shell_job, "streamed": page_server_fd >= 0}
+            {
+                "pid": pid,
+                "images_dir": images_dir,
+                "shell_job": shell_job,
+                "streamed": page_server_fd >= 0,
+                "log_dir": log_dir,
+            }
         )
         if self.dump_error is not None:
             raise self.dump_error
@@ -166,7 +174,7 @@ class FakeCriu:
             wait_stopped(pid)
         return DumpResult(stats={"frozen_time": 1234, "pages_written": 16})
 
-    def page_server(self, images_dir: Path, sock_fd: int) -> FakePageServer:
+    def page_server(self, images_dir: Path, sock_fd: int, log_dir: Path | None = None) -> FakePageServer:
         """Writes everything it reads from sock_fd into pages-65537.img until EOF, as CRIU's would."""
         if self.page_server_error is not None:
             raise self.page_server_error
@@ -182,6 +190,8 @@ class FakeCriu:
         on_start: Callable[[int], None] | None = None,
         leave_stopped: bool = False,
         lazy_pages: bool = False,
+        root: str = "",
+        external: list[str] | None = None,
     ) -> RestoreResult:
         assert not lazy_pages, "post-copy runs against real CRIU only (tests/integration)"
         self.restores.append(
@@ -269,7 +279,7 @@ class FakePeer:
 
     def info(self) -> pb.NodeInfo:
         self._enter("info")
-        return pb.NodeInfo(node_name=self.node_name, agent_id=self.agent_id, criu_version="4.1.1")
+        return pb.NodeInfo(node_name=self.node_name, agent_id=self.agent_id, criu_version="4.2.1")
 
     def prepare(self, req: pb.PrepareRequest) -> pb.Lease:
         self.prepare_req = req

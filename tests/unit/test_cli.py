@@ -162,8 +162,8 @@ def test_ps_against_an_agent(capsys, make_agent, sleeper) -> None:
     code, out, _ = run(capsys, "ps", "--agent", addr)
     assert code == 0
     header, row = out.strip().splitlines()
-    assert header.split() == ["NAME", "STATE", "PID", "KIND", "COMMAND", "NOTE"]
-    assert row.split()[:4] == ["train", "running", str(proc.pid), "launched"]
+    assert header.split() == ["NAME", "STATE", "PID", "KIND", "ADDRESS", "COMMAND", "NOTE"]
+    assert row.split()[:5] == ["train", "running", str(proc.pid), "launched", "-"]  # no job network
 
     code, out, _ = run(capsys, "ps", "--agent", addr, "--json")
     assert code == 0
@@ -316,14 +316,14 @@ def _job(**kw: object) -> pb.Job:
 
 def test_jobs_table() -> None:
     jobs = [
-        _job(),
+        _job(address="10.77.1.5"),
         _job(name="old", state=pb.JOB_STATE_MOVED, moved_to="127.0.0.1:7071", moved_to_node="nodeb", pid=7),
         _job(name="done", state=pb.JOB_STATE_EXITED, exit_code=3, has_exit_code=True, pid=0),
         _job(name="adopted", kind=pb.JOB_KIND_ADOPTED, note="migration refused: no GPU"),
     ]
     lines = jobs_table(jobs).splitlines()
-    assert lines[0].split() == ["NAME", "STATE", "PID", "KIND", "COMMAND", "NOTE"]
-    assert lines[1].split() == ["train", "running", "4242", "launched", "python", "train.py"]
+    assert lines[0].split() == ["NAME", "STATE", "PID", "KIND", "ADDRESS", "COMMAND", "NOTE"]
+    assert lines[1].split() == ["train", "running", "4242", "launched", "10.77.1.5", "python", "train.py"]
     assert lines[2].split()[:4] == ["old", "moved", "7", "launched"]
     assert lines[2].endswith("-> nodeb (127.0.0.1:7071)")
     assert lines[3].split()[:4] == ["done", "exited", "(3)", "-"]

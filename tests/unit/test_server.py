@@ -44,7 +44,7 @@ def test_get_info(stub, agent) -> None:
     info = stub.GetInfo(pb.GetInfoRequest(), timeout=10)
     assert info.node_name == "nodea"
     assert info.version == __version__
-    assert info.criu_version == "4.1.1"
+    assert info.criu_version == "4.2.1"
     assert info.agent_id == svc.agent_id and re.fullmatch(r"[0-9a-f]{32}", info.agent_id)
     assert info.staging_dir == str(svc.staging_root)
     assert info.staging_free_bytes > 0

@@ -1,0 +1,337 @@
+"""The job network: an address that belongs to the job, not to the node, and moves with it.
+
+The cluster offers one layer-2 segment for jobs (a VLAN or a VXLAN overlay), joined on every
+node by a bridge (`[network] bridge`). Every job `ferry run` starts gets its own network
+namespace with one link, `eth0`, whose other end (`fj…` on the node) sits on that bridge, and
+an address from the node's pool (`[network] pool`, a part of the cluster's `subnet`: pools of
+different nodes must not overlap). CRIU dumps the namespace with the job, TCP connections
+included; on the target the agent gives CRIU a new outer end on its own bridge, with the
+job's link, MAC and address restored as they were. The cluster then learns where the address
+lives from a gratuitous ARP that the restored job sends from its namespace: switches move the
+MAC to the new port, peers keep their (unchanged) ARP entry.
+
+The network lock: from the moment CRIU reads the job's TCP state until its source copy is gone
+(or resumed, on abort), nothing may reach the source copy, whose kernel would still ACK bytes
+that then die with it. The agent cuts the outer end off the bridge (`ip link set … nomaster`)
+just before the dump, and puts it back on abort. Setting it down instead breaks the restore
+(CRIU refuses to restore routes of a link that is down).
+
+Addresses: a node hands out the lowest address of its pool that no job record of its own
+holds and that nobody answers an ARP probe for (RFC 5227), so an address still used by a job
+that moved away is not given out again while that job runs elsewhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import ipaddress
+import logging
+import os
+import re
+import socket
+import struct
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from agent.errors import FerryError, InvalidArgumentError, RefusedError
+
+log = logging.getLogger(__name__)
+
+#: The job's side of its link, inside its namespace.
+INNER = "eth0"
+_IFNAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,14}$")
+IP_TIMEOUT_S = 15.0
+PROBE_TIMEOUT_S = 0.2
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    """`[network]` in the agent's config file: the job network as this node joins it."""
+
+    #: This node's bridge on the job network's segment (the operator creates and uplinks it).
+    bridge: str = ""
+    #: The whole job network, the same on every node, e.g. "10.77.0.0/16".
+    subnet: str = ""
+    #: The addresses this node gives to the jobs it starts, inside subnet, disjoint from others'.
+    pool: str = ""
+    #: Optional: the jobs' default route, an address in subnet.
+    gateway: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.bridge or self.subnet or self.pool)
+
+    def check(self) -> NetworkConfig:
+        """Raise InvalidArgumentError naming the key at fault; return self."""
+        if not self.enabled:
+            return self
+        for key in ("bridge", "subnet", "pool"):
+            if not getattr(self, key):
+                raise InvalidArgumentError(
+                    f"[network] {key} is missing", hint="a job network needs bridge, subnet and pool"
+                )
+        if not _IFNAME.match(self.bridge):
+            raise InvalidArgumentError(f"[network] bridge = {self.bridge!r} is not an interface name")
+        subnet, pool = _net("subnet", self.subnet), _net("pool", self.pool)
+        if not pool.subnet_of(subnet):  # type: ignore[arg-type]
+            raise InvalidArgumentError(f"[network] pool {pool} is not inside subnet {subnet}")
+        if self.gateway:
+            try:
+                gw = ipaddress.ip_address(self.gateway)
+            except ValueError as e:
+                raise InvalidArgumentError(f"[network] gateway = {self.gateway!r} is not an address") from e
+            if gw not in subnet:
+                raise InvalidArgumentError(f"[network] gateway {gw} is not inside subnet {subnet}")
+        return self
+
+    @property
+    def network(self) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+        return ipaddress.ip_network(self.subnet)
+
+    def interface(self, address: str) -> str:
+        """ "10.77.1.5" as the job's interface address on the subnet, "10.77.1.5/16"."""
+        return f"{address}/{self.network.prefixlen}"
+
+    def covers(self, address: str) -> bool:
+        try:
+            return self.enabled and ipaddress.ip_address(address) in self.network
+        except ValueError:
+            return False
+
+
+def _net(key: str, value: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    try:
+        return ipaddress.ip_network(value)
+    except ValueError as e:
+        raise InvalidArgumentError(f"[network] {key} = {value!r} is not a network (e.g. 10.77.0.0/16)") from e
+
+
+def veth_name(key: str) -> str:
+    """The node-side end of a job's link: short (IFNAMSIZ), stable for a key, and unique per key
+    (a job moved back to a node gets a new key: its migration id)."""
+    return "fj" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+class JobNetwork:
+    """This node's side of the job network: addresses, links, the lock, the announcement."""
+
+    def __init__(self, config: NetworkConfig, node: str = "", ip: str = "ip") -> None:
+        self.config = config.check()
+        self.node = node
+        self.ip = ip
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.enabled
+
+    # -- addresses ----------------------------------------------------------------------
+
+    def allocate(self, taken: Iterable[str], probe: Callable[[str], bool] | None = None) -> str:
+        """The lowest free address of the pool (not the subnet's own addresses or the gateway)."""
+        held = set(taken)
+        subnet = self.config.network
+        reserved = {str(subnet.network_address), str(subnet.broadcast_address), self.config.gateway}
+        answers = probe or self.probe
+        for host in ipaddress.ip_network(self.config.pool).hosts():
+            addr = str(host)
+            if addr in held or addr in reserved:
+                continue
+            if answers(addr):
+                log.info("job network: %s answers ARP on %s; skipping it", addr, self.config.bridge)
+                continue
+            return addr
+        raise RefusedError(
+            f"no free address left in this node's job network pool {self.config.pool}",
+            step="network",
+            node=self.node,
+            hint="stop jobs that ended, or give this node a larger [network] pool",
+        )
+
+    def probe(self, address: str) -> bool:
+        """Whether someone on the bridge answers an ARP probe for address (RFC 5227)."""
+        try:
+            return arp_probe(self.config.bridge, address, PROBE_TIMEOUT_S)
+        except OSError as e:
+            log.warning("job network: cannot probe %s on %s: %s", address, self.config.bridge, e)
+            return False
+
+    # -- links ----------------------------------------------------------------------------
+
+    def require_bridge(self) -> None:
+        if not os.path.isdir(f"/sys/class/net/{self.config.bridge}/bridge"):
+            raise RefusedError(
+                f"the job network's bridge {self.config.bridge} does not exist on this node",
+                step="network",
+                node=self.node,
+                hint="create it and join it to the job network's segment (docs/networking.md)",
+            )
+
+    def plumb(self, pid: int, veth: str, address: str) -> None:
+        """The job's link: `veth` on the bridge, eth0 with `address` in the namespace of pid."""
+        self.require_bridge()
+        net = f"--net=/proc/{pid}/ns/net"
+        self._ip("link", "add", veth, "type", "veth", "peer", "name", INNER, "netns", str(pid))
+        try:
+            self._ip("link", "set", veth, "master", self.config.bridge, "up")
+            self._nsenter(net, "addr", "add", self.config.interface(address), "dev", INNER)
+            self._nsenter(net, "link", "set", INNER, "up")
+            if self.config.gateway:
+                self._nsenter(net, "route", "add", "default", "via", self.config.gateway)
+        except FerryError:
+            self.delete(veth)
+            raise
+
+    def cut(self, veth: str) -> None:
+        """The lock: nothing reaches the job through its link (it stays up: see the module doc)."""
+        self._ip("link", "set", veth, "nomaster")
+
+    def reconnect(self, veth: str) -> None:
+        self._ip("link", "set", veth, "master", self.config.bridge)
+
+    def delete(self, veth: str) -> None:
+        """Remove the node's end (the job's copy here is gone); missing is fine."""
+        try:
+            self._ip("link", "del", veth)
+        except FerryError as e:
+            if "Cannot find device" not in e.cause:
+                log.warning("job network: %s", e)
+
+    def announce(self, pid: int, address: str) -> None:
+        """A gratuitous ARP from the job's own namespace, so the segment learns its new port."""
+        try:
+            in_netns(pid, lambda: garp(INNER, address))
+        except OSError as e:
+            log.warning("job network: gratuitous ARP for %s failed: %s", address, e)
+
+    def criu_dump_external(self, veth: str) -> str:
+        return f"veth[{INNER}]:{veth}"
+
+    def criu_restore_external(self, veth: str) -> str:
+        return f"veth[{INNER}]:{veth}@{self.config.bridge}"
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _ip(self, *args: str) -> None:
+        self._run([self.ip, *args])
+
+    def _nsenter(self, net: str, *args: str) -> None:
+        self._run(["nsenter", net, self.ip, *args])
+
+    def _run(self, cmd: list[str]) -> None:
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=IP_TIMEOUT_S, check=False)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise FerryError(f"`{' '.join(cmd)}` failed: {e}", step="network", node=self.node) from e
+        if p.returncode != 0:
+            raise FerryError(
+                f"`{' '.join(cmd)}` failed: {p.stderr.strip() or p.returncode}",
+                step="network",
+                node=self.node,
+            )
+
+
+class LinkLock:
+    """A job's link off its bridge for the length of a move: engaged just before the dump,
+    released only if the source copy is to go on (abort); a moved job's link just goes."""
+
+    def __init__(self, network: JobNetwork | None, veth: str) -> None:
+        self.network = network if veth else None
+        self.veth = veth
+        self.engaged = False
+
+    def engage(self) -> None:
+        if self.network is not None:
+            self.network.cut(self.veth)
+            self.engaged = True
+
+    def release(self) -> None:
+        if self.network is not None and self.engaged:
+            self.network.reconnect(self.veth)
+            self.engaged = False
+
+    def external(self) -> list[str]:
+        """The dump's --external item for the link (none for a job on the node's network)."""
+        return [self.network.criu_dump_external(self.veth)] if self.network is not None else []
+
+
+# -- ARP -----------------------------------------------------------------------------------
+
+_ETH_P_ARP = 0x0806
+_BROADCAST = b"\xff" * 6
+
+
+def _mac(ifname: str) -> bytes:
+    with open(f"/sys/class/net/{ifname}/address") as f:
+        return bytes.fromhex(f.read().strip().replace(":", ""))
+
+
+def _arp(op: int, sender_mac: bytes, sender_ip: bytes, target_mac: bytes, target_ip: bytes) -> bytes:
+    eth = _BROADCAST + sender_mac + struct.pack("!H", _ETH_P_ARP)
+    arp = struct.pack("!HHBBH", 1, 0x0800, 6, 4, op) + sender_mac + sender_ip + target_mac + target_ip
+    return eth + arp
+
+
+def arp_probe(ifname: str, address: str, timeout_s: float) -> bool:
+    """RFC 5227 probe: an ARP request for address from 0.0.0.0; True if anyone answers."""
+    mac, target = _mac(ifname), socket.inet_aton(address)
+    with socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(_ETH_P_ARP)) as sk:
+        sk.bind((ifname, 0))
+        sk.send(_arp(1, mac, b"\0\0\0\0", b"\0" * 6, target))
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            sk.settimeout(left)
+            try:
+                frame = sk.recv(128)
+            except TimeoutError:
+                break
+            if len(frame) >= 42 and frame[20:22] == b"\x00\x02" and frame[28:32] == target:
+                return True
+    return False
+
+
+def garp(ifname: str, address: str, count: int = 2) -> None:
+    """Announce address on ifname: gratuitous ARP requests (sender = target = address)."""
+    mac, ip = _mac(ifname), socket.inet_aton(address)
+    with socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(_ETH_P_ARP)) as sk:
+        sk.bind((ifname, 0))
+        for i in range(count):
+            sk.send(_arp(1, mac, ip, b"\0" * 6, ip))
+            if i + 1 < count:
+                time.sleep(0.05)
+
+
+def in_netns(pid: int, fn: Callable[[], None]) -> None:
+    """Run fn in the network namespace of pid: on a thread of its own, since setns(2) moves only
+    the calling thread, which then ends (sockets keep the namespace they were made in)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                if _libc().setns(fd, _CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), f"setns into the network namespace of pid {pid}")
+            finally:
+                os.close(fd)
+            fn()
+        except BaseException as e:  # handed to the caller
+            errors.append(e)
+
+    t = threading.Thread(target=run, name=f"netns-{pid}", daemon=True)
+    t.start()
+    t.join(IP_TIMEOUT_S)
+    if errors:
+        raise errors[0]
+
+
+_CLONE_NEWNET = 0x40000000
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)

@@ -1,0 +1,44 @@
+"""Another process's fd, duplicated into ours (pidfd_getfd, Linux 5.6): how the agent reads a
+socket's family and takes a frozen job's TCP sockets out of repair mode without touching it."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+_SYS_PIDFD_GETFD = 438  # x86_64 and aarch64 alike (the common syscall table)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def dup_fd(pid: int, fd: int) -> int | None:
+    """A new fd of ours for the process's `fd` (the caller closes it), or None when it cannot be
+    had: the process or fd is gone, or the kernel has no pidfd_getfd."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return None
+    try:
+        dup = _libc().syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
+    finally:
+        os.close(pidfd)
+    return dup if dup >= 0 else None
+
+
+def fds(pid: int) -> list[tuple[int, str]]:
+    """(fd, link) of each open fd of the process."""
+    out = []
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    for name in names:
+        try:
+            out.append((int(name), os.readlink(f"/proc/{pid}/fd/{name}")))
+        except (OSError, ValueError):
+            continue
+    return sorted(out)

@@ -1,0 +1,219 @@
+"""A multi-node test bed on one machine: nodes that share nothing a cluster's nodes would not.
+
+Each node is a network namespace and a mount namespace of its own: its own /tmp, /dev/shm
+and /run (fresh tmpfs), its own state and staging, its own address, and its agent listening
+there. A bridge in a namespace of its own (the fabric) joins the nodes' `ferry0` bridges into
+one layer-2 segment, which carries both the agents' traffic and the job network
+(10.98.0.0/16; node N's agent at 10.98.0.N, its jobs from the pool 10.98.N.0/24). One more
+namespace, `outside`, stands for a host beyond the jobs (a client, a service) on the same
+segment. The only thing the nodes share is the cluster file system: `bed.shared`, a
+directory every node sees at the same path.
+
+    with node_bed(tmp_path) as bed:
+        a, b = bed.node("node-a"), bed.node("node-b")
+        a.cli("run", "--name", "web", "--", sys.executable, server, cwd=bed.shared)
+        bed.outside(["python3", client, a.job_address("web")])
+
+Traffic never leaves namespaces the bed created; everything is removed on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from agent import certs
+from agent.jobs import tmp_keeps
+from agent.localcluster import LocalAgent
+
+REPO = Path(__file__).resolve().parents[2]
+SUBNET = "10.98.0.0/16"
+OUTSIDE_ADDR = "10.98.0.200"
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    p = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
+    if check and p.returncode != 0:
+        raise RuntimeError(f"`ip {' '.join(args)}` failed ({p.returncode}): {p.stderr.strip()}")
+    return p
+
+
+class BedAgent(LocalAgent):
+    """A node's agent: started inside the node's namespaces; its CLI runs there too, as root on
+    that node would run it (its socket lives in the node's own /run)."""
+
+    def __init__(self, bed: Bed, node: str, index: int, env: dict[str, str] | None = None) -> None:
+        self.bed, self.index = bed, index
+        self.netns = f"{bed.tag}-{index}"
+        config = bed.root / node / "agent.toml"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(f'[network]\nbridge = "ferry0"\nsubnet = "{SUBNET}"\npool = "10.98.{index}.0/24"\n')
+        super().__init__(
+            bed.root,
+            node,
+            env={"PYTHONWARNINGS": "ignore", **(env or {})},
+            tls_dir=bed.node_tls(node, f"10.98.0.{index}"),
+            host=f"10.98.0.{index}",
+            staging_dir=Path("/dev/shm/ferry-staging"),
+            config=config,
+        )
+        self.socket = Path("/run/ferry/agent.sock")
+        self.address = f"10.98.0.{index}:7070"
+
+    def start(self, prefix: list[str] | None = None, timeout_s: float = 30.0) -> LocalAgent:
+        return super().start(prefix=[*self.bed.node_prefix(self.netns), *(prefix or [])], timeout_s=timeout_s)
+
+    def cli(
+        self, *args: str, check: bool = True, timeout_s: float = 300.0
+    ) -> subprocess.CompletedProcess[str]:
+        """`ferry ARGS` on this node: in its mount and network namespaces, against its socket."""
+        assert self.proc is not None, f"agent {self.node} is not running"
+        cmd = [sys.executable, "-m", "agent.cli", *args]
+        if args and args[0] not in ("inspect", "doctor", "certs"):
+            cmd[4:4] = ["--agent", f"unix:{self.socket}"]
+        full = ["nsenter", f"--target={self.proc.pid}", "--mount", "--net", "--", *cmd]
+        p = subprocess.run(
+            full,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=self.env,
+            cwd=self.bed.shared,
+            check=False,
+        )
+        if check and p.returncode != 0:
+            raise RuntimeError(
+                f"`ferry {' '.join(args)}` on {self.node} failed ({p.returncode}): {p.stderr.strip()}"
+            )
+        return p
+
+    def cleanup(self) -> None:
+        """The node's /run, /tmp and staging vanish with its namespaces."""
+
+    def job(self, name: str) -> dict:
+        jobs = {j["name"]: j for j in json.loads(self.cli("ps", "--json").stdout)}
+        return jobs[name]
+
+    def job_address(self, name: str) -> str:
+        return self.job(name)["address"]
+
+
+class Bed:
+    def __init__(self, root: Path) -> None:
+        self.tag = "fb" + secrets.token_hex(3)
+        self.root = root / "bed"
+        self.shared = self.root / "shared"  # the cluster file system
+        self.shared.mkdir(parents=True, exist_ok=True)
+        self.fabric = f"{self.tag}-fab"
+        self.outside_ns = f"{self.tag}-out"
+        self.agents: list[BedAgent] = []
+        self._links = 0
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    def node_tls(self, node: str, address: str) -> Path:
+        """The node's own TLS directory: the cluster CA and its certificate, nothing else."""
+        pki = self.root / "pki"
+        if not (pki / certs.CA_CERT).exists():
+            certs.create_ca(pki)
+        certs.issue(pki, node, certs.Role.NODE, [address])
+        mine = self.root / node / "tls"
+        mine.mkdir(parents=True, mode=0o700, exist_ok=True)
+        for f in (certs.CA_CERT, f"{node}.pem", f"{node}-key.pem"):
+            shutil.copy2(pki / f, mine / f)
+        return mine
+
+    def up(self) -> None:
+        _ip("netns", "add", self.fabric)
+        _ip("-n", self.fabric, "link", "add", "fab0", "type", "bridge")
+        _ip("-n", self.fabric, "link", "set", "fab0", "up")
+        _ip("netns", "add", self.outside_ns)
+        self._uplink(self.outside_ns, "eth0")
+        _ip("-n", self.outside_ns, "addr", "add", f"{OUTSIDE_ADDR}/16", "dev", "eth0")
+        _ip("-n", self.outside_ns, "link", "set", "eth0", "up")
+        _ip("-n", self.outside_ns, "link", "set", "lo", "up")
+
+    def _uplink(self, ns: str, inner: str) -> None:
+        """A veth from namespace ns (named inner there) to the fabric's bridge."""
+        self._links += 1
+        outer = f"{self.tag}l{self._links}"
+        _ip("link", "add", outer, "type", "veth", "peer", "name", inner, "netns", ns)
+        _ip("link", "set", outer, "netns", self.fabric)
+        _ip("-n", self.fabric, "link", "set", outer, "master", "fab0", "up")
+
+    def node(self, name: str, env: dict[str, str] | None = None, start: bool = True) -> BedAgent:
+        index = len(self.agents) + 1
+        agent = BedAgent(self, name, index, env)
+        ns = agent.netns
+        _ip("netns", "add", ns)
+        self._uplink(ns, "uplink")
+        _ip("-n", ns, "link", "add", "ferry0", "type", "bridge")
+        _ip("-n", ns, "link", "set", "uplink", "master", "ferry0", "up")
+        _ip("-n", ns, "addr", "add", f"10.98.0.{index}/16", "dev", "ferry0")
+        _ip("-n", ns, "link", "set", "ferry0", "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        self.agents.append(agent)
+        if start:
+            agent.start()
+        return agent
+
+    def node_prefix(self, netns: str) -> list[str]:
+        """Run a command as a node: its network namespace, a mount namespace with fresh /tmp,
+        /dev/shm and /run; the repository, this Python and the bed stay visible."""
+        keep = tmp_keeps([str(REPO), sys.prefix, os.path.realpath(sys.executable), str(self.root)])
+        binds = " && ".join(
+            f"mkdir -p {shlex.quote(k)} && mount -c --bind /proc/self/fd/3/{shlex.quote(k[len('/tmp/') :])} "
+            f"{shlex.quote(k)}"
+            for k in keep
+        )
+        script = (
+            "exec 3</tmp && mount -t tmpfs tmpfs /tmp && "
+            + (binds + " && " if binds else "")
+            + 'exec 3<&- && mount -t tmpfs tmpfs /dev/shm && mount -t tmpfs tmpfs /run && exec "$@"'
+        )
+        return [
+            "ip",
+            "netns",
+            "exec",
+            netns,
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "--",
+            "sh",
+            "-c",
+            script,
+            "node",
+        ]
+
+    def outside(self, cmd: list[str], **kw: object) -> subprocess.Popen[str]:
+        """A process on the outside host (not a job, not a node)."""
+        return subprocess.Popen(["ip", "netns", "exec", self.outside_ns, *cmd], text=True, **kw)  # type: ignore[call-overload]
+
+    def down(self) -> None:
+        for agent in self.agents:
+            with contextlib.suppress(Exception):
+                agent.kill_jobs()
+            with contextlib.suppress(Exception):
+                agent.stop()
+        for ns in [a.netns for a in self.agents] + [self.outside_ns, self.fabric]:
+            _ip("netns", "del", ns, check=False)
+
+
+@contextlib.contextmanager
+def node_bed(root: Path) -> Iterator[Bed]:
+    bed = Bed(root)
+    try:
+        bed.up()
+        yield bed
+    finally:
+        bed.down()
