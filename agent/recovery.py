@@ -22,7 +22,7 @@ import shutil
 import threading
 from collections.abc import Callable
 
-from agent import cuda, procs
+from agent import cuda, procs, tcp_repair
 from agent.errors import FerryError, InvalidArgumentError, NotFoundError, RefusedError
 from agent.jobs import JobRegistry, JobState
 from agent.journal import SOURCE, Journal, MigrationRecord
@@ -145,6 +145,12 @@ class SourceRecovery:
     def _resume(self, rec: MigrationRecord, why: str) -> str:
         job = self.registry.get(rec.job)
         pids = procs.tree_pids(job.pid) if procs.alive(job.pid, job.pid_started) else []
+        tcp_repair.release(pids)  # a dump left its TCP sockets in repair mode
+        if job.veth and self.registry.network is not None:
+            try:
+                self.registry.network.reconnect(job.veth)  # the lock may still be engaged
+            except FerryError as e:
+                log.error("migration %s (job %s): cannot put its link back: %s", rec.migration_id, rec.job, e)
         procs.resume(pids)  # first: the CUDA driver's restore thread must run
         undone = cuda.undo(self.driver, rec.cuda_pids)  # no record of how far the freeze went: read
         note = f"migration to {rec.peer} settled: {why}; the job resumed here"

@@ -112,6 +112,7 @@ class Bed:
         self.root = root / "bed"
         self.shared = self.root / "shared"  # the cluster file system
         self.shared.mkdir(parents=True, exist_ok=True)
+        self.pki = self.root / "pki"  # the admin machine's `ferry certs` directory
         self.fabric = f"{self.tag}-fab"
         self.outside_ns = f"{self.tag}-out"
         self.agents: list[BedAgent] = []
@@ -121,10 +122,11 @@ class Bed:
 
     def node_tls(self, node: str, address: str) -> Path:
         """The node's own TLS directory: the cluster CA and its certificate, nothing else."""
-        pki = self.root / "pki"
+        pki = self.pki
         if not (pki / certs.CA_CERT).exists():
             certs.create_ca(pki)
-        certs.issue(pki, node, certs.Role.NODE, [address])
+        if not (pki / f"{node}.pem").exists():  # a test may have issued it with `ferry certs`
+            certs.issue(pki, node, certs.Role.NODE, [address])
         mine = self.root / node / "tls"
         mine.mkdir(parents=True, mode=0o700, exist_ok=True)
         for f in (certs.CA_CERT, f"{node}.pem", f"{node}-key.pem"):
