@@ -699,17 +699,22 @@ def restore_tree(
         if net and registry.network is not None:
             external.append(registry.network.criu_restore_external(net))
         t = time.monotonic()
-        res = criu.restore(
-            image_dir,
-            inherit=inherit,
-            shell_job=spec.shell_job,
-            log_dir=log_dir or job_dir,
-            on_start=on_criu_start,
-            leave_stopped=True,
-            lazy_pages=lazy_pages,
-            root="/" if spec.private else "",
-            external=external,
-        )
+        try:
+            res = criu.restore(
+                image_dir,
+                inherit=inherit,
+                shell_job=spec.shell_job,
+                log_dir=log_dir or job_dir,
+                on_start=on_criu_start,
+                leave_stopped=True,
+                lazy_pages=lazy_pages,
+                root="/" if spec.private else "",
+                external=external,
+            )
+        except BaseException:
+            if net and registry.network is not None:
+                registry.network.delete(net)  # whatever CRIU made of the job's link before failing
+            raise
         times["restore"] = time.monotonic() - t
     finally:
         for fd in fds:
