@@ -86,13 +86,6 @@ class ProcFs:
         except OSError:
             return []
 
-    def net_table(self, pid: int, name: str) -> list[list[str]]:
-        try:
-            lines = (self.root / str(pid) / "net" / name).read_text().splitlines()
-        except OSError:
-            return []
-        return [ln.split() for ln in lines[1:]]
-
     def socket_kind(self, pid: int, fd: int) -> tuple[int, int, int] | None:
         """(family, type, protocol) of the process's socket fd, read from a duplicate of it
         (pidfd_getfd); None when it cannot be duplicated (kernel before 5.6, or gone)."""
@@ -160,16 +153,19 @@ def refuse_undumpable(
         causes: dict[tuple[str, str], list[str]] = {}
         for o in found:
             causes.setdefault((o.why, o.fix), []).append(f"pid {o.pid} {o.what}")
-        lines = []
-        for (why, fix), where in causes.items():
-            shown = ", ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
-            lines.append(f"{shown}: {why}; {fix}")
+        lines = [f"{_listed(where, 3)}: {why}; {fix}" for (why, fix), where in causes.items()]
         raise RefusedError(
             "CRIU cannot move this job: " + " | ".join(lines),
             step=step,
             node=node,
             hint="nothing was frozen; the job keeps running here",
         )
+
+
+def _listed(items: list[str], most: int) -> str:
+    """The first `most` items, and how many more."""
+    more = f" and {len(items) - most} more" if len(items) > most else ""
+    return ", ".join(items[:most]) + more
 
 
 def _host_shm(pid: int, what: str) -> Obstacle:
@@ -197,9 +193,7 @@ def _socket(kind: tuple[int, int, int] | None) -> str:
         return ""  # cannot tell: CRIU will say, with the line quoted
     family, type_, proto = kind
     if family not in FAMILIES_OK:
-        name = (
-            getattr(socket.AddressFamily(family), "name", str(family)) if family in _FAMILY_NAMES else family
-        )
+        name = socket.AddressFamily(family).name if family in _FAMILY_NAMES else str(family)
         return f"CRIU cannot dump a socket of family {name} (only unix, inet, inet6, packet and netlink)"
     if (
         family in (socket.AF_INET, socket.AF_INET6)
@@ -227,9 +221,8 @@ def refuse_node_sockets(pids: Iterable[int], node: str, fs: ProcFs | None = None
             if kind and kind[0] in (socket.AF_INET, socket.AF_INET6) and kind[1] != socket.SOCK_RAW:
                 where.append(f"pid {pid} fd {fd}")
     if where:
-        shown = ", ".join(where[:4]) + (f" and {len(where) - 4} more" if len(where) > 4 else "")
         raise RefusedError(
-            f"the job holds inet sockets ({shown}) on this node's own network, whose addresses "
+            f"the job holds inet sockets ({_listed(where, 4)}) on this node's own network, whose addresses "
             "another node does not have",
             step="prepare",
             node=node,

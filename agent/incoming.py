@@ -39,6 +39,7 @@ from agent.errors import (
 )
 from agent.gpus import GpuNeed
 from agent.image import Manifest, StreamDigest
+from agent.jobnet import carrying
 from agent.jobs import JobRegistry, JobState
 from agent.journal import TARGET, Journal, MigrationRecord
 from agent.migrate import default_cuda_jobs, restore_tree, wait_for_output
@@ -364,14 +365,7 @@ class TargetMigrations:
     def _require_job_network(self, address: str) -> None:
         """The job keeps its address: this node must carry its job network, and no job here may
         hold the same address."""
-        net = self.registry.network
-        if net is None or not net.config.covers(address):
-            where = f"job network {net.config.subnet}" if net else "no job network ([network] in its config)"
-            raise self._refuse(
-                f"the job's address {address} is on a job network, but this node has {where}",
-                "move it to a node of the same job network",
-            )
-        net.require_bridge()
+        carrying(self.registry.network, address, self.node, "prepare")
         if holder := next(
             (r.name for r in self.registry.list() if r.address == address and r.state.active), None
         ):

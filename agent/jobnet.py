@@ -235,6 +235,23 @@ class JobNetwork:
             )
 
 
+def carrying(network: JobNetwork | None, address: str, node: str, step: str) -> JobNetwork:
+    """This node's job network, if it carries the job's address (its subnet, its bridge); else
+    a refusal: a job keeps its address wherever it runs."""
+    if network is None or not network.config.covers(address):
+        where = (
+            f"job network {network.config.subnet}" if network else "no job network ([network] in its config)"
+        )
+        raise RefusedError(
+            f"the job's address {address} is on a job network, but this node has {where}",
+            step=step,
+            node=node,
+            hint="move or restore it on a node of the same job network",
+        )
+    network.require_bridge()
+    return network
+
+
 class LinkLock:
     """A job's link off its bridge for the length of a move: engaged just before the dump,
     released only if the source copy is to go on (abort); a moved job's link just goes."""

@@ -544,8 +544,6 @@ def _end(outer: subprocess.Popen[bytes]) -> None:
         outer.wait(10)
 
 
-#: What every job gets fresh (ferry-init --private): the node's are hidden from it.
-FRESH = ("/tmp", "/dev/shm", "/run")
 #: Where a private job sees its log directory: an external mount for CRIU, which each node binds
 #: to its own copy of the job's logs (ferry-init --logs).
 LOG_MOUNT = "/run/ferry-job"
@@ -568,7 +566,7 @@ def tmp_keeps(paths: list[str]) -> list[str]:
 
 def _refuse_hidden(path: str, what: str, node: str) -> None:
     real = os.path.realpath(path)
-    for fresh in FRESH[1:]:  # /tmp keeps what the job needs (tmp_keeps)
+    for fresh in procs.FRESH[1:]:  # /tmp keeps what the job needs (tmp_keeps)
         if real == fresh or real.startswith(fresh + "/"):
             raise InvalidArgumentError(
                 f"the job's {what} {path} lies under {fresh}, which every job gets fresh",

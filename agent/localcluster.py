@@ -52,6 +52,7 @@ class LocalAgent:
         self.proc: subprocess.Popen[bytes] | None = None
         self.address = ""
         self.host = host
+        self.cli_cwd: Path | None = None  # where the CLI runs (None: the caller's directory)
 
     def start(self, prefix: list[str] | None = None, timeout_s: float = 30.0) -> LocalAgent:
         """Start the agent (optionally under a wrapper such as `unshare`) and wait until it listens."""
@@ -123,7 +124,21 @@ class LocalAgent:
         cmd = [sys.executable, "-m", "agent.cli", *args]
         if args and args[0] not in ("inspect", "doctor", "certs"):
             cmd[4:4] = ["--agent", f"unix:{self.socket}"]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=self.env, check=False)
+        p = subprocess.run(
+            [*self.cli_prefix(), *cmd],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=self.env,
+            cwd=self.cli_cwd,
+            check=False,
+        )
         if check and p.returncode != 0:
-            raise RuntimeError(f"`ferry {' '.join(args)}` failed ({p.returncode}): {p.stderr.strip()}")
+            raise RuntimeError(
+                f"`ferry {' '.join(args)}` on {self.node} failed ({p.returncode}): {p.stderr.strip()}"
+            )
         return p
+
+    def cli_prefix(self) -> list[str]:
+        """What the CLI runs under to be on this agent's node (nothing: this host)."""
+        return []

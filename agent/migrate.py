@@ -55,7 +55,7 @@ from agent.image import (
     read_manifest,
     verify,
 )
-from agent.jobnet import LinkLock, veth_name
+from agent.jobnet import LinkLock, carrying, veth_name
 from agent.jobs import LOG_MOUNT, LOG_MOUNT_KEY, JobKind, JobRecord, JobRegistry, JobState
 from agent.journal import SOURCE, Journal, MigrationRecord
 from agent.pagestream import PageCall, SourceRelay
@@ -770,16 +770,7 @@ def _job_link(registry: JobRegistry, spec: JobSpec, name: str) -> str:
     whose address this node's job network does not carry."""
     if not spec.address:
         return ""
-    net = registry.network
-    if net is None or not net.config.covers(spec.address):
-        where = f"job network {net.config.subnet}" if net else "no job network ([network])"
-        raise RefusedError(
-            f"job {name!r} has the address {spec.address}, but this node has {where}",
-            step="restore",
-            node=registry.node,
-            hint="restore it on a node of its job network",
-        )
-    net.require_bridge()
+    carrying(registry.network, spec.address, registry.node, "restore")
     return veth_name(f"{registry.node}/{name}/{time.time_ns()}")
 
 

@@ -27,18 +27,3 @@ def dup_fd(pid: int, fd: int) -> int | None:
     finally:
         os.close(pidfd)
     return dup if dup >= 0 else None
-
-
-def fds(pid: int) -> list[tuple[int, str]]:
-    """(fd, link) of each open fd of the process."""
-    out = []
-    try:
-        names = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return []
-    for name in names:
-        try:
-            out.append((int(name), os.readlink(f"/proc/{pid}/fd/{name}")))
-        except (OSError, ValueError):
-            continue
-    return sorted(out)

@@ -84,8 +84,8 @@ def open_paths(root: int) -> set[str]:
     return {p for p in paths if p.startswith("/") and not p.endswith(" (deleted)")}
 
 
-#: What ferry-init gives every job fresh (tmpfs in the job's mount namespace).
-FRESH_DIRS = ("tmp", "dev/shm", "run")
+#: What ferry-init gives every job fresh (tmpfs in its mount namespace; the node's are hidden).
+FRESH = ("/tmp", "/dev/shm", "/run")
 
 
 def _fresh_devices(pid: int) -> set[int]:
@@ -96,7 +96,7 @@ def _fresh_devices(pid: int) -> set[int]:
             return set()
     except OSError:
         return set()
-    return {d for d in (_dev(f"/proc/{pid}/root/{p}") for p in FRESH_DIRS) if d is not None}
+    return {d for d in (_dev(f"/proc/{pid}/root{p}") for p in FRESH) if d is not None}
 
 
 def _dev(path: str) -> int | None:

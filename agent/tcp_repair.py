@@ -13,9 +13,11 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+import stat
 from collections.abc import Iterable
 
-from agent.pidfd import dup_fd, fds
+from agent.dumpable import ProcFs
+from agent.pidfd import dup_fd
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +29,10 @@ def release(pids: Iterable[int]) -> int:
     """Every TCP socket of these processes out of repair mode; returns how many were. Sockets
     not in repair mode (listening, never dumped) are left as they are."""
     released = 0
+    fs = ProcFs()
     for pid in pids:
-        for fd, link in fds(pid):
-            if not link.startswith("socket:"):
+        for fd, _link, mode, _rdev in fs.fds(pid):
+            if not stat.S_ISSOCK(mode):
                 continue
             dup = dup_fd(pid, fd)
             if dup is None:

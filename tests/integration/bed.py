@@ -65,35 +65,17 @@ class BedAgent(LocalAgent):
             staging_dir=Path("/dev/shm/ferry-staging"),
             config=config,
         )
-        self.socket = Path("/run/ferry/agent.sock")
+        self.socket = Path("/run/ferry/agent.sock")  # in the node's own /run
+        self.cli_cwd = bed.shared
         self.address = f"10.98.0.{index}:7070"
 
     def start(self, prefix: list[str] | None = None, timeout_s: float = 30.0) -> LocalAgent:
         return super().start(prefix=[*self.bed.node_prefix(self.netns), *(prefix or [])], timeout_s=timeout_s)
 
-    def cli(
-        self, *args: str, check: bool = True, timeout_s: float = 300.0
-    ) -> subprocess.CompletedProcess[str]:
-        """`ferry ARGS` on this node: in its mount and network namespaces, against its socket."""
+    def cli_prefix(self) -> list[str]:
+        """The CLI runs on this node: in its mount and network namespaces, against its socket."""
         assert self.proc is not None, f"agent {self.node} is not running"
-        cmd = [sys.executable, "-m", "agent.cli", *args]
-        if args and args[0] not in ("inspect", "doctor", "certs"):
-            cmd[4:4] = ["--agent", f"unix:{self.socket}"]
-        full = ["nsenter", f"--target={self.proc.pid}", "--mount", "--net", "--", *cmd]
-        p = subprocess.run(
-            full,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            env=self.env,
-            cwd=self.bed.shared,
-            check=False,
-        )
-        if check and p.returncode != 0:
-            raise RuntimeError(
-                f"`ferry {' '.join(args)}` on {self.node} failed ({p.returncode}): {p.stderr.strip()}"
-            )
-        return p
+        return ["nsenter", f"--target={self.proc.pid}", "--mount", "--net", "--"]
 
     def cleanup(self) -> None:
         """The node's /run, /tmp and staging vanish with its namespaces."""

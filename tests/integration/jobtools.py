@@ -61,6 +61,14 @@ def final_digest(log: str) -> str:
     return m[1]
 
 
+def start_adoptable(cmd: list[str], log: Path, stderr: int = subprocess.STDOUT) -> subprocess.Popen[bytes]:
+    """A process ferry did not start, for `ferry adopt`: a session of its own, stdout to log."""
+    with open(log, "wb") as f:
+        return subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=stderr, start_new_session=True
+        )
+
+
 def run_training(agent: LocalAgent, name: str, steps: int, workers: int = 0) -> None:
     agent.cli("run", "--name", name, "--", sys.executable, str(WORKLOAD), *train_args(steps, workers))
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ from tests.integration.jobtools import (
     assert_completed_exactly_once,
     job,
     run_training,
+    start_adoptable,
     steps_in,
     train_args,
     wait_steps,
@@ -118,14 +118,7 @@ IO_URING_HOLDER = (
 def test_an_adopted_process_with_io_uring_is_refused_before_anything_is_frozen(agents, tmp_path):
     a, b = agents("node-a"), agents("node-b")
     out = tmp_path / "uring.log"
-    with open(out, "wb") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", IO_URING_HOLDER],
-            stdin=subprocess.DEVNULL,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc = start_adoptable([sys.executable, "-c", IO_URING_HOLDER], out)
     try:
         a.cli("adopt", "--pid", str(proc.pid), "--name", "uring")
         p = a.cli("migrate", "uring", "--to", b.address, check=False)

@@ -16,6 +16,7 @@ from tests.integration.jobtools import (
     job,
     reference_digest,
     run_training,
+    start_adoptable,
     steps_in,
     train_args,
     wait_state,
@@ -62,14 +63,7 @@ def test_adopted_process_migrates_to_a_node_with_its_pids_free(agents, tmp_path)
     # --kill-child: stopping the test's agent signals unshare, and the agent must not outlive it.
     b = agents("node-b", prefix=["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"])
     out = tmp_path / "adopted.log"
-    with open(out, "wb") as f:
-        proc = subprocess.Popen(
-            [sys.executable, str(WORKLOAD), *train_args(30)],
-            stdin=subprocess.DEVNULL,
-            stdout=f,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+    proc = start_adoptable([sys.executable, str(WORKLOAD), *train_args(30)], out, stderr=subprocess.DEVNULL)
     try:
         a.cli("adopt", "--pid", str(proc.pid), "--name", "adoptee")
         deadline = time.monotonic() + 60
