@@ -1,16 +1,16 @@
 """The agent's config file (`ferry agent --config FILE`, TOML): health thresholds, the
 self-healing policy and the peers it may move jobs to.
 
-    [health]              # agent.health.HealthConfig: thresholds and windows
+    [health]              # agent.health.monitor.HealthConfig: thresholds and windows
     temperature_warn_c = 85
 
     [policy]              # PolicyConfig below
     cooldown_s = 600
 
-    [cuda]                # agent.cudajob.CudaConfig: lock timeout, explicit GPU pairs
+    [cuda]                # agent.cuda.jobs.CudaConfig: lock timeout, explicit GPU pairs
     lock_timeout_s = 30
 
-    [network]             # agent.jobnet.NetworkConfig: the job network (docs/networking.md)
+    [network]             # agent.jobs.network.NetworkConfig: the job network (docs/networking.md)
     bridge = "ferry0"
     subnet = "10.77.0.0/16"
     pool = "10.77.1.0/24"
@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.cudajob import CudaConfig
+from agent.cuda.jobs import CudaConfig
 from agent.errors import InvalidArgumentError
-from agent.health import HealthConfig
-from agent.jobnet import NetworkConfig
+from agent.health.monitor import HealthConfig
+from agent.jobs.network import NetworkConfig
 from agent.settings import from_table
 
 

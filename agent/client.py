@@ -145,7 +145,7 @@ def from_rpc_error(e: grpc.RpcError, address: str, step: str, dial: Dial | None 
 
 
 class PeerClient:
-    """The target agent, for a source agent's migration (agent.migrate.Peer)."""
+    """The target agent, for a source agent's migration (agent.migration.source.Peer)."""
 
     def __init__(self, address: str, dial: Dial) -> None:
         self.address = address
@@ -190,7 +190,7 @@ class PeerClient:
 
 
 class _PageCall:
-    """A StreamPages call as agent.pagestream.PageCall: its errors are ours."""
+    """A StreamPages call as agent.migration.pagestream.PageCall: its errors are ours."""
 
     def __init__(self, call: Any, peer: PeerClient) -> None:
         self._call = call

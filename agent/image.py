@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.errors import ImageError
-from agent.gpus import GpuNeed
+from agent.gpus.inventory import GpuNeed
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -132,7 +132,7 @@ class Manifest:
     timings: dict[str, float] = field(default_factory=dict)
     cuda: CudaSection | None = None  # None: a CPU-only job
     # The job's memory when it was streamed to the target's page server while dumping
-    # (agent.pagestream): then its pages-/pagemap- files are not in `files`.
+    # (agent.migration.pagestream): then its pages-/pagemap- files are not in `files`.
     page_stream: StreamDigest | None = None
     version: int = MANIFEST_VERSION
 

@@ -41,7 +41,7 @@ class Identity:
 
     def server_credentials(self) -> grpc.ServerCredentials:
         # The handshake itself demands a client certificate signed by the CA: a peer
-        # without one never reaches an RPC. Roles are checked per call (agent.access).
+        # without one never reaches an RPC. Roles are checked per call (agent.service.access).
         return grpc.ssl_server_credentials(
             [(self.key, self.cert)], root_certificates=self.ca, require_client_auth=True
         )

@@ -333,7 +333,7 @@ class Bench:
 
     def start_agents(self) -> None:
         from agent import certs
-        from agent.localcluster import LocalAgent
+        from agent.testing.localcluster import LocalAgent
 
         pki = self.root / "pki"
         certs.create_ca(pki)
@@ -871,7 +871,7 @@ PIPE_MAX = Path("/proc/sys/fs/pipe-max-size")
 def allow_lazy_dumps(say: Progress) -> str | None:
     """Root without CAP_SYS_RESOURCE needs fs.pipe-max-size raised for post-copy (the agent
     refuses --lazy otherwise): raise it for the run; return the value to put back."""
-    from agent.criu_lazy import LAZY_PIPE_BYTES, lazy_dump_blocker
+    from agent.criu.lazy import LAZY_PIPE_BYTES, lazy_dump_blocker
 
     if not lazy_dump_blocker():
         return None

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from agent import certs  # noqa: E402
-from agent.localcluster import LocalAgent  # noqa: E402
+from agent.testing.localcluster import LocalAgent  # noqa: E402
 
 WORKLOAD = REPO / "scripts" / "workloads" / "train_mlp.py"
 STEPS = 60

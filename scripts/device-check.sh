@@ -40,7 +40,7 @@
 #       python, torch, CRIU). Then it stops at once, with one line and exit 1,
 #       at the first precondition that does not hold: root; `criu check`; the
 #       driver's CUDA checkpoint API; NVML reporting PIDs as the agent sees
-#       them (python -m agent.pidprobe: an agent in a PID namespace of its own
+#       them (python -m agent.cuda.pidprobe: an agent in a PID namespace of its own
 #       gets host PIDs from NVML and could move no CUDA job). Then it runs
 #         python -m pytest tests/gpu -v -rs -p no:cacheprovider --timeout 120
 #       plus PYTEST_ARGS, with pytest plugin autoloading off (only
@@ -468,13 +468,13 @@ preflight() {
   out="$("$FERRY_CRIU" check 2>&1)" \
     || stop_check "'criu check' fails on this host (kernel $(uname -r)): $(grep -v '^[[:space:]]*$' <<<"$out" | tail -n 1)"
   out="$("$VPY" -c 'import sys
-from agent.cuda import CudaDriver
+from agent.cuda.driver import CudaDriver
 i = CudaDriver().probe()
 print(i.detail)
 sys.exit(0 if i.checkpoint else 1)' 2>&1)" \
     || stop_check "the NVIDIA driver offers no CUDA checkpoint API here: $(tail -n 1 <<<"$out")"
   echo "cuda checkpoint: $out"
-  out="$("$VPY" -m agent.pidprobe 2>&1)" \
+  out="$("$VPY" -m agent.cuda.pidprobe 2>&1)" \
     || stop_check "NVML PID probe: $(paste -sd ' ' <<<"$out")"
   echo "$out"
 }

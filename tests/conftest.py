@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.localcluster import LocalAgent
+from agent.testing.localcluster import LocalAgent
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.cuda import CudaDriver
-from agent.gpus import Nvml
+from agent.cuda.driver import CudaDriver
+from agent.gpus.inventory import Nvml
 
 
 def _why_not() -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agent.localcluster import LocalAgent
+from agent.testing.localcluster import LocalAgent
 from tests.integration.jobtools import WORKLOAD, final_digest, job, steps_in, wait_state
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from agent.cuda import CudaDriver
+from agent.cuda.driver import CudaDriver
 from tests.gpu.devicetools import (
     counter_cmd,
     gpu_of_job,

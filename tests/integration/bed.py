@@ -31,8 +31,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from agent import certs
-from agent.jobs import tmp_keeps
-from agent.localcluster import LocalAgent
+from agent.jobs.registry import tmp_keeps
+from agent.testing.localcluster import LocalAgent
 
 REPO = Path(__file__).resolve().parents[2]
 SUBNET = "10.98.0.0/16"

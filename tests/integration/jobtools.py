@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from agent.localcluster import LocalAgent
+from agent.testing.localcluster import LocalAgent
 
 REPO = Path(__file__).resolve().parents[2]
 WORKLOAD = REPO / "scripts" / "workloads" / "train_mlp.py"

@@ -19,8 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agent import certs, procs
-from agent.localcluster import LocalAgent
+from agent import certs
+from agent.jobs import procs
+from agent.testing.localcluster import LocalAgent
 from tests.integration.jobtools import (
     WORKLOAD,
     assert_completed_exactly_once,
@@ -114,7 +115,7 @@ def migrate_in_background(source: LocalAgent, name: str, target: LocalAgent) -> 
     cmd = [
         sys.executable,
         "-m",
-        "agent.cli",
+        "agent.cli.main",
         "migrate",
         name,
         "--agent",

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from agent.criu_images import bound_socket_dirs
+from agent.criu.images import bound_socket_dirs
 from tests.integration.jobtools import (
     WORKLOAD,
     assert_completed_exactly_once,
@@ -148,7 +148,7 @@ def test_sigterm_lets_an_in_flight_migration_finish(agents):
     cmd = [
         sys.executable,
         "-m",
-        "agent.cli",
+        "agent.cli.main",
         "migrate",
         "graceful",
         "--agent",

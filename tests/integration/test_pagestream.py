@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from agent import procs
-from agent.criu import Criu
+from agent.criu.runner import Criu
 from agent.errors import CriuError, FerryError
 from agent.image import PAGES_PREFIX
-from agent.pagestream import SourceRelay, TargetRelay
+from agent.jobs import procs
+from agent.migration.pagestream import SourceRelay, TargetRelay
 from agent.rpc import pb
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "scripts" / "workloads" / "train_sized.py"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.criu_lazy import LAZY_PIPE_BYTES, lazy_dump_blocker
+from agent.criu.lazy import LAZY_PIPE_BYTES, lazy_dump_blocker
 from tests.integration.jobtools import assert_completed_exactly_once, job, run_training, steps_in, wait_steps
 
 PIPE_MAX = Path("/proc/sys/fs/pipe-max-size")

@@ -1,6 +1,6 @@
 """Self-healing end to end: real agents, real CRIU, real PyTorch jobs; only the GPUs are replayed.
 
-Each agent answers NVML calls from its own telemetry file (FERRY_NVML_REPLAY, agent.nvml_replay):
+Each agent answers NVML calls from its own telemetry file (FERRY_NVML_REPLAY, agent.testing.nvml_replay):
 the same calls a real node answers, so the health monitor, the policy, the cluster view and the
 target's GPU choice all run as they would on GPUs. The jobs are CPU training runs given a GPU
 with `ferry run --gpu`; injecting telemetry is rewriting a file.

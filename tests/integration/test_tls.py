@@ -18,7 +18,8 @@ def pki(tmp_path: Path, agents) -> dict[str, Path]:
     ours, other = tmp_path / "pki", tmp_path / "other-pki"
 
     def certs(*args: str) -> None:
-        subprocess.run([sys.executable, "-m", "agent.cli", "certs", *args], check=True, capture_output=True)
+        cmd = [sys.executable, "-m", "agent.cli.main", "certs", *args]
+        subprocess.run(cmd, check=True, capture_output=True)
 
     certs("ca", "--dir", str(ours))
     for node in ("node-a", "node-b"):

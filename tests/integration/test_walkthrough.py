@@ -16,7 +16,7 @@ from pathlib import Path
 from tests.integration.bed import Bed, node_bed
 from tests.integration.jobtools import WORKLOAD, final_digest, reference_digest, steps_in, train_args
 
-FERRY = [sys.executable, "-m", "agent.cli"]
+FERRY = [sys.executable, "-m", "agent.cli.main"]
 
 
 def ferry(*args: str) -> subprocess.CompletedProcess[str]:

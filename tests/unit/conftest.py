@@ -10,9 +10,9 @@ import grpc
 import pytest
 from fakes import SLEEP, FakeCriu
 
-from agent.jobs import JobRegistry
+from agent.jobs.registry import JobRegistry
 from agent.rpc import pb_grpc
-from agent.server import AgentService, create_server
+from agent.service.servicer import AgentService, create_server
 
 
 @pytest.fixture(autouse=True)

@@ -387,7 +387,7 @@ class FakeNvml:
 
 
 class FakeProcView:
-    """agent.cudajob.ProcView answered from the world."""
+    """agent.cuda.jobs.ProcView answered from the world."""
 
     def __init__(self, world: CudaWorld) -> None:
         self.world = world
@@ -408,12 +408,12 @@ class FakeProcView:
 def fake_cuda_jobs(
     world: CudaWorld, node: str = "nodea", host_pid_offset: int = 0, **driver_kw: Any
 ) -> tuple[Any, FakeDriver]:
-    """agent.cudajob.CudaJobs over this world, and its fake driver (to inspect calls, inject faults).
+    """agent.cuda.jobs.CudaJobs over this world, and its fake driver (to inspect calls, inject faults).
 
     Its PID probe is `probe_in(world)`: a real process that the world gives a CUDA context."""
-    from agent.cuda import CudaDriver
-    from agent.cudajob import CudaJobs
-    from agent.gpus import Nvml
+    from agent.cuda.driver import CudaDriver
+    from agent.cuda.jobs import CudaJobs
+    from agent.gpus.inventory import Nvml
 
     drv = FakeDriver(world, **driver_kw)
     nvml = Nvml(FakeNvml(world, host_pid_offset=host_pid_offset), node)
@@ -422,12 +422,12 @@ def fake_cuda_jobs(
 
 
 def probe_in(world: CudaWorld, *, makes_context: bool = True) -> Any:
-    """agent.pidprobe.probe with a probe process that needs no GPU: a real child that prints
+    """agent.cuda.pidprobe.probe with a probe process that needs no GPU: a real child that prints
     "ready PID" like the real probe, and that the world lists as a CUDA process on its first GPU."""
     import subprocess
     import sys
 
-    from agent import pidprobe
+    from agent.cuda import pidprobe
 
     code = (
         "import os, sys; print('ready', os.getpid(), flush=True); sys.stdin.read()"

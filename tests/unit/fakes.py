@@ -1,7 +1,7 @@
 """Fakes and helpers for the unit tests: no root, no CRIU, no process is ever really dumped.
 
 The processes the tests start are plain `sleep` children of the test process.
-FakeCriu stands in for agent.criu.Criu: its dump writes a few image files and
+FakeCriu stands in for agent.criu.runner.Criu: its dump writes a few image files and
 SIGSTOPs the tree (as CRIU's --leave-stopped would), its restore starts a new
 `sleep` child (as CRIU's rst_sibling restore would). FakePeer stands in for the
 target agent; its push feeds a real transfer.Intake, so digests are checked.
@@ -22,12 +22,12 @@ from typing import Any
 
 import psutil
 
-from agent import procs
-from agent.criu import DumpResult, InheritFd, RestoreResult
+from agent.criu.runner import DumpResult, InheritFd, RestoreResult
 from agent.errors import CriuError, RefusedError
-from agent.jobs import JobKind, JobRecord, JobState
+from agent.jobs import procs
+from agent.jobs.registry import JobKind, JobRecord, JobState
+from agent.migration.transfer import Intake
 from agent.rpc import pb
-from agent.transfer import Intake
 
 SLEEP = "/bin/sleep"
 SH = "/bin/sh"
@@ -72,7 +72,7 @@ def is_dead(pid: int) -> bool:
 
 
 class FakePageServer:
-    """agent.criu.PageServer without CRIU: a thread copying its socket into a pages file."""
+    """agent.criu.runner.PageServer without CRIU: a thread copying its socket into a pages file."""
 
     def __init__(self, fd: int, path: Path) -> None:
         self.sock = socket.socket(fileno=fd)
@@ -102,7 +102,7 @@ class FakePageServer:
 
 
 class FakeCriu:
-    """agent.criu.Criu without CRIU: records calls, fails on request."""
+    """agent.criu.runner.Criu without CRIU: records calls, fails on request."""
 
     def __init__(self, node: str = "") -> None:
         self.node = node
@@ -243,7 +243,7 @@ class FakeCriu:
 
 
 class FakePeer:
-    """The target agent as a source sees it (agent.migrate.Peer).
+    """The target agent as a source sees it (agent.migration.source.Peer).
 
     `fail[method]` is an exception that method raises; `status_answers` are
     returned (or raised) by status() in turn, the last one repeating.
@@ -339,7 +339,7 @@ def launched_record(
 
 
 class LocalPageCall:
-    """agent.pagestream.PageCall straight onto a TargetMigrations in this process."""
+    """agent.migration.pagestream.PageCall straight onto a TargetMigrations in this process."""
 
     def __init__(self, target: Any, requests: Iterable[pb.PageData]) -> None:
         self._answers = target.stream_pages(iter(requests))

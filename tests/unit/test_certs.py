@@ -11,7 +11,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from agent import certs, cli
+from agent import certs
+from agent.cli import main as cli
 from agent.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
 
 

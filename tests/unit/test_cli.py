@@ -1,4 +1,4 @@
-"""The `ferry` command line (agent.cli.main) and its renderers (agent.render)."""
+"""The `ferry` command line (agent.cli.main.main) and its renderers (agent.cli.render)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from fakes import launched_record
 
-from agent import cli
+from agent.cli import main as cli
+from agent.cli.render import ProgressLine, human_bytes, job_dict, jobs_table, result_dict, summary, table
 from agent.image import JobSpec, build_manifest
-from agent.render import ProgressLine, human_bytes, job_dict, jobs_table, result_dict, summary, table
 from agent.rpc import pb
 
 ALL_COMMANDS = sorted(cli.COMMANDS)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.criu_images import IMG_COMMON_MAGIC, bound_socket_dirs, entries, fields
+from agent.criu.images import IMG_COMMON_MAGIC, bound_socket_dirs, entries, fields
 
 FILES_MAGIC = 0x56303138
 

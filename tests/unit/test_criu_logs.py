@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.criu_logs import CriuLogs, cause
+from agent.criu.logs import CriuLogs, cause
 
 DUMP_LOG = """\
 (00.000011) Version: 4.2.1 (gitid 0)

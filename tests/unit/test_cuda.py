@@ -1,4 +1,4 @@
-"""agent.cuda against the fake driver: every transition of the checkpoint state machine and every error.
+"""agent.cuda.driver against the fake driver: every transition of the checkpoint state machine, every error.
 
 The fake (fake_cuda.FakeDriver) enforces the driver's rules, so these tests
 also pin down that ferry calls the API in an order the real driver accepts.
@@ -21,8 +21,8 @@ from fake_cuda import (
     R,
 )
 
-from agent import cuda
-from agent.cuda import CudaDriver, ProcessState, uuid_bytes, uuid_text
+from agent.cuda import driver as cuda
+from agent.cuda.driver import CudaDriver, ProcessState, uuid_bytes, uuid_text
 from agent.errors import CudaCheckpointError, RefusedError
 
 PID = 4100

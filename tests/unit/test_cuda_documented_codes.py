@@ -27,11 +27,13 @@ from fake_cuda import (
     probe_in,
 )
 
-from agent import cuda, doctor, pidprobe
 from agent.agent_config import parse
-from agent.cuda import CudaDriver, ProcessState
+from agent.cli import doctor
+from agent.cuda import driver as cuda
+from agent.cuda import pidprobe
+from agent.cuda.driver import CudaDriver, ProcessState
 from agent.errors import CudaCheckpointError, InvalidArgumentError, RefusedError
-from agent.gpus import Nvml
+from agent.gpus.inventory import Nvml
 
 JOB = 6100
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 from fake_cuda import A100, GIB, GPU0, GPU1, H200, CudaWorld, FakeGpu, R, fake_cuda_jobs
 
-from agent.cudajob import ProcView, host_pids
+from agent.cuda.jobs import ProcView, host_pids
 from agent.errors import RefusedError
-from agent.gpus import GpuNeed, Inventory, Nvml, choose
+from agent.gpus.inventory import GpuNeed, Inventory, Nvml, choose
 
 JOB = 5000
 

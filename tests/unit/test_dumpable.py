@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.dumpable import ProcFs, obstacles, refuse_undumpable
+from agent.criu.dumpable import ProcFs, obstacles, refuse_undumpable
 from agent.errors import RefusedError
 
 HOLDER = textwrap.dedent(

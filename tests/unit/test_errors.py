@@ -7,7 +7,7 @@ import inspect
 import grpc
 import pytest
 
-from agent import client, errors, faults, migrate
+from agent import client, errors, faults
 from agent.client import from_rpc_error
 from agent.errors import (
     AlreadyExistsError,
@@ -26,7 +26,8 @@ from agent.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from agent.server import STATUS_BY_KIND, status_for
+from agent.migration import source as migrate
+from agent.service.servicer import STATUS_BY_KIND, status_for
 
 S = grpc.StatusCode
 

@@ -1,4 +1,4 @@
-"""The self-healing policy, driven by scripted NVML timelines (agent.nvml_replay) through the real
+"""The self-healing policy, driven by scripted NVML timelines (agent.testing.nvml_replay) through the real
 health monitor. The peers, the migration and the suspend/resume are fakes: their real paths run
 in tests/integration/test_selfheal.py."""
 
@@ -11,14 +11,14 @@ import pytest
 
 from agent.agent_config import AgentConfig, PeerSpec, PolicyConfig
 from agent.errors import NoFreeGpuError, RefusedError, TransferError
-from agent.events import EventLog
-from agent.gpus import Nvml
-from agent.healing import Hooks, SelfHealing
-from agent.health import HealthConfig, HealthMonitor
-from agent.jobs import JobKind, JobRecord, JobRegistry, JobState
-from agent.nvml_replay import FakeClock, ReplayNvml, Timeline
-from agent.quarantine import Quarantine
+from agent.gpus.inventory import Nvml
+from agent.gpus.quarantine import Quarantine
+from agent.health.events import EventLog
+from agent.health.healing import Hooks, SelfHealing
+from agent.health.monitor import HealthConfig, HealthMonitor
+from agent.jobs.registry import JobKind, JobRecord, JobRegistry, JobState
 from agent.rpc import pb
+from agent.testing.nvml_replay import FakeClock, ReplayNvml, Timeline
 
 H200 = "NVIDIA H200"
 

@@ -1,4 +1,4 @@
-"""agent.health judged against scripted NVML telemetry (agent.nvml_replay): no GPU, no sleeping.
+"""agent.health.monitor judged against scripted NVML telemetry (agent.testing.nvml_replay): no GPU, no sleep.
 
 Each test scripts a Timeline, advances a FakeClock and polls, as the agent's loop
 would every interval_s; the monitor makes the same pynvml calls it makes on a
@@ -23,9 +23,9 @@ import pytest
 from fakes import wait_for
 
 from agent.errors import InvalidArgumentError
-from agent.gpus import Nvml
-from agent.health import Change, GpuHealth, HealthConfig, HealthMonitor, State
-from agent.nvml_replay import FakeClock, ReplayNvml, Step, Timeline, ramp
+from agent.gpus.inventory import Nvml
+from agent.health.monitor import Change, GpuHealth, HealthConfig, HealthMonitor, State
+from agent.testing.nvml_replay import FakeClock, ReplayNvml, Step, Timeline, ramp
 
 GPU = "GPU-a0"
 GPU2 = "GPU-b1"
@@ -114,7 +114,7 @@ def test_slow_temperature_climb_degrades_only_after_the_sustain_and_recovers_bel
         (230, GPU, {"temperature": 79}),
     ]
     rig = Rig(steps)
-    with caplog.at_level(logging.INFO, logger="agent.health"):
+    with caplog.at_level(logging.INFO, logger="agent.health.monitor"):
         seen = rig.over(0, 260)
 
     assert seen[145].readings["temperature_c"] == 90
@@ -648,7 +648,7 @@ def test_replay_events_come_only_for_registered_types() -> None:
         nv.nvmlDeviceRegisterEvents(h, nv.nvmlEventTypeAll, es)  # as NVML: a mask with unsupported types
 
 
-#: The calls ReplayNvml must answer: what agent.gpus and agent.health use.
+#: The calls ReplayNvml must answer: what agent.gpus.inventory and agent.health.monitor use.
 REPLAYED_CALLS = {
     "nvmlInit",
     "nvmlShutdown",

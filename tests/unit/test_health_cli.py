@@ -10,7 +10,7 @@ import grpc
 import pytest
 from fakes import SLEEP, wait_for
 
-from agent import cli
+from agent.cli import main as cli
 from agent.rpc import pb, pb_grpc
 
 

@@ -25,8 +25,8 @@ from agent.image import (
     verify,
     write_manifest,
 )
+from agent.migration.transfer import CHUNK_BYTES, Intake, SendStats, send_image
 from agent.rpc import pb
-from agent.transfer import CHUNK_BYTES, Intake, SendStats, send_image
 
 JOB = JobSpec(
     name="train",
@@ -260,7 +260,7 @@ def test_check_name_refuses_anything_else(name: str) -> None:
         check_name(name)
 
 
-# -- chunked transfer (agent.transfer) -------------------------------------------------
+# -- chunked transfer (agent.migration.transfer) -------------------------------------------------
 
 
 def _send(image: Path, mid: str = "m1") -> tuple[list[pb.ImageChunk], SendStats]:

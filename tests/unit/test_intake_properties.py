@@ -1,4 +1,4 @@
-"""Property-based tests of the image intake (agent.transfer.Intake) and the target's push and commit.
+"""Property-based tests of the image intake (agent.migration.transfer.Intake), the target's push and commit.
 
 Every case is a stream a hostile or broken source could send: a real image from
 transfer.send_image, damaged by a few generated mutations, or a sequence of
@@ -37,13 +37,14 @@ from hypothesis import HealthCheck, Phase, currently_in_test_context, event, exa
 from hypothesis import strategies as st
 from test_migrate_target import MID, chunks_for, make_image, prepare_req
 
-from agent import incoming, transfer
 from agent.errors import FerryError, TransferError
 from agent.image import MANIFEST, Manifest
-from agent.incoming import TargetMigrations
-from agent.jobs import JobRegistry, JobState
+from agent.jobs.registry import JobRegistry, JobState
+from agent.migration import target as incoming
+from agent.migration import transfer
+from agent.migration.target import TargetMigrations
+from agent.migration.transfer import Intake
 from agent.rpc import pb
-from agent.transfer import Intake
 
 #: Small enough that the 5000-byte pages file travels in four chunks.
 CHUNK = 1500

@@ -7,7 +7,7 @@ import pytest
 
 from agent.agent_config import parse
 from agent.errors import InvalidArgumentError, RefusedError
-from agent.jobnet import JobNetwork, LinkLock, NetworkConfig, veth_name
+from agent.jobs.network import JobNetwork, LinkLock, NetworkConfig, veth_name
 
 CFG = {"bridge": "ferry0", "subnet": "10.77.0.0/16", "pool": "10.77.1.0/29", "gateway": "10.77.0.1"}
 

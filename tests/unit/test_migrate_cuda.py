@@ -31,18 +31,20 @@ from fake_cuda import (
 )
 from fakes import FakeCriu, LocalPageCall, is_dead, is_stopped, launched_record, wait_running
 
-from agent import cli, incoming, migrate
+from agent.cli import main as cli
 from agent.errors import CriuError, MigrationAbortedError, RefusedError
-from agent.incoming import TargetMigrations
-from agent.jobs import JobRegistry, JobState
-from agent.migrate import MigrationSpec, SourceMigration, checkpoint, restore_image
+from agent.jobs.registry import JobRegistry, JobState
+from agent.migration import source as migrate
+from agent.migration import target as incoming
+from agent.migration.source import MigrationSpec, SourceMigration, checkpoint, restore_image
+from agent.migration.target import TargetMigrations
 from agent.rpc import pb
 
 MID = "feedc0de00000001"
 
 
 class LocalPeer:
-    """agent.migrate.Peer straight onto a TargetMigrations in this process."""
+    """agent.migration.source.Peer straight onto a TargetMigrations in this process."""
 
     address = "127.0.0.1:7071"
 
@@ -380,7 +382,7 @@ def test_restore_refuses_when_no_gpu_fits(tmp_path, sleeper, fake_criu, registry
 @contextlib.contextmanager
 def agent_over(tmp_path: Path, cj: object) -> Iterator[str]:
     """An in-process agent whose CUDA side is `cj`; yields its address."""
-    from agent.server import AgentService, create_server
+    from agent.service.servicer import AgentService, create_server
 
     svc = AgentService(
         tmp_path / "state", "nodea", tmp_path / "staging", criu=FakeCriu("nodea"), cuda_jobs=cj

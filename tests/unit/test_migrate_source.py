@@ -1,4 +1,4 @@
-"""The source side of a migration (agent.migrate.SourceMigration), a failure injected at every phase.
+"""The source side of a migration (agent.migration.source.SourceMigration), a failure injected at every phase.
 
 The job is a real `sleep` child; FakeCriu freezes it with SIGSTOP as CRIU's
 --leave-stopped would, so "resumed" and "kept frozen" are checked on the
@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from fakes import PAGES_BYTES, FakeCriu, FakePeer, is_dead, is_stopped, launched_record, wait_running
 
-from agent import migrate, procs
 from agent.errors import (
     CriuError,
     FerryError,
@@ -27,8 +26,10 @@ from agent.errors import (
 )
 from agent.faults import InjectedFault
 from agent.image import MANIFEST, STDERR_LOG, STDOUT_LOG
-from agent.jobs import JobRecord, JobRegistry, JobState
-from agent.migrate import MigrationSpec, MigrationState, SourceMigration
+from agent.jobs import procs
+from agent.jobs.registry import JobRecord, JobRegistry, JobState
+from agent.migration import source as migrate
+from agent.migration.source import MigrationSpec, MigrationState, SourceMigration
 from agent.rpc import pb
 
 MID = "0123456789abcdef"

@@ -1,4 +1,4 @@
-"""The target side of a migration (agent.migrate.TargetMigrations): leases, intake, restore, fencing.
+"""The target side of a migration (agent.migration.source.TargetMigrations): leases, intake, restore, fencing.
 
 Every image here is produced by transfer.send_image, the source's own sender,
 and then damaged on purpose where a test needs it.
@@ -19,7 +19,6 @@ import psutil
 import pytest
 from fakes import FakeCriu, is_dead
 
-from agent import incoming, migrate, procs
 from agent.errors import (
     AlreadyExistsError,
     CriuError,
@@ -42,10 +41,13 @@ from agent.image import (
     host_bytes,
     verify,
 )
-from agent.incoming import TargetMigrations
-from agent.jobs import JobKind, JobRecord, JobRegistry, JobState
+from agent.jobs import procs
+from agent.jobs.registry import JobKind, JobRecord, JobRegistry, JobState
+from agent.migration import source as migrate
+from agent.migration import target as incoming
+from agent.migration.target import TargetMigrations
+from agent.migration.transfer import SendStats, send_image
 from agent.rpc import pb
-from agent.transfer import SendStats, send_image
 
 MID = "feedfacecafe0001"
 SRC_OUT = "/var/lib/ferry/nodea/jobs/train/stdout.log"

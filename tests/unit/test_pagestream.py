@@ -1,4 +1,4 @@
-"""Streaming a job's memory while it is dumped (agent.pagestream and TargetMigrations.stream_pages).
+"""Streaming a job's memory while it is dumped (agent.migration.pagestream and TargetMigrations.stream_pages).
 
 CRIU's two ends are fakes here (FakeCriu.dump writes the "pages" into the page-server
 socket, FakeCriu.page_server copies its socket into a file); the relays, the target's
@@ -18,7 +18,6 @@ import pytest
 from fakes import FakeCriu, LocalPageCall
 from test_migrate_target import MID, chunks_for, make_image, prepare_req, staged, state
 
-from agent import incoming
 from agent.errors import (
     CriuError,
     FerryError,
@@ -29,8 +28,9 @@ from agent.errors import (
     TransferError,
 )
 from agent.image import StreamDigest
-from agent.incoming import TargetMigrations
-from agent.pagestream import SourceRelay
+from agent.migration import target as incoming
+from agent.migration.pagestream import SourceRelay
+from agent.migration.target import TargetMigrations
 from agent.rpc import pb
 
 

@@ -6,8 +6,8 @@ import pytest
 
 from agent.agent_config import PeerSpec, parse
 from agent.errors import InvalidArgumentError, RefusedError, UnavailableError
-from agent.gpus import GpuNeed
-from agent.placement import choose_target
+from agent.gpus.inventory import GpuNeed
+from agent.health.placement import choose_target
 from agent.rpc import pb
 
 H200, A100 = "NVIDIA H200", "NVIDIA A100"

@@ -1,5 +1,5 @@
-"""The migration journal and what an agent does with it after a restart (agent.journal,
-agent.recovery, TargetMigrations.recover). Real processes stand in for frozen jobs; the
+"""The migration journal and what an agent does with it after a restart (agent.migration.journal,
+agent.migration.recovery, TargetMigrations.recover). Real processes stand in for frozen jobs; the
 target agent is a scripted peer; the CUDA driver is the fake one (no GPU here)."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from fake_cuda import CHECKPOINTED, GPU0, RUNNING, CudaWorld, fake_cuda_jobs
 from fakes import SLEEP, FakeCriu, is_dead, is_stopped, launched_record, wait_stopped
 
 from agent.errors import NotFoundError, RefusedError, UnavailableError
-from agent.incoming import TargetMigrations
-from agent.jobs import JobRegistry, JobState
-from agent.journal import KEEP_FINISHED_S, SOURCE, TARGET, Journal, MigrationRecord
-from agent.recovery import SourceRecovery
+from agent.jobs.registry import JobRegistry, JobState
+from agent.migration.journal import KEEP_FINISHED_S, SOURCE, TARGET, Journal, MigrationRecord
+from agent.migration.recovery import SourceRecovery
+from agent.migration.target import TargetMigrations
 from agent.rpc import pb
 
 

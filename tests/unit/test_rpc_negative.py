@@ -1,4 +1,4 @@
-"""Bad input to every RPC of the Agent service, over real gRPC (agent.server) with a fake CRIU.
+"""Bad input to every RPC of the Agent service, over real gRPC (agent.service.servicer) with a fake CRIU.
 
 The agent serves plaintext on loopback, so access.py lets this caller ('loopback') call
 everything: what comes back is the RPC's own answer. Every refusal must carry a specific status
@@ -22,9 +22,9 @@ import pytest
 from fakes import SLEEP, launched_record, wait_for
 from test_migrate_target import chunks_for, make_image
 
-from agent import incoming
 from agent.image import MANIFEST
-from agent.jobs import JobKind, JobRecord, JobState
+from agent.jobs.registry import JobKind, JobRecord, JobState
+from agent.migration import target as incoming
 from agent.rpc import pb
 
 S = grpc.StatusCode

@@ -1,4 +1,4 @@
-"""Real in-process gRPC round trips (agent.server) with a fake CRIU: codes, messages, a whole migration."""
+"""Real in-process gRPC round trips (agent.service) with a fake CRIU: codes, messages, a whole migration."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import pytest
 from fakes import PAGES_BYTES, is_dead, is_stopped, launched_record
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from agent import __version__, incoming
-from agent.jobs import JobState
+from agent import __version__
+from agent.jobs.registry import JobState
+from agent.migration import target as incoming
 from agent.rpc import pb, pb_grpc
 
 S = grpc.StatusCode

@@ -1,4 +1,4 @@
-"""Mutual TLS and roles, over real gRPC with certificates from `ferry certs` (agent.tls, agent.access)."""
+"""Mutual TLS and roles, over real gRPC with certificates from `ferry certs` (agent.tls, service.access)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import grpc
 import pytest
 from fakes import FakeCriu
 
-from agent import access, certs, client, tls
+from agent import certs, client, tls
 from agent.errors import (
     InvalidArgumentError,
     NotFoundError,
@@ -20,7 +20,8 @@ from agent.errors import (
     UnavailableError,
 )
 from agent.rpc import pb
-from agent.server import AgentService, create_server
+from agent.service import access
+from agent.service.servicer import AgentService, create_server
 
 S = grpc.StatusCode
 
@@ -151,7 +152,7 @@ def test_plaintext_to_a_tls_agent_fails(tls_agent) -> None:
 
 def test_a_client_may_not_speak_the_peer_protocol(pki, tls_agent, caplog) -> None:
     _, address = tls_agent
-    caplog.set_level(logging.WARNING, logger="agent.access")
+    caplog.set_level(logging.WARNING, logger="agent.service.access")
     with pytest.raises(PermissionDeniedError, match="client alice may not call Prepare"):
         call(address, tls.load(pki["ours"], "alice"), "Prepare", prepare_req())
     assert "refused Prepare to client alice" in caplog.text

@@ -7,7 +7,7 @@ above all: the libuv behind torchrun's store opens one); a socket of a family
 other than unix, inet, inet6, packet and netlink; a raw inet socket other than
 ICMP; a character device other than the memory devices, tun and ttys. The
 source refuses such a job in Prepare, one line per cause with its fix, and the
-job goes on untouched. NVIDIA device files are CUDA's business (agent.cudajob)
+job goes on untouched. NVIDIA device files are CUDA's business (agent.cuda.jobs)
 and pass here: the driver's checkpoint closes them.
 
 A job that shares the agent's mount namespace (an adopted process) and uses
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.errors import RefusedError
-from agent.pidfd import dup_fd
+from agent.jobs.pidfd import dup_fd
 
 #: anon_inode kinds CRIU 4.2.1 dumps.
 ANON_OK = (
@@ -184,7 +184,7 @@ def _chrdev(rdev: int, link: str) -> str:
     if major in TTY_MAJORS or (major == MISC_MAJOR and minor == TUN_MINOR):
         return ""
     if major == NVIDIA_MAJOR or link.startswith("/dev/nvidia"):
-        return ""  # CUDA checkpoint releases it (agent.cudajob decides whether the job can move)
+        return ""  # CUDA checkpoint releases it (agent.cuda.jobs decides whether the job can move)
     return f"CRIU cannot dump character device {major}:{minor}"
 
 

@@ -21,22 +21,23 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from agent import __version__, access, client, tls
+from agent import __version__, client, tls
 from agent.agent_config import AgentConfig
-from agent.criu import Criu
-from agent.cuda import DriverInfo
-from agent.cudajob import CudaJobs
+from agent.criu.runner import Criu
+from agent.cuda.driver import DriverInfo
+from agent.cuda.jobs import CudaJobs
 from agent.errors import FerryError, InvalidArgumentError, NotFoundError, PermissionDeniedError, RefusedError
-from agent.events import Event, EventLog
-from agent.gpus import Inventory, nvml_module
-from agent.healing import Holder, Hooks, SelfHealing
-from agent.health import GpuHealth, HealthMonitor
+from agent.gpus.inventory import Inventory, nvml_module
+from agent.gpus.quarantine import Quarantine
+from agent.health.events import Event, EventLog
+from agent.health.healing import Holder, Hooks, SelfHealing
+from agent.health.monitor import GpuHealth, HealthMonitor
 from agent.image import read_manifest
-from agent.incoming import TargetMigrations, private_dir
-from agent.jobnet import JobNetwork
-from agent.jobs import JobRecord, JobRegistry, JobState, OnDegraded, Priority, check_job_name
-from agent.journal import Journal
-from agent.migrate import (
+from agent.jobs.network import JobNetwork
+from agent.jobs.registry import JobRecord, JobRegistry, JobState, OnDegraded, Priority, check_job_name
+from agent.migration.journal import Journal
+from agent.migration.recovery import SourceRecovery
+from agent.migration.source import (
     MigrationResult,
     MigrationSpec,
     Progress,
@@ -46,9 +47,9 @@ from agent.migrate import (
     restore_image,
     resume_preempted,
 )
-from agent.quarantine import Quarantine
-from agent.recovery import SourceRecovery
+from agent.migration.target import TargetMigrations, private_dir
 from agent.rpc import pb, pb_grpc
+from agent.service import access
 
 log = logging.getLogger(__name__)
 

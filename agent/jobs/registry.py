@@ -24,11 +24,12 @@ from pathlib import Path
 
 import psutil
 
-from agent import config, procs
+from agent import config
 from agent.compat import StrEnum
 from agent.errors import AlreadyExistsError, FerryError, InvalidArgumentError, NotFoundError, RefusedError
 from agent.image import JobSpec
-from agent.jobnet import JobNetwork, veth_name
+from agent.jobs import procs
+from agent.jobs.network import JobNetwork, veth_name
 
 log = logging.getLogger(__name__)
 

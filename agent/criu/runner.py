@@ -21,7 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent import config, criu_images, criu_logs
+from agent import config
+from agent.criu import images as criu_images
+from agent.criu import logs as criu_logs
 from agent.errors import CriuError, RefusedError
 
 log = logging.getLogger(__name__)
@@ -138,7 +140,7 @@ class Criu:
         page_server_fd, a connected stream socket, the memory pages go to a page server on
         its other end instead of into images_dir; the rest of the image is written there.
         `external`: CRIU's --external items (the job's link, `veth[eth0]:NAME`). CRIU never
-        locks the network: ferry does, by cutting the job's link (agent.jobnet).
+        locks the network: ferry does, by cutting the job's link (agent.jobs.network).
         """
         opts = self._opts(images_dir, DUMP_LOG)
         pass_fds = []

@@ -19,10 +19,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent import cuda, pidprobe
-from agent.cuda import CudaDriver, ProcessState
+from agent.cuda import driver as cuda
+from agent.cuda import pidprobe
+from agent.cuda.driver import CudaDriver, ProcessState
 from agent.errors import FerryError, RefusedError
-from agent.gpus import GpuNeed, Inventory, Nvml, choose
+from agent.gpus.inventory import GpuNeed, Inventory, Nvml, choose
 from agent.image import CudaProcessEntry, CudaSection
 
 _DEVICE = re.compile(r"^/dev/nvidia(\d+|ctl)$")

@@ -330,7 +330,7 @@ def _print_json(data: Any) -> None:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from agent.server import serve
+    from agent.service.servicer import serve
 
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -372,7 +372,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def _job_out(job: Any, as_json: bool, text: str) -> None:
-    from agent.render import job_dict
+    from agent.cli.render import job_dict
 
     _print_json(job_dict(job)) if as_json else print(text)
 
@@ -399,7 +399,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_ps(args: argparse.Namespace) -> int:
-    from agent.render import job_dict, jobs_table
+    from agent.cli.render import job_dict, jobs_table
     from agent.rpc import pb
 
     jobs = list(_call(args, "ListJobs", pb.ListJobsRequest(), 10).jobs)
@@ -435,7 +435,7 @@ def cmd_adopt(args: argparse.Namespace) -> int:
 
 
 def _follow_progress(events: Iterator[Any], as_json: bool) -> int:
-    from agent.render import ProgressLine, result_dict, summary
+    from agent.cli.render import ProgressLine, result_dict, summary
 
     line = ProgressLine()
     result = None
@@ -488,7 +488,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def cmd_resolve(args: argparse.Namespace) -> int:
-    from agent.render import job_state
+    from agent.cli.render import job_state
     from agent.rpc import pb
 
     action = "resume" if args.resume else "finish" if args.finish else ""
@@ -498,8 +498,8 @@ def cmd_resolve(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from agent.cli.render import human_bytes, table
     from agent.image import inspect_data
-    from agent.render import human_bytes, table
 
     d = inspect_data(args.dir, check=not args.no_verify)
     if args.json:
@@ -531,7 +531,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_gpus(args: argparse.Namespace) -> int:
-    from agent.render import gpus_dict, gpus_text, health_dict
+    from agent.cli.render import gpus_dict, gpus_text, health_dict
     from agent.rpc import pb
 
     if args.clear:
@@ -548,7 +548,7 @@ def cmd_gpus(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    from agent.render import event_dict, event_line, health_dict, health_text
+    from agent.cli.render import event_dict, event_line, health_dict, health_text
     from agent.rpc import pb
 
     report = _call(args, "GetHealth", pb.GetHealthRequest(), 30)
@@ -562,7 +562,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    from agent.render import event_dict, event_line
+    from agent.cli.render import event_dict, event_line
     from agent.rpc import pb
 
     if not 0 < args.limit <= 100_000:
@@ -601,7 +601,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from agent import agent_config
-    from agent.doctor import can_migrate, run_checks
+    from agent.cli.doctor import can_migrate, run_checks
 
     checks = run_checks(args.staging_dir, agent_config.load(args.config).network)
     ok = can_migrate(checks)

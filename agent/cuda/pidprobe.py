@@ -6,7 +6,7 @@ in a container of its own (no `hostPID`) then sees every CUDA job as "a CUDA con
 lists on no GPU", and could never move one. That is a property of the node, so it is checked
 once, by `ferry doctor`, by the device check, and when a job meets it, and said plainly.
 
-    python -m agent.pidprobe     # prints the verdict; exit 0 match, 1 mismatch, 2 unknown
+    python -m agent.cuda.pidprobe     # prints the verdict; exit 0 match, 1 mismatch, 2 unknown
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from agent.compat import StrEnum
-from agent.gpus import Nvml
+from agent.gpus.inventory import Nvml
 
 #: The probe: a CUDA context on GPU 0 with a little memory (so NVML lists it), then it waits
 #: for its stdin to close. It prints its own PID, which is the agent's view of it too.

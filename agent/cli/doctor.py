@@ -10,14 +10,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent import config, pidprobe
-from agent.criu import Criu
-from agent.criu_lazy import LAZY_PIPE_BYTES, lazy_dump_blocker
-from agent.cuda import CudaDriver
-from agent.cudajob import REMAP_BRANCH
+from agent import config
+from agent.criu.lazy import LAZY_PIPE_BYTES, lazy_dump_blocker
+from agent.criu.runner import Criu
+from agent.cuda import pidprobe
+from agent.cuda.driver import CudaDriver
+from agent.cuda.jobs import REMAP_BRANCH
 from agent.errors import FerryError
-from agent.gpus import Nvml
-from agent.jobnet import NetworkConfig
+from agent.gpus.inventory import Nvml
+from agent.jobs.network import NetworkConfig
 
 MIN_STAGING_BYTES = 1 << 30
 

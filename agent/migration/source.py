@@ -22,14 +22,16 @@ from typing import Protocol
 
 import psutil
 
-from agent import cuda, faults, procs, tcp_repair
+from agent import faults
 from agent.compat import StrEnum
-from agent.criu import Criu, DumpResult, InheritFd
-from agent.criu_images import bound_socket_dirs
-from agent.criu_lazy import LazyDump, lazy_dump_blocker
-from agent.criu_logs import CriuLogs
-from agent.cudajob import CudaConfig, CudaJobs, Footprint, ProcView, restore_plan
-from agent.dumpable import refuse_node_sockets, refuse_undumpable
+from agent.criu import tcp_repair
+from agent.criu.dumpable import refuse_node_sockets, refuse_undumpable
+from agent.criu.images import bound_socket_dirs
+from agent.criu.lazy import LazyDump, lazy_dump_blocker
+from agent.criu.logs import CriuLogs
+from agent.criu.runner import Criu, DumpResult, InheritFd
+from agent.cuda import driver as cuda
+from agent.cuda.jobs import CudaConfig, CudaJobs, Footprint, ProcView, restore_plan
 from agent.errors import (
     CriuError,
     FerryError,
@@ -42,7 +44,7 @@ from agent.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from agent.gpus import GpuNeed, Nvml, gib
+from agent.gpus.inventory import GpuNeed, Nvml, gib
 from agent.image import (
     STDERR_LOG,
     STDOUT_LOG,
@@ -55,12 +57,13 @@ from agent.image import (
     read_manifest,
     verify,
 )
-from agent.jobnet import LinkLock, carrying, veth_name
-from agent.jobs import LOG_MOUNT, LOG_MOUNT_KEY, JobKind, JobRecord, JobRegistry, JobState
-from agent.journal import SOURCE, Journal, MigrationRecord
-from agent.pagestream import PageCall, SourceRelay
+from agent.jobs import procs
+from agent.jobs.network import LinkLock, carrying, veth_name
+from agent.jobs.registry import LOG_MOUNT, LOG_MOUNT_KEY, JobKind, JobRecord, JobRegistry, JobState
+from agent.migration.journal import SOURCE, Journal, MigrationRecord
+from agent.migration.pagestream import PageCall, SourceRelay
+from agent.migration.transfer import SendStats, send_image
 from agent.rpc import pb
-from agent.transfer import SendStats, send_image
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +207,7 @@ class SourceMigration:
         self.criu_logs = CriuLogs(registry.root.parent)
         self.cuda = cuda_jobs or default_cuda_jobs(node)
         self.footprint = Footprint()
-        self.link = LinkLock(None, "")  # the job's link, cut during the move (agent.jobnet)
+        self.link = LinkLock(None, "")  # the job's link, cut during the move (agent.jobs.network)
         self.cuda_frozen = False
         self.target_aborted = False
         self.registry = registry

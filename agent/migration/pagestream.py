@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Protocol
 
 from agent import faults
-from agent.criu import Criu, PageServer
-from agent.criu_lazy import LazyPagesDaemon
+from agent.criu.lazy import LazyPagesDaemon
+from agent.criu.runner import Criu, PageServer
 from agent.errors import FerryError, StepTimeoutError, TransferError
 from agent.image import StreamDigest
 from agent.rpc import pb

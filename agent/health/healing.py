@@ -1,11 +1,11 @@
 """Self-healing: what the agent does by itself when one of its GPUs degrades or fails.
 
-After every health poll (agent.health) the agent looks at each GPU that is not healthy
+After every health poll (agent.health.monitor) the agent looks at each GPU that is not healthy
 and at the jobs that hold it (given by `ferry run --gpu`, or seen on it by NVML):
 
 - a job whose policy is ``alert`` is only reported (`ferry events`), once per episode;
 - a job whose policy is ``migrate`` is moved to the best target the peers offer
-  (agent.placement), suspending low-priority jobs there when that is the only room.
+  (agent.health.placement), suspending low-priority jobs there when that is the only room.
   It is a planned migration with all its invariants. On a *failing* GPU the move is
   tried once with a short CUDA lock timeout; if the GPU cannot copy out any more, the
   job is left to the operator, and the events say so.
@@ -31,15 +31,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from agent import procs
 from agent.agent_config import AgentConfig, PeerSpec
 from agent.errors import FerryError, NoFreeGpuError, RefusedError
-from agent.events import EventLog
-from agent.gpus import GpuNeed, Inventory
-from agent.health import Change, GpuHealth, State
-from agent.jobs import JobRecord, JobRegistry, JobState, OnDegraded, Priority
-from agent.placement import Placement, choose_target
-from agent.quarantine import Quarantine
+from agent.gpus.inventory import GpuNeed, Inventory
+from agent.gpus.quarantine import Quarantine
+from agent.health.events import EventLog
+from agent.health.monitor import Change, GpuHealth, State
+from agent.health.placement import Placement, choose_target
+from agent.jobs import procs
+from agent.jobs.registry import JobRecord, JobRegistry, JobState, OnDegraded, Priority
 from agent.rpc import pb
 
 log = logging.getLogger(__name__)

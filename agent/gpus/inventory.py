@@ -79,7 +79,7 @@ _replay_lock = threading.Lock()
 
 def nvml_module() -> Any:
     """pynvml; or, where FERRY_NVML_REPLAY names a telemetry file (tests and drills on machines
-    without a GPU), one shared agent.nvml_replay.ReplayNvml per file that answers the same calls."""
+    without a GPU), one shared agent.testing.nvml_replay.ReplayNvml per file that answers the same calls."""
     path = os.environ.get("FERRY_NVML_REPLAY")
     if not path:
         import pynvml
@@ -87,7 +87,7 @@ def nvml_module() -> Any:
         return pynvml
     with _replay_lock:
         if path not in _replays:
-            from agent.nvml_replay import ReplayNvml
+            from agent.testing.nvml_replay import ReplayNvml
 
             log.warning("NVML replays %s (FERRY_NVML_REPLAY): these are not real GPUs", path)
             _replays[path] = ReplayNvml.from_file(path)

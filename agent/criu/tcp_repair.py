@@ -5,7 +5,7 @@ A dump with `--leave-stopped` leaves every established TCP socket of the tree in
 nor ACKs on it, which is what keeps a moved connection whole, and the source copy is killed
 without a FIN or RST. When a move aborts instead, the source copy must talk again: its
 sockets leave repair mode (TCP_REPAIR off, as CRIU's own unlock does) before it continues.
-The agent reaches each socket through a duplicate of the job's fd (agent.pidfd).
+The agent reaches each socket through a duplicate of the job's fd (agent.jobs.pidfd).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import socket
 import stat
 from collections.abc import Iterable
 
-from agent.dumpable import ProcFs
-from agent.pidfd import dup_fd
+from agent.criu.dumpable import ProcFs
+from agent.jobs.pidfd import dup_fd
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from agent.agent_config import PeerSpec
 from agent.errors import FerryError, RefusedError
-from agent.gpus import GpuNeed, gib
-from agent.jobs import Priority
+from agent.gpus.inventory import GpuNeed, gib
+from agent.jobs.registry import Priority
 from agent.rpc import pb
 
 

@@ -3,7 +3,7 @@
 Each side writes its record before it acts on a phase (a source records
 RESTORING before it sends commit; a target records RESTORING before CRIU
 starts), so after a crash the record names the furthest the migration may
-have got. An agent reads them at start (agent.recovery) and finishes or
+have got. An agent reads them at start (agent.migration.recovery) and finishes or
 unwinds each one. Writes are atomic (rename) and durable (fsync).
 """
 

@@ -22,11 +22,13 @@ import shutil
 import threading
 from collections.abc import Callable
 
-from agent import cuda, procs, tcp_repair
+from agent.criu import tcp_repair
+from agent.cuda import driver as cuda
 from agent.errors import FerryError, InvalidArgumentError, NotFoundError, RefusedError
-from agent.jobs import JobRegistry, JobState
-from agent.journal import SOURCE, Journal, MigrationRecord
-from agent.migrate import MigrationState, Peer, unresolved_note
+from agent.jobs import procs
+from agent.jobs.registry import JobRegistry, JobState
+from agent.migration.journal import SOURCE, Journal, MigrationRecord
+from agent.migration.source import MigrationState, Peer, unresolved_note
 from agent.rpc import pb
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import time
 from itertools import count
 from pathlib import Path
 
-from agent import procs
+from agent.jobs import procs
 
 _LISTENING = re.compile(r"listening on ([0-9.]+:\d+)")
 _SEQ = count()
@@ -61,7 +61,7 @@ class LocalAgent:
             *(prefix or []),
             sys.executable,
             "-m",
-            "agent.cli",
+            "agent.cli.main",
             "agent",
             "--listen",
             self.address or f"{self.host}:0",
@@ -121,7 +121,7 @@ class LocalAgent:
         self, *args: str, check: bool = True, timeout_s: float = 300.0
     ) -> subprocess.CompletedProcess[str]:
         """Run `ferry ARGS` against this agent's local socket, as root on its node would."""
-        cmd = [sys.executable, "-m", "agent.cli", *args]
+        cmd = [sys.executable, "-m", "agent.cli.main", *args]
         if args and args[0] not in ("inspect", "doctor", "certs"):
             cmd[4:4] = ["--agent", f"unix:{self.socket}"]
         p = subprocess.run(

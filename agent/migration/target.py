@@ -24,10 +24,10 @@ from typing import NoReturn
 import grpc
 import psutil
 
-from agent import faults, procs
-from agent.criu import START_TIMEOUT_S, Criu
-from agent.criu_logs import CriuLogs
-from agent.cudajob import CudaJobs
+from agent import faults
+from agent.criu.logs import CriuLogs
+from agent.criu.runner import START_TIMEOUT_S, Criu
+from agent.cuda.jobs import CudaJobs
 from agent.errors import (
     FerryError,
     ImageError,
@@ -37,15 +37,16 @@ from agent.errors import (
     RefusedError,
     TransferError,
 )
-from agent.gpus import GpuNeed
+from agent.gpus.inventory import GpuNeed
 from agent.image import Manifest, StreamDigest
-from agent.jobnet import carrying
-from agent.jobs import JobRegistry, JobState
-from agent.journal import TARGET, Journal, MigrationRecord
-from agent.migrate import default_cuda_jobs, restore_tree, wait_for_output
-from agent.pagestream import LazyTargetRelay, TargetRelay
+from agent.jobs import procs
+from agent.jobs.network import carrying
+from agent.jobs.registry import JobRegistry, JobState
+from agent.migration.journal import TARGET, Journal, MigrationRecord
+from agent.migration.pagestream import LazyTargetRelay, TargetRelay
+from agent.migration.source import default_cuda_jobs, restore_tree, wait_for_output
+from agent.migration.transfer import Intake
 from agent.rpc import pb
-from agent.transfer import Intake
 
 log = logging.getLogger(__name__)
 

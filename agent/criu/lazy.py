@@ -5,7 +5,7 @@ says so, and then serves pages from the frozen tree until the target has them
 all. The target runs `criu lazy-pages`, which takes the restored tree's
 userfaultfd and fetches each page when the job first touches it (and the rest in
 the background). Both talk CRIU's page-server protocol over a socket whose other
-end the agents relay (agent/pagestream.py).
+end the agents relay (agent/migration/pagestream.py).
 
 Both are started from the command line, not through `criu swrk`: over RPC, CRIU
 ignores the page-server socket in lazy mode and would listen on a TCP port
@@ -22,8 +22,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from agent import criu_logs
-from agent.criu import (
+from agent.criu import logs as criu_logs
+from agent.criu.runner import (
     DUMP_LOG,
     GHOST_LIMIT,
     STATS_DUMP,

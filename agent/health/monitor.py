@@ -14,7 +14,7 @@ Each verdict carries its evidence with the numbers and the threshold. Rates come
 from counter samples kept in a window per GPU (a counter that goes down was
 reset, so its window restarts); events and uncorrected errors latch until an
 operator clears the GPU. `nvml` is the pynvml module or anything shaped like it
-(agent.nvml_replay.ReplayNvml in tests).
+(agent.testing.nvml_replay.ReplayNvml in tests).
 """
 
 from __future__ import annotations
