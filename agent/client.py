@@ -17,6 +17,7 @@ import grpc
 from agent import tls
 from agent.errors import (
     AlreadyExistsError,
+    BusyError,
     FerryError,
     InvalidArgumentError,
     NotFoundError,
@@ -67,6 +68,7 @@ _ERROR_BY_CODE: dict[grpc.StatusCode, type[FerryError]] = {
     grpc.StatusCode.ABORTED: TransferError,
     grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: BusyError,
 }
 
 

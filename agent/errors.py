@@ -97,6 +97,12 @@ class CriuError(FerryError):
         self.log_path = log_path
 
 
+class BusyError(FerryError):
+    """The agent serves as many of these calls as it will at once; this one is refused, not queued."""
+
+    kind = "resource_exhausted"
+
+
 class ImageError(FerryError):
     """An image is missing, malformed or does not match its manifest."""
 

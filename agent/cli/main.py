@@ -330,7 +330,7 @@ def _print_json(data: Any) -> None:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from agent.service.servicer import serve
+    from agent.service.serve import serve
 
     logging.basicConfig(
         level=args.log_level.upper(),

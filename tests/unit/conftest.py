@@ -12,7 +12,8 @@ from fakes import SLEEP, FakeCriu
 
 from agent.jobs.registry import JobRegistry
 from agent.rpc import pb_grpc
-from agent.service.servicer import AgentService, create_server
+from agent.service.node import AgentNode
+from agent.service.serve import create_server
 
 
 @pytest.fixture(autouse=True)
@@ -58,13 +59,13 @@ def registry(tmp_path: Path) -> JobRegistry:
 
 
 @pytest.fixture
-def make_agent(tmp_path: Path) -> Iterator[Callable[..., tuple[AgentService, str, FakeCriu]]]:
+def make_agent(tmp_path: Path) -> Iterator[Callable[..., tuple[AgentNode, str, FakeCriu]]]:
     """Start in-process agents on loopback (port 0) with a fake CRIU: (service, address, criu)."""
     started: list[tuple[grpc.Server, FakeCriu]] = []
 
-    def make(node: str = "nodea") -> tuple[AgentService, str, FakeCriu]:
+    def make(node: str = "nodea") -> tuple[AgentNode, str, FakeCriu]:
         criu = FakeCriu(node)
-        svc = AgentService(tmp_path / node / "state", node, tmp_path / node / "staging", criu=criu)
+        svc = AgentNode(tmp_path / node / "state", node, tmp_path / node / "staging", criu=criu)
         server, port = create_server("127.0.0.1:0", svc, max_workers=8)
         server.start()
         started.append((server, criu))
@@ -77,7 +78,7 @@ def make_agent(tmp_path: Path) -> Iterator[Callable[..., tuple[AgentService, str
 
 
 @pytest.fixture
-def agent(make_agent) -> tuple[AgentService, str, FakeCriu]:
+def agent(make_agent) -> tuple[AgentNode, str, FakeCriu]:
     """One in-process agent (nodea): (service, address, fake CRIU)."""
     return make_agent("nodea")
 

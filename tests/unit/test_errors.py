@@ -11,6 +11,7 @@ from agent import client, errors, faults
 from agent.client import from_rpc_error
 from agent.errors import (
     AlreadyExistsError,
+    BusyError,
     CriuError,
     CudaCheckpointError,
     FerryError,
@@ -27,7 +28,7 @@ from agent.errors import (
     UnavailableError,
 )
 from agent.migration import source as migrate
-from agent.service.servicer import STATUS_BY_KIND, status_for
+from agent.service.status import STATUS_BY_KIND, status_for
 
 S = grpc.StatusCode
 
@@ -47,6 +48,7 @@ EXPECTED = {
     CudaCheckpointError: S.ABORTED,
     UnauthenticatedError: S.UNAUTHENTICATED,
     PermissionDeniedError: S.PERMISSION_DENIED,
+    BusyError: S.RESOURCE_EXHAUSTED,
 }
 
 
@@ -157,6 +159,7 @@ class FakeRpcError(grpc.RpcError):
         (S.DEADLINE_EXCEEDED, StepTimeoutError),
         (S.UNAVAILABLE, UnavailableError),
         (S.ABORTED, TransferError),
+        (S.RESOURCE_EXHAUSTED, BusyError),
     ],
 )
 def test_from_rpc_error_maps_codes_back(code: grpc.StatusCode, cls: type[FerryError]) -> None:
@@ -164,7 +167,7 @@ def test_from_rpc_error_maps_codes_back(code: grpc.StatusCode, cls: type[FerryEr
     assert type(e) is cls
 
 
-@pytest.mark.parametrize("code", [S.INTERNAL, S.UNKNOWN, S.CANCELLED, S.RESOURCE_EXHAUSTED])
+@pytest.mark.parametrize("code", [S.INTERNAL, S.UNKNOWN, S.CANCELLED, S.DATA_LOSS])
 def test_from_rpc_error_other_codes_are_plain_ferry_errors(code: grpc.StatusCode) -> None:
     e = from_rpc_error(FakeRpcError(code, "boom"), "127.0.0.1:7071", "commit")
     assert type(e) is FerryError

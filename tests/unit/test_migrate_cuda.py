@@ -382,9 +382,10 @@ def test_restore_refuses_when_no_gpu_fits(tmp_path, sleeper, fake_criu, registry
 @contextlib.contextmanager
 def agent_over(tmp_path: Path, cj: object) -> Iterator[str]:
     """An in-process agent whose CUDA side is `cj`; yields its address."""
-    from agent.service.servicer import AgentService, create_server
+    from agent.service.node import AgentNode
+    from agent.service.serve import create_server
 
-    svc = AgentService(
+    svc = AgentNode(
         tmp_path / "state", "nodea", tmp_path / "staging", criu=FakeCriu("nodea"), cuda_jobs=cj
     )
     server, port = create_server("127.0.0.1:0", svc, max_workers=4)

@@ -291,3 +291,26 @@ def test_migrate_between_two_agents(make_agent, sleeper) -> None:
         logs = b"".join(c.data for c in pb_grpc.AgentStub(ch).Logs(pb.LogsRequest(name="train"), timeout=10))
     assert logs.startswith(out.read_bytes())
     assert b"restored\n" in logs
+
+
+def test_followers_have_slots_of_their_own_and_never_starve_the_fencing_query(stub, agent) -> None:
+    """Every follow slot taken: one more follower is refused at once with the limit, and the
+    source's fencing query (GetMigration) and other calls still answer."""
+    from agent.service.follow import FOLLOW_SLOTS
+
+    streams = [stub.Events(pb.EventsRequest(follow=True, limit=1), timeout=30) for _ in range(FOLLOW_SLOTS)]
+    try:
+        agent[0].events.record("health", "a first event, so every follower has started")
+        for s in streams:
+            next(s)
+        extra = stub.Events(pb.EventsRequest(follow=True, limit=1), timeout=10)
+        with pytest.raises(grpc.RpcError) as err:
+            next(extra)
+        assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"{FOLLOW_SLOTS} follow streams are open" in err.value.details()
+        status = stub.GetMigration(pb.GetMigrationRequest(migration_id="m-unknown"), timeout=5)
+        assert status.state == pb.TARGET_STATE_UNKNOWN
+        assert stub.ListJobs(pb.ListJobsRequest(), timeout=5) is not None
+    finally:
+        for s in streams:
+            s.cancel()

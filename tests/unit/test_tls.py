@@ -21,7 +21,8 @@ from agent.errors import (
 )
 from agent.rpc import pb
 from agent.service import access
-from agent.service.servicer import AgentService, create_server
+from agent.service.node import AgentNode
+from agent.service.serve import create_server
 
 S = grpc.StatusCode
 
@@ -46,11 +47,11 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture
-def tls_agent(pki: dict[str, Path], tmp_path: Path) -> Iterator[tuple[AgentService, str]]:
+def tls_agent(pki: dict[str, Path], tmp_path: Path) -> Iterator[tuple[AgentNode, str]]:
     """An in-process agent serving mutual TLS as nodea on 127.0.0.1."""
     ident = tls.load(pki["ours"], "nodea", certs.Role.NODE)
     criu = FakeCriu("nodea")
-    svc = AgentService(tmp_path / "state", "nodea", tmp_path / "staging", criu=criu, dial=client.Dial(ident))
+    svc = AgentNode(tmp_path / "state", "nodea", tmp_path / "staging", criu=criu, dial=client.Dial(ident))
     server, port = create_server("127.0.0.1:0", svc, max_workers=4, identity=ident)
     server.start()
     yield svc, f"127.0.0.1:{port}"
@@ -129,9 +130,7 @@ def test_a_certificate_from_another_ca_is_unauthenticated(pki, tls_agent) -> Non
 def test_an_agent_whose_certificate_does_not_name_the_host_is_refused(pki, tmp_path) -> None:
     """The source checks that the target's certificate names the address it was asked to use."""
     ident = tls.load(pki["ours"], "elsewhere", certs.Role.NODE)  # names 10.9.9.9 only
-    svc = AgentService(
-        tmp_path / "s", "elsewhere", tmp_path / "st", criu=FakeCriu("x"), dial=client.Dial(ident)
-    )
+    svc = AgentNode(tmp_path / "s", "elsewhere", tmp_path / "st", criu=FakeCriu("x"), dial=client.Dial(ident))
     server, port = create_server("127.0.0.1:0", svc, max_workers=2, identity=ident)
     server.start()
     try:
@@ -193,7 +192,7 @@ def test_only_the_preparing_node_may_act_on_a_migration(pki, tls_agent) -> None:
 # -- helpers -----------------------------------------------------------------------------
 
 
-def tls_agent_ca(agent: tuple[AgentService, str]) -> bytes:
+def tls_agent_ca(agent: tuple[AgentNode, str]) -> bytes:
     svc, _ = agent
     assert svc.dial.identity is not None
     return svc.dial.identity.ca

@@ -1,0 +1,140 @@
+"""Between the product's types and the wire: records, results and reports as protobuf messages."""
+
+from __future__ import annotations
+
+from agent.cuda.driver import DriverInfo
+from agent.gpus.inventory import Inventory
+from agent.gpus.quarantine import Quarantine
+from agent.health.events import Event
+from agent.health.healing import Holder
+from agent.health.monitor import GpuHealth
+from agent.jobs.registry import JobRecord, JobState
+from agent.migration.source import MigrationResult, Progress
+from agent.rpc import pb
+
+PHASES = {
+    "prepare": pb.PHASE_PREPARE,
+    "dump": pb.PHASE_DUMP,
+    "transfer": pb.PHASE_TRANSFER,
+    "restore": pb.PHASE_RESTORE,
+    "commit": pb.PHASE_COMMIT,
+    "abort": pb.PHASE_ABORT,
+    "done": pb.PHASE_DONE,
+    "pages": pb.PHASE_PAGES,
+}
+STATES = {s: getattr(pb, f"JOB_STATE_{s.name}") for s in JobState}
+
+
+def job_pb(rec: JobRecord, node: str) -> pb.Job:
+    return pb.Job(
+        name=rec.name,
+        state=STATES[rec.state],
+        kind=pb.JOB_KIND_ADOPTED if rec.kind.value == "adopted" else pb.JOB_KIND_LAUNCHED,
+        pid=rec.pid,
+        command=rec.command,
+        cwd=rec.cwd,
+        exit_code=rec.exit_code or 0,
+        has_exit_code=rec.exit_code is not None,
+        started_at=rec.started_at,
+        updated_at=rec.updated_at,
+        moved_to=rec.moved_to,
+        moved_to_node=rec.moved_to_node,
+        migration_id=rec.migration_id,
+        checkpoint_dir=rec.checkpoint_dir,
+        stdout_path=rec.stdout_path,
+        stderr_path=rec.stderr_path,
+        node_name=node,
+        note=rec.note,
+        env=rec.env,
+        migrations=rec.migrations,
+        priority=rec.priority,
+        on_degraded=rec.on_degraded,
+        gpus=rec.gpus,
+        address=rec.address,
+    )
+
+
+def result_pb(r: MigrationResult) -> pb.MigrationResult:
+    return pb.MigrationResult(
+        migration_id=r.migration_id,
+        job=r.job,
+        source_node=r.source_node,
+        target_node=r.target_node,
+        target=r.target,
+        phases=[pb.PhaseTiming(phase=k, seconds=v) for k, v in r.phases.items()],
+        host_bytes=r.host_bytes,
+        image_bytes=r.image_bytes,
+        gpu_bytes=r.gpu_bytes,
+        frozen_s=r.frozen_s,
+        downtime_s=r.downtime_s,
+        total_s=r.total_s,
+        transfer_gbps=r.transfer_gbps,
+        image_dir=r.image_dir,
+    )
+
+
+def inventory_pb(inv: Inventory, drv: DriverInfo) -> pb.GpuInventory:
+    return pb.GpuInventory(
+        nvml_available=inv.available,
+        nvml_detail=inv.detail,
+        driver_version=inv.driver_version,
+        cuda_loaded=drv.loaded,
+        cuda_checkpoint=drv.checkpoint,
+        cuda_custom_storage=drv.custom_storage,
+        cuda_detail=drv.detail,
+        gpus=[
+            pb.Gpu(
+                index=g.index,
+                uuid=g.uuid,
+                name=g.name,
+                memory_total=g.memory_total,
+                memory_used=g.memory_used,
+                memory_free=g.memory_free,
+                persistence=g.persistence,
+                mig=g.mig,
+                processes=[pb.GpuProcess(pid=p.pid, used_bytes=p.used_bytes) for p in g.processes],
+            )
+            for g in inv.gpus
+        ],
+    )
+
+
+def health_pb(g: GpuHealth, holders: list[Holder], quarantine: Quarantine, held: set[str]) -> pb.GpuHealth:
+    q = quarantine.get(g.uuid)
+    return pb.GpuHealth(
+        uuid=g.uuid,
+        index=g.index,
+        name=g.name,
+        state=g.state.value,
+        evidence=[
+            pb.Evidence(signal=e.signal, severity=e.severity.value, detail=e.detail, since=e.since)
+            for e in g.evidence
+        ],
+        since=g.since,
+        sampled_at=g.sampled_at,
+        readings=g.readings,
+        quarantined=q is not None,
+        quarantine_reason=q.reason if q else "",
+        quarantined_at=q.since if q else 0.0,
+        memory_total=g.memory_total,
+        memory_used=g.memory_used,
+        memory_free=g.memory_free,
+        holders=[
+            pb.GpuHolder(job=h.job.name, priority=h.job.priority, used_bytes=h.used_bytes) for h in holders
+        ],
+        held=g.uuid in held,
+    )
+
+
+def event_pb(e: Event) -> pb.Event:
+    return pb.Event(time=e.time, kind=e.kind, node=e.node, gpu=e.gpu, job=e.job, message=e.message)
+
+
+def progress_pb(p: Progress, elapsed_s: float) -> pb.ProgressEvent:
+    return pb.ProgressEvent(
+        phase=PHASES.get(p.phase, pb.PHASE_UNSPECIFIED),
+        message=p.message,
+        bytes_done=p.bytes_done,
+        bytes_total=p.bytes_total,
+        elapsed_s=elapsed_s,
+    )

@@ -1,0 +1,408 @@
+"""The agent's composition root: one object that builds every part once and owns the threads.
+
+The servicer (agent.service.servicer) calls it and only converts; serve (agent.service.serve)
+starts and stops it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from agent import __version__, client
+from agent.agent_config import AgentConfig
+from agent.criu.runner import Criu
+from agent.cuda.jobs import CudaJobs
+from agent.errors import FerryError, InvalidArgumentError, NotFoundError, RefusedError
+from agent.gpus.inventory import nvml_module
+from agent.gpus.quarantine import Entry, Quarantine
+from agent.health.events import EventLog
+from agent.health.healing import Hooks, SelfHealing
+from agent.health.monitor import GpuHealth, HealthMonitor
+from agent.image import read_manifest
+from agent.jobs.network import JobNetwork
+from agent.jobs.registry import JobRecord, JobRegistry, OnDegraded, Priority, check_job_name
+from agent.migration.journal import Journal
+from agent.migration.recovery import SourceRecovery
+from agent.migration.source import (
+    MigrationResult,
+    MigrationSpec,
+    Progress,
+    SourceMigration,
+    checkpoint,
+    default_cuda_jobs,
+    restore_image,
+    resume_preempted,
+)
+from agent.migration.target import TargetMigrations
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+#: How often an agent expires leases and asks about unresolved migrations.
+HOUSEKEEPING_S = float(os.environ.get("FERRY_HOUSEKEEPING_S", "5"))
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node: str
+    version: str
+    criu_version: str
+    staging_dir: str
+    staging_free_bytes: int
+    agent_id: str
+
+
+class AgentNode:
+    """Everything one agent is, wired once: the job registry, both sides of migrations, recovery,
+    self-healing and its GPU health monitor. It owns the agent's threads: housekeeping, the
+    health monitor, and one thread per move (counted, so a graceful stop can wait for them)."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        node: str,
+        staging_root: Path,
+        criu: Criu | None = None,
+        cuda_jobs: CudaJobs | None = None,
+        dial: client.Dial | None = None,
+        config: AgentConfig | None = None,
+    ) -> None:
+        self.node = node
+        #: How this agent reaches peers: its node certificate, or plaintext on loopback (--insecure).
+        self.dial = dial or client.Dial(insecure=True)
+        #: Plaintext loopback callers are trusted only when the agent was started with --insecure.
+        self.insecure = self.dial.identity is None
+        self.agent_id = uuid.uuid4().hex
+        self.staging_root = staging_root
+        self.criu = criu or Criu(node=node)
+        self.config = config or AgentConfig()
+        self.cuda = cuda_jobs or default_cuda_jobs(node, self.config.cuda)
+        self.registry = JobRegistry(state_dir, node, network=JobNetwork(self.config.network, node))
+        self.journal = Journal(state_dir)
+        self.targets = TargetMigrations(self.registry, self.criu, staging_root, node, self.cuda, self.journal)
+        self.recovery = SourceRecovery(
+            self.registry, self.journal, self.cuda.driver, node, lambda a: client.PeerClient(a, self.dial)
+        )
+        self._moves = 0
+        self._moves_lock = threading.Condition()
+        self.stopping = threading.Event()
+        self.events = EventLog(state_dir, node)
+        self.quarantine = Quarantine(state_dir)
+        self.healing = SelfHealing(
+            node=node,
+            registry=self.registry,
+            events=self.events,
+            quarantine=self.quarantine,
+            config=self.config,
+            hooks=Hooks(
+                inventory=self.cuda.nvml.inventory,
+                peer=lambda address: client.PeerClient(address, self.dial),
+                migrate=self._auto_migrate,
+                spawn=self._spawn,
+                suspend=self._suspend,
+                resume=self._resume,
+                promised=self.targets.promised_gpus,
+                agent_id=self.agent_id,
+            ),
+            state_dir=state_dir,
+            health=lambda: self.monitor.snapshot(),
+        )
+        self.monitor = HealthMonitor(
+            nvml_module(), self.config.health, node=node, on_poll=self.healing.on_poll
+        )
+        self.targets.unavailable_gpus = self.healing.unavailable_gpus
+
+    # -- start and housekeeping ----------------------------------------------------------
+
+    def recover(self) -> None:
+        """Before serving: unwind incoming migrations the last run left; then, in the background
+        (it asks peers), settle outgoing ones, and keep expiring leases and asking about
+        unresolved migrations."""
+        for line in self.targets.recover():
+            log.warning("recovered incoming migration %s", line)
+
+        def loop() -> None:
+            for line in self.recovery.recover():
+                log.warning("recovered outgoing migration %s", line)
+            while not self.stopping.wait(HOUSEKEEPING_S):
+                try:
+                    self.targets.expire()
+                    self.recovery.poll()
+                    self.healing.resume_preempted()
+                except Exception:
+                    log.exception("housekeeping failed; trying again in %.0f s", HOUSEKEEPING_S)
+
+        threading.Thread(target=loop, name="housekeeping", daemon=True).start()
+        threading.Thread(target=self.monitor.run, args=(self.stopping,), name="health", daemon=True).start()
+
+    def stop_housekeeping(self) -> None:
+        self.stopping.set()
+
+    # -- bookkeeping for graceful stop -------------------------------------------------
+
+    def _in_flight(self, delta: int) -> None:
+        with self._moves_lock:
+            self._moves += delta
+            self._moves_lock.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        with self._moves_lock:
+            return self._moves_lock.wait_for(lambda: self._moves == 0, timeout=timeout_s)
+
+    def _spawn(self, work: Callable[[], None]) -> None:
+        """Self-healing's work on its own thread, counted as a move in flight."""
+
+        def run() -> None:
+            try:
+                work()
+            finally:
+                self._in_flight(-1)
+
+        self._in_flight(+1)
+        try:
+            threading.Thread(target=run, name="healing", daemon=True).start()
+        except BaseException:
+            self._in_flight(-1)
+            raise
+
+    def _claimed(self, owner: str, job: str, pick: Callable[[dict[str, str]], tuple[T, Iterable[str]]]) -> T:
+        """Run `pick` (GPUs `job` may not take → its result and the GPUs it chose) as one claim for
+        `owner`, released by the caller once the job holds its GPUs."""
+        out: list[T] = []
+        # Read before the claim's lock: it asks NVML, the registry and (under that lock) the leases.
+        unavailable = self.healing.unavailable_gpus(job)
+
+        def choose(taken: dict[str, str]) -> Iterable[str]:
+            result, gpus = pick({**unavailable, **taken})
+            out.append(result)
+            return gpus
+
+        self.targets.claim(owner, choose)
+        return out[0]
+
+    @staticmethod
+    def _by_map(
+        choose: Callable[[Mapping[str, str]], dict[str, str]],
+    ) -> Callable[[dict[str, str]], tuple[dict[str, str], Iterable[str]]]:
+        def pick(taken: dict[str, str]) -> tuple[dict[str, str], Iterable[str]]:
+            gpu_map = choose(taken)
+            return gpu_map, gpu_map.values()
+
+        return pick
+
+    def _resume(self, rec: JobRecord, _unavailable: Callable[[str], dict[str, str]]) -> JobRecord:
+        owner = f"the resume of job {rec.name}"
+
+        def claim(pick: Callable[[Mapping[str, str]], dict[str, str]]) -> dict[str, str]:
+            return self._claimed(owner, rec.name, self._by_map(pick))
+
+        self._in_flight(+1)
+        try:
+            return resume_preempted(self.registry, self.criu, rec, claim, self.node, self.cuda)
+        finally:
+            self.targets.release(owner)
+            self._in_flight(-1)
+
+    def _source_migration(
+        self, spec: MigrationSpec, emit: Callable[[Progress], None] = lambda p: None
+    ) -> SourceMigration:
+        peer = client.PeerClient(spec.target, self.dial)
+        return SourceMigration(
+            spec,
+            self.registry,
+            self.criu,
+            peer,
+            self.staging_root,
+            self.node,
+            self.agent_id,
+            emit,
+            cuda_jobs=self.cuda,
+        )
+
+    def _auto_migrate(self, job: str, target: str, reason: str, lock_timeout_s: float | None) -> object:
+        spec = MigrationSpec(job, target, uuid.uuid4().hex[:16], reason=reason, lock_timeout_s=lock_timeout_s)
+        return self._source_migration(spec).run()
+
+    def _suspend(self, job: str, out_dir: Path) -> None:
+        checkpoint(self.registry, self.criu, job, out_dir, self.node, False, cuda_jobs=self.cuda)
+
+    def run_move(
+        self, work: Callable[[Callable[[Progress], None]], MigrationResult]
+    ) -> Iterator[Progress | MigrationResult]:
+        """Run a move on its own thread so a client that goes away cannot cut it in half."""
+        events: queue.Queue[object] = queue.Queue()
+
+        def run() -> None:
+            try:
+                events.put(work(events.put))
+            except BaseException as e:
+                events.put(e)
+            finally:
+                self._in_flight(-1)
+
+        self._in_flight(+1)
+        threading.Thread(target=run, name="move", daemon=True).start()
+        while True:
+            item = events.get()
+            if isinstance(item, BaseException):
+                raise item
+            assert isinstance(item, Progress | MigrationResult)
+            yield item
+            if isinstance(item, MigrationResult):
+                return
+
+    # -- operations the servicer calls ---------------------------------------------------
+
+    def info(self) -> NodeInfo:
+        try:
+            criu_version = self.criu.require_usable()
+        except FerryError as e:
+            criu_version = f"unusable: {e.cause}"
+        self.staging_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.staging_root).free
+        return NodeInfo(self.node, __version__, criu_version, str(self.staging_root), free, self.agent_id)
+
+    def run_job(
+        self,
+        name: str,
+        command: list[str],
+        cwd: str,
+        env: list[str],
+        priority: str,
+        on_degraded: str,
+        gpus: list[str],
+    ) -> JobRecord:
+        """`ferry run`: the job's GPUs (if it names any) claimed before it starts."""
+        check_job_name(name)
+        priority = priority or Priority.NORMAL.value
+        on_degraded = on_degraded or OnDegraded.MIGRATE.value
+        if priority not in {p.value for p in Priority}:
+            raise InvalidArgumentError(f"invalid priority {priority!r}: expected normal or low")
+        if on_degraded not in {p.value for p in OnDegraded}:
+            raise InvalidArgumentError(
+                f"invalid on-degraded policy {on_degraded!r}: expected migrate or alert"
+            )
+        if len(set(gpus)) != len(gpus):
+            raise InvalidArgumentError(f"--gpu lists a GPU twice: {', '.join(gpus)}")
+        owner = f"the start of job {name}"
+        chip = ""
+        if gpus:
+            chip = self._claimed(owner, name, lambda taken: (self._check_gpus(gpus, taken), gpus))
+        try:
+            return self.registry.launch(
+                name,
+                command,
+                cwd or "/",
+                env,
+                priority=priority,
+                on_degraded=on_degraded,
+                gpus=gpus,
+                gpu_chip=chip,
+            )
+        finally:
+            self.targets.release(owner)
+
+    def _check_gpus(self, gpus: list[str], unavailable: dict[str, str]) -> str:
+        """GPUs for `ferry run --gpu`: present, one chip, and free; returns the chip."""
+        inv = self.cuda.nvml.inventory()
+        if not inv.available:
+            raise RefusedError(f"--gpu needs this node's GPUs, but {inv.detail}", step="run", node=self.node)
+        chips = set()
+        for u in gpus:
+            g = inv.by_uuid(u)
+            if g is None:
+                known = ", ".join(f"{x.uuid} (index {x.index})" for x in inv.gpus) or "none"
+                raise InvalidArgumentError(
+                    f"no GPU {u} on {self.node}; its GPUs: {known}", hint="see `ferry gpus`"
+                )
+            if why := unavailable.get(u):
+                raise RefusedError(f"GPU {u} {why}", step="run", node=self.node, hint="see `ferry health`")
+            chips.add(g.name)
+        if len(chips) > 1:
+            raise InvalidArgumentError(
+                f"--gpu mixes chips ({', '.join(sorted(chips))}); a job runs on one kind"
+            )
+        return chips.pop()
+
+    def migrate(
+        self, name: str, target: str, staged: bool, lazy: bool
+    ) -> Iterator[Progress | MigrationResult]:
+        client.split_address(target)
+        self.registry.get(name)  # NOT_FOUND before anything starts
+        if lazy and staged:
+            raise InvalidArgumentError("--lazy and --staged exclude each other (post-copy stages nothing)")
+        spec = MigrationSpec(name, target, uuid.uuid4().hex[:16], staged=staged, lazy=lazy)
+        return self.run_move(lambda emit: self._source_migration(spec, emit).run())
+
+    def checkpoint(
+        self, name: str, out_dir: str, leave_running: bool
+    ) -> Iterator[Progress | MigrationResult]:
+        if not out_dir or not os.path.isabs(out_dir) or "\0" in out_dir:
+            raise InvalidArgumentError(f"--out must be an absolute directory path, got {out_dir!r}")
+        if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+            raise InvalidArgumentError(f"--out {out_dir} exists and is not a directory")
+        self.registry.get(name)
+        out = Path(out_dir)
+
+        def work(emit: Callable[[Progress], None]) -> MigrationResult:
+            return checkpoint(
+                self.registry, self.criu, name, out, self.node, leave_running, emit, cuda_jobs=self.cuda
+            )
+
+        return self.run_move(work)
+
+    def restore(self, image: str, name: str) -> JobRecord:
+        if not os.path.isabs(image):
+            raise InvalidArgumentError(f"image directory must be an absolute path, got {image!r}")
+        if name:
+            check_job_name(name)
+        image_dir = Path(image)
+        job = name or (read_manifest(image_dir).job.name if image_dir.is_dir() else "")
+        owner = f"the restore of job {job or image_dir}"
+        try:
+            return restore_image(
+                self.registry,
+                self.criu,
+                image_dir,
+                name,
+                self.node,
+                self.cuda,
+                claim=lambda pick: self._claimed(owner, job, self._by_map(pick)),
+            )
+        finally:
+            self.targets.release(owner)
+
+    def resolve(self, name: str, action: str) -> JobRecord:
+        check_job_name(name)
+        if action not in ("", "resume", "finish"):
+            raise InvalidArgumentError(f"unknown action {action!r}: expected resume or finish")
+        self.recovery.resolve(name, action)
+        return self.registry.get(name)
+
+    def clear_gpu(self, gpu: str) -> tuple[GpuHealth | None, Entry | None]:
+        """`ferry gpus --clear`: the GPU as read after the clear, and the quarantine it left."""
+        g = self.monitor.get(gpu)
+        entry = self.quarantine.clear(gpu)
+        if g is None and entry is None:
+            known = ", ".join(x.uuid for x in self.monitor.snapshot()) or "none"
+            raise NotFoundError(f"no GPU {gpu!r} here; its GPUs: {known}", hint="see `ferry health`")
+        self.monitor.clear(gpu)
+        self.healing.cleared(gpu)
+        self.monitor.poll()
+        was = (
+            f"quarantined since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(entry.since))}"
+            if entry
+            else "not quarantined"
+        )
+        self.events.record("quarantine", f"GPU {gpu} cleared by an operator ({was})", gpu=gpu)
+        return self.monitor.get(gpu) or g, entry

@@ -1,0 +1,165 @@
+"""Serving an agent: the listen policy, the gRPC server with its health and reflection
+services, the local root-only socket, and a graceful stop that lets moves in flight finish."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from agent import __version__, client, tls
+from agent.agent_config import AgentConfig
+from agent.errors import InvalidArgumentError
+from agent.migration.target import private_dir
+from agent.rpc import pb, pb_grpc
+from agent.service.follow import CONTROL_WORKERS, FOLLOW_SLOTS, FollowSlots
+from agent.service.node import AgentNode
+from agent.service.servicer import AgentService
+
+log = logging.getLogger(__name__)
+
+
+def check_listen(address: str, insecure: bool, identity: tls.Identity | None) -> None:
+    host, _ = client.split_address(address, listen=True)
+    if insecure and identity is not None:
+        raise InvalidArgumentError("--insecure and --tls-dir exclude each other: serve TLS or plaintext")
+    if insecure and not client.is_loopback(host):
+        raise InvalidArgumentError(f"--insecure serves plaintext only on loopback, not on {host}")
+    if not insecure and identity is None:
+        raise InvalidArgumentError(
+            "serving on TCP needs this node's certificate (--tls-dir), or --insecure on loopback"
+        )
+
+
+def create_server(
+    address: str,
+    agent: AgentNode,
+    max_workers: int = CONTROL_WORKERS,
+    identity: tls.Identity | None = None,
+    socket_path: Path | None = None,
+    follow_slots: int = FOLLOW_SLOTS,
+) -> tuple[grpc.Server, int]:
+    """Bind the agent, health and reflection services; port 0 picks a free port.
+
+    TCP is mutual TLS with `identity`, else plaintext; `socket_path` adds the local
+    root-only unix socket. The pool has `max_workers` threads for calls and `follow_slots`
+    more that only follow streams may hold (agent.service.follow).
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers + follow_slots, thread_name_prefix="rpc"),
+        options=client.SERVER_OPTIONS,
+    )
+    pb_grpc.add_AgentServicer_to_server(AgentService(agent, FollowSlots(follow_slots)), server)
+    health_servicer = health.HealthServicer()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("ferry.v1.Agent", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (
+        pb.DESCRIPTOR.services_by_name["Agent"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(names, server)
+    if identity is not None:
+        port = server.add_secure_port(address, identity.server_credentials())
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise InvalidArgumentError(f"cannot listen on {address} (in use or not a local address)")
+    if socket_path is not None:
+        bind_local_socket(server, socket_path)
+    return server, port
+
+
+def bind_local_socket(server: grpc.Server, path: Path) -> None:
+    """The local CLI's way in: a socket only root can open, in a directory only root can enter."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.is_socket():
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()  # a previous agent's, left by a crash
+        else:
+            raise InvalidArgumentError(
+                f"another agent serves on {path}", hint="give each agent on a host its own --socket"
+            )
+        finally:
+            probe.close()
+    elif path.exists() or path.is_symlink():
+        raise InvalidArgumentError(f"--socket {path} exists and is not a socket; remove it or pick another")
+    old = os.umask(0o177)
+    try:
+        if not server.add_insecure_port(f"unix:{path}"):
+            raise InvalidArgumentError(f"cannot listen on unix socket {path}")
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+
+
+def serve(
+    address: str,
+    state_dir: Path,
+    node: str,
+    staging_root: Path,
+    insecure: bool,
+    identity: tls.Identity | None = None,
+    socket_path: Path | None = None,
+    config: AgentConfig | None = None,
+) -> None:
+    """Run until SIGTERM/SIGINT; in-flight moves finish (or abort) before the agent exits."""
+    check_listen(address, insecure, identity)
+    if identity is not None and identity.name != node:
+        raise InvalidArgumentError(
+            f"this node is {node!r} but its certificate names {identity.name!r}; peers check that they match",
+            hint=f"pass --node-name {identity.name}, or issue a certificate for {node}",
+        )
+    private_dir(staging_root, node)  # refuse a planted or shared staging dir before serving
+    service = AgentNode(state_dir, node, staging_root, dial=client.Dial(identity, insecure), config=config)
+    server, port = create_server(address, service, identity=identity, socket_path=socket_path)
+    service.recover()
+    server.start()
+    host, _ = client.split_address(address, listen=True)
+    mode = f"mutual TLS as {identity.name}" if identity else "plaintext (--insecure)"
+    log.info(
+        "ferry agent %s (node %s) listening on %s:%d (%s), state in %s",
+        __version__,
+        node,
+        host,
+        port,
+        mode,
+        state_dir,
+    )
+    if socket_path is not None:
+        log.info("local socket %s (root only)", socket_path)
+    cfg = service.config
+    spares = sum(p.spare for p in cfg.peers)
+    log.info(
+        "self-healing: %d peer(s) (%d spare) from %s; health every %g s",
+        len(cfg.peers),
+        spares,
+        cfg.path or "no --config",
+        cfg.health.interval_s,
+    )
+    print(f"ferry agent: node {node} listening on {host}:{port}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    service.healing.draining.set()  # no new automatic move or resume from here on
+    log.info("stopping: waiting for in-flight migrations")
+    if not service.wait_idle(timeout_s=600):
+        log.warning("in-flight migrations did not finish in 600 s; stopping anyway")
+    service.stop_housekeeping()
+    server.stop(grace=10).wait()
+    if socket_path is not None:
+        socket_path.unlink(missing_ok=True)
+    log.info("stopped")
