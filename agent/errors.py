@@ -137,3 +137,13 @@ class CudaCheckpointError(FerryError):
         self.action = action
         self.result = result
         self.result_name = result_name
+
+
+def as_ferry_error(exc: BaseException, step: str, node: str) -> FerryError:
+    """Ours as is; anything else (an OSError on a full tmpfs, say) named by step and node."""
+    if isinstance(exc, FerryError):
+        return exc
+    cause = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.strerror else repr(exc)
+    err = FerryError(cause, step=step, node=node)
+    err.__cause__ = exc
+    return err

@@ -22,7 +22,7 @@ import ctypes
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -351,8 +351,16 @@ def _ver(v: int) -> str:
 # -- a whole job ---------------------------------------------------------------
 
 
-def freeze(driver: CudaDriver, pids: Iterable[int], lock_timeout_s: float, times: dict[str, float]) -> None:
-    """Lock every CUDA process of a job, then checkpoint each (device → host).
+def freeze(
+    driver: CudaDriver,
+    pids: Iterable[int],
+    lock_timeout_s: float,
+    times: dict[str, float],
+    on_step: Callable[[str], None] = lambda step: None,
+) -> None:
+    """Lock every CUDA process of a job, then checkpoint each (device → host). `on_step` hears
+    "locked" once all are locked and "checkpointing" before the first checkpoint call (a
+    source journals both: they say how far a freeze got).
 
     On any failure (of any kind) the processes are put back (restored onto their own GPUs and
     unlocked) before the error propagates; if that fails too, the error says what the driver
@@ -366,6 +374,8 @@ def freeze(driver: CudaDriver, pids: Iterable[int], lock_timeout_s: float, times
             driver.lock(pid, lock_timeout_s)  # a failed lock changes nothing (a timeout: RUNNING)
             known[pid] = ProcessState.LOCKED
         times["cuda lock"] = time.monotonic() - t
+        on_step("locked")
+        on_step("checkpointing")
         t = time.monotonic()
         for pid in pids:
             del known[pid]  # a checkpoint that fails half-way leaves a state only get-state knows

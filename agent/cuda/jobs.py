@@ -249,11 +249,17 @@ class CudaJobs:
             )
         return gpu_map
 
-    def freeze(self, fp: Footprint, times: dict[str, float], lock_timeout_s: float | None = None) -> None:
+    def freeze(
+        self,
+        fp: Footprint,
+        times: dict[str, float],
+        lock_timeout_s: float | None = None,
+        on_step: Callable[[str], None] = lambda step: None,
+    ) -> None:
         """Lock and checkpoint the job; its GPU memory stays promised to it until release()."""
         if not fp.processes:
             return
-        cuda.freeze(self.driver, fp.pids, lock_timeout_s or self.lock_timeout_s, times)
+        cuda.freeze(self.driver, fp.pids, lock_timeout_s or self.lock_timeout_s, times, on_step)
         with self._held_lock:
             self._held[tuple(fp.pids)] = {g.uuid: g.memory_bytes for g in fp.gpus}
 

@@ -256,10 +256,10 @@ class LinkLock:
     """A job's link off its bridge for the length of a move: engaged just before the dump,
     released only if the source copy is to go on (abort); a moved job's link just goes."""
 
-    def __init__(self, network: JobNetwork | None, veth: str) -> None:
+    def __init__(self, network: JobNetwork | None, veth: str, engaged: bool = False) -> None:
         self.network = network if veth else None
         self.veth = veth
-        self.engaged = False
+        self.engaged = engaged  # recovery cannot know: it says True, and reconnecting is harmless
 
     def engage(self) -> None:
         if self.network is not None:

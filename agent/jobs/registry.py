@@ -30,6 +30,7 @@ from agent.errors import AlreadyExistsError, FerryError, InvalidArgumentError, N
 from agent.image import JobSpec
 from agent.jobs import procs
 from agent.jobs.network import JobNetwork, veth_name
+from agent.statemachine import Transitions
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +41,20 @@ _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class JobState(StrEnum):
-    """RUNNING → MIGRATING → MOVED | RUNNING (aborted); RUNNING → EXITED | STOPPED | CHECKPOINTED.
+    """One job's record on this node; every change goes through JOB_TRANSITIONS.
 
-    LOST: the process vanished while the agent was down. PREEMPTED: suspended to
-    storage for a higher-priority job; it resumes here (→ RUNNING) once a GPU is free.
-    Every state but RUNNING, MIGRATING and PREEMPTED is final for this node; a final
-    job's name may be reused.
+    RUNNING → MIGRATING (a move or a checkpoint began: single flight) → RUNNING (aborted,
+    refused, or saved and left running) | MOVED (the target runs it) | CHECKPOINTED (saved,
+    ended here) | EXITED (it ended during an aborted move) | LOST (a settlement found it gone).
+    RUNNING → EXITED (it ended) | STOPPED (`ferry stop`) | LOST (its process vanished while
+    the agent was down, or its restore here was cut short / its post-copy failed).
+    MIGRATING → LOST: the agent restarted and the process was gone.
+    CHECKPOINTED → PREEMPTED: the checkpoint was a preemption's suspend; PREEMPTED →
+    STOPPED (`ferry stop` discards it, keeping the image). A preempted job comes back as a
+    new RUNNING record that replaces this one (as does any restore of a final job's name).
+
+    Every state but RUNNING, MIGRATING and PREEMPTED is final for this node; a final job's
+    name may be reused.
     """
 
     RUNNING = "running"
@@ -65,6 +74,22 @@ class JobState(StrEnum):
     @property
     def holds_name(self) -> bool:
         return self.active or self is JobState.PREEMPTED
+
+
+_J = JobState
+JOB_TRANSITIONS: Transitions[JobState] = Transitions(
+    "job",
+    {
+        _J.RUNNING: frozenset({_J.MIGRATING, _J.EXITED, _J.STOPPED, _J.LOST}),
+        _J.MIGRATING: frozenset({_J.RUNNING, _J.MOVED, _J.CHECKPOINTED, _J.EXITED, _J.LOST}),
+        _J.CHECKPOINTED: frozenset({_J.PREEMPTED}),
+        _J.PREEMPTED: frozenset({_J.STOPPED}),
+        _J.EXITED: frozenset(),
+        _J.STOPPED: frozenset(),
+        _J.MOVED: frozenset(),
+        _J.LOST: frozenset(),
+    },
+)
 
 
 class Priority(StrEnum):
@@ -203,8 +228,12 @@ class JobRegistry:
             os.replace(tmp, d / "job.json")
 
     def update(self, name: str, **changes: object) -> JobRecord:
+        """Change a record; a new `state` must be a transition of JOB_TRANSITIONS."""
         with self._lock:
             rec = self.get(name)
+            if (new := changes.get("state")) is not None and new is not rec.state:
+                assert isinstance(new, JobState)
+                JOB_TRANSITIONS.check(rec.state, new, name)
             for k, v in changes.items():
                 setattr(rec, k, v)
             self.save(rec)
@@ -440,7 +469,8 @@ class JobRegistry:
                 raise RefusedError(
                     f"job {name!r} is {rec.state.value}, not running", step=what, node=self.node
                 )
-            rec.state, rec.migration_id, rec.note = JobState.MIGRATING, migration_id, f"{what} in progress"
+            rec.state = JOB_TRANSITIONS.check(rec.state, JobState.MIGRATING, name)
+            rec.migration_id, rec.note = migration_id, f"{what} in progress"
             self.save(rec)
             return rec
 
@@ -448,7 +478,7 @@ class JobRegistry:
         with self._lock:
             rec = self.get(name)
             if rec.state is JobState.PREEMPTED:
-                rec.state = JobState.STOPPED
+                rec.state = JOB_TRANSITIONS.check(rec.state, JobState.STOPPED, name)
                 rec.note = f"stopped while preempted; its image stays in {rec.checkpoint_dir}"
                 self.save(rec)
                 return rec
@@ -456,7 +486,8 @@ class JobRegistry:
                 raise RefusedError(f"job {name!r} is being moved; stop it after the move", node=self.node)
             if rec.state is not JobState.RUNNING:
                 raise RefusedError(f"job {name!r} is {rec.state.value}, not running", node=self.node)
-            rec.state, rec.note = JobState.STOPPED, "stopped by `ferry stop`"
+            rec.state = JOB_TRANSITIONS.check(rec.state, JobState.STOPPED, name)
+            rec.note = "stopped by `ferry stop`"
             self.save(rec)
         pids = procs.tree_pids(rec.pid)
         # A launched job's PID 1 forwards SIGTERM to the command; an adopted tree gets it everywhere.
@@ -488,7 +519,8 @@ class JobRegistry:
                     log.info("job %s: pid %d still runs; watching it again", rec.name, rec.pid)
                     self._watch(rec, None)
                 else:
-                    rec.state, rec.note = JobState.LOST, "its process ended while the agent was down"
+                    rec.state = JOB_TRANSITIONS.check(rec.state, JobState.LOST, rec.name)
+                    rec.note = "its process ended while the agent was down"
                     self.save(rec)
 
     def _watch(self, rec: JobRecord, wait: object) -> None:
@@ -513,7 +545,7 @@ class JobRegistry:
                 return  # the name now belongs to a newer job
             rec.exit_code = code
             if rec.state is JobState.RUNNING:
-                rec.state = JobState.EXITED
+                rec.state = JOB_TRANSITIONS.check(rec.state, JobState.EXITED, name)
                 if code is not None:  # unknown for a process we did not start: keep what the note says
                     rec.note = f"exited with status {code}"
                 log.info("job %s: exited (%s)", name, code)

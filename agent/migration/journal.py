@@ -96,19 +96,33 @@ class Journal:
                 hint="restore the file from a backup or settle the migration by hand",
             ) from e
 
-    def load(self, role: str) -> list[MigrationRecord]:
-        """Every record of one side, oldest first; finished ones past their keep time are removed."""
+    def load(self, role: str, strict: bool = False) -> list[MigrationRecord]:
+        """Every record of one side, oldest first; finished ones past their keep time are removed.
+
+        An unreadable record could be a restore in flight that must be killed, so it is never
+        taken as "no record": strict (recovery at start) raises, naming every such file; else
+        each is logged as an error and left where it is for the operator.
+        """
         out = []
+        bad: list[str] = []
         now = time.time()
         for path in sorted(self.root.glob(f"{role}-*.json")):
             try:
                 rec = MigrationRecord(**json.loads(path.read_bytes()))
             except (OSError, ValueError, TypeError) as e:
-                log.warning("skipping unreadable migration record %s: %s", path, e)
+                log.error("unreadable migration record %s: %s", path, e)
+                bad.append(f"{path} ({e})")
                 continue
             if rec.state in PRUNABLE and now - rec.updated_at > KEEP_FINISHED_S:
                 with contextlib.suppress(OSError):
                     path.unlink()
                 continue
             out.append(rec)
+        if bad and strict:
+            raise FerryError(
+                f"{len(bad)} {role} migration record(s) are unreadable: {'; '.join(bad)}",
+                step="recovery",
+                hint="each may stand for a frozen or half-restored copy of a job: check the job on both "
+                "nodes (`ferry ps`), settle it by hand, then move the file out of the migrations directory",
+            )
         return sorted(out, key=lambda r: r.created_at)

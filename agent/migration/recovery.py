@@ -5,10 +5,13 @@ when the target is known not to run the job, and ends it only when the target
 is known to run it. What the source's journal record says decides which is
 possible:
 
-- preparing, dumping, transferring, aborting: commit was never sent, so the
-  target cannot run the job. Tell it to abort (a tombstone fences the id
-  there), wait for a CRIU dump that outlived us, and resume.
-- restoring, unresolved: commit may have reached the target. Ask it. RUNNING:
+- preparing, the CUDA freeze's states, dumping, transferring, aborting
+  (states.NOT_SENT): commit was never sent, so the target cannot run the job.
+  Tell it to abort (a tombstone fences the id there), wait for a CRIU dump that
+  outlived us, and resume; the journaled state says how far the CUDA freeze got
+  (states.cuda_left), so only a call cut off half-way needs the driver's word.
+- restoring, paging, unresolved (states.MAYBE_SENT): commit may have reached the
+  target. Ask it. RUNNING:
   end the frozen copy. ABORTED or UNKNOWN: resume. No answer: stay frozen,
   marked UNRESOLVED with the reason and the command that settles it, and ask
   again every few seconds.
@@ -22,25 +25,22 @@ import shutil
 import threading
 from collections.abc import Callable
 
-from agent.criu import tcp_repair
 from agent.cuda import driver as cuda
 from agent.errors import FerryError, InvalidArgumentError, NotFoundError, RefusedError
 from agent.jobs import procs
+from agent.jobs.network import LinkLock
 from agent.jobs.registry import JobRegistry, JobState
+from agent.migration import rollback
 from agent.migration.journal import SOURCE, Journal, MigrationRecord
-from agent.migration.source import MigrationState, Peer, unresolved_note
+from agent.migration.model import Peer, unresolved_note
+from agent.migration.states import MAYBE_SENT, NOT_SENT, SOURCE_TRANSITIONS, MigrationState, cuda_left
 from agent.rpc import pb
 
 log = logging.getLogger(__name__)
 
 CRIU_WAIT_S = 120.0
-_NOT_SENT = {
-    MigrationState.PREPARING.value,
-    MigrationState.DUMPING.value,
-    MigrationState.TRANSFERRING.value,
-    MigrationState.ABORTING.value,
-}
-_MAYBE_SENT = {MigrationState.RESTORING.value, MigrationState.UNRESOLVED.value}
+_NOT_SENT = {s.value for s in NOT_SENT}
+_MAYBE_SENT = {s.value for s in MAYBE_SENT}
 
 
 class SourceRecovery:
@@ -134,6 +134,8 @@ class SourceRecovery:
             if self._ask_target(rec) == pb.TARGET_STATE_ABORTED:
                 return self._resume(rec, f"{why}: the target had not started restoring; aborted there")
         if rec.state != MigrationState.UNRESOLVED.value:
+            subject = f"{rec.migration_id} (job {rec.job})"
+            SOURCE_TRANSITIONS.check(MigrationState(rec.state), MigrationState.UNRESOLVED, subject)
             rec.state = MigrationState.UNRESOLVED.value
             rec.note = unresolved_note(rec.job, rec.peer)
             self.journal.save(rec)
@@ -146,39 +148,38 @@ class SourceRecovery:
 
     def _resume(self, rec: MigrationRecord, why: str) -> str:
         job = self.registry.get(rec.job)
-        pids = procs.tree_pids(job.pid) if procs.alive(job.pid, job.pid_started) else []
-        tcp_repair.release(pids)  # a dump left its TCP sockets in repair mode
-        if job.veth and self.registry.network is not None:
-            try:
-                self.registry.network.reconnect(job.veth)  # the lock may still be engaged
-            except FerryError as e:
-                log.error("migration %s (job %s): cannot put its link back: %s", rec.migration_id, rec.job, e)
-        procs.resume(pids)  # first: the CUDA driver's restore thread must run
-        undone = cuda.undo(self.driver, rec.cuda_pids)  # no record of how far the freeze went: read
-        note = f"migration to {rec.peer} settled: {why}; the job resumed here"
-        if undone:
-            note += f", but {undone.summary()}; {cuda.UNDO_HINT}"
-        running = bool(pids) and procs.alive(job.pid, job.pid_started)
-        self.registry.update(
-            rec.job, state=JobState.RUNNING if running else JobState.LOST, migration_id="", note=note
-        )
+        alive = procs.alive(job.pid, job.pid_started)
+        state = MigrationState(rec.state)
+        # After a restart nothing says whether the lock is still engaged: put the link back anyway.
+        link = LinkLock(self.registry.network, job.veth, engaged=True)
+        left = cuda_left(state, bool(rec.cuda_pids))
+        copy = rollback.FrozenCopy(job, procs.tree_pids(job.pid) if alive else [], link, rec.cuda_pids, left)
+
+        def say(r: rollback.Resumed) -> str:
+            note = f"migration to {rec.peer} settled: {why}; the job resumed here"
+            return f"{note}, but {r.summary()}; {cuda.UNDO_HINT}" if r.summary() else note
+
+        done = rollback.resume(self.registry, self.driver, copy, say, gone=JobState.LOST)
         shutil.rmtree(rec.staging, ignore_errors=True)
-        rec.state, rec.note = MigrationState.ABORTED.value, note
-        self.journal.save(rec)
-        log.warning("migration %s (job %s): %s", rec.migration_id, rec.job, note)
-        return note
+        self._settled(rec, MigrationState.ABORTED, say(done))
+        return say(done)
 
     def _finish(self, rec: MigrationRecord, why: str) -> str:
         job = self.registry.get(rec.job)
-        if procs.alive(job.pid, job.pid_started):
-            self.registry.kill_tree(job, procs.tree_pids(job.pid))
+        pids = procs.tree_pids(job.pid) if procs.alive(job.pid, job.pid_started) else []
         note = f"moved to {rec.peer}: {why}"
-        self.registry.update(rec.job, state=JobState.MOVED, moved_to=rec.peer, migration_id="", note=note)
+        copy = rollback.FrozenCopy(job, pids, LinkLock(self.registry.network, job.veth))
+        rollback.finish(self.registry, copy, JobState.MOVED, note, moved_to=rec.peer)
         shutil.rmtree(rec.staging, ignore_errors=True)
-        rec.state, rec.note = MigrationState.COMMITTED.value, note
+        self._settled(rec, MigrationState.COMMITTED, note)
+        return note
+
+    def _settled(self, rec: MigrationRecord, state: MigrationState, note: str) -> None:
+        subject = f"{rec.migration_id} (job {rec.job})"
+        rec.state = SOURCE_TRANSITIONS.check(MigrationState(rec.state), state, subject).value
+        rec.note = note
         self.journal.save(rec)
         log.warning("migration %s (job %s): %s", rec.migration_id, rec.job, note)
-        return note
 
     # -- helpers -------------------------------------------------------------------------
 

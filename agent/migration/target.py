@@ -42,9 +42,11 @@ from agent.image import Manifest, StreamDigest
 from agent.jobs import procs
 from agent.jobs.network import carrying
 from agent.jobs.registry import JobRegistry, JobState
+from agent.migration.capture import default_cuda_jobs
 from agent.migration.journal import TARGET, Journal, MigrationRecord
 from agent.migration.pagestream import LazyTargetRelay, TargetRelay
-from agent.migration.source import default_cuda_jobs, restore_tree, wait_for_output
+from agent.migration.restore import restore_tree, wait_for_output
+from agent.migration.states import TARGET_TRANSITIONS, TargetState
 from agent.migration.transfer import Intake
 from agent.rpc import pb
 
@@ -59,25 +61,6 @@ STAGING_SLACK = 1.2
 #: How long recovery waits for a CRIU restore that outlived its agent.
 CRIU_WAIT_S = 60.0
 
-_NAMES = {
-    pb.TARGET_STATE_PREPARED: "prepared",
-    pb.TARGET_STATE_RECEIVING: "receiving",
-    pb.TARGET_STATE_VERIFIED: "verified",
-    pb.TARGET_STATE_RESTORING: "restoring",
-    pb.TARGET_STATE_RUNNING: "running",
-    pb.TARGET_STATE_ABORTED: "aborted",
-    pb.TARGET_STATE_POSTCOPY: "postcopy",
-}
-_BY_NAME = {v: k for k, v in _NAMES.items()}
-_IN_FLIGHT = (
-    pb.TARGET_STATE_PREPARED,
-    pb.TARGET_STATE_RECEIVING,
-    pb.TARGET_STATE_VERIFIED,
-    pb.TARGET_STATE_RESTORING,
-    pb.TARGET_STATE_POSTCOPY,
-)
-
-
 @dataclass
 class Incoming:
     migration_id: str
@@ -87,7 +70,7 @@ class Incoming:
     max_bytes: int
     expires_at: float
     peer_name: str = ""  # the certificate that prepared it: the only one that may go on
-    state: int = pb.TARGET_STATE_PREPARED
+    state: TargetState = TargetState.PREPARED
     manifest: Manifest | None = None
     gpu_map: dict[str, str] = field(default_factory=dict)  # the job's GPU → the GPU here
     pids: list[int] = field(default_factory=list)  # an adopted job's host PIDs
@@ -105,7 +88,7 @@ class Incoming:
             migration_id=self.migration_id,
             role=TARGET,
             job=self.job,
-            state=_NAMES[self.state],
+            state=self.state.value,
             peer=self.source_node,
             peer_name=self.peer_name,
             staging=str(self.staging),
@@ -168,7 +151,7 @@ class TargetMigrations:
     def _taken_locked(self, owner: str) -> dict[str, str]:
         out = {u: f"is being taken by {o}" for o, us in self._claims.items() if o != owner for u in us}
         for i in self._incoming.values():
-            if i.state in _IN_FLIGHT:
+            if i.state.in_flight:
                 out.update(dict.fromkeys(i.gpu_map.values(), "is promised to another incoming job"))
         return out
 
@@ -239,7 +222,7 @@ class TargetMigrations:
                 raise self._refuse(
                     f"migration {req.migration_id} is already known here; ids are never reused"
                 )
-            busy = [i for i in self._incoming.values() if i.state in _IN_FLIGHT]
+            busy = [i for i in self._incoming.values() if i.state.in_flight]
             if req.gpus:
                 # Under the lock, so two incoming jobs are never promised the same GPU.
                 needs = [GpuNeed(g.uuid, g.name, g.memory_bytes) for g in req.gpus]
@@ -259,7 +242,7 @@ class TargetMigrations:
             # Space already promised to other leases counts as used: two images that each
             # fit alone must not both be accepted into a staging area that holds one.
             free = shutil.disk_usage(self.staging_root).free
-            promised = sum(i.reserved_bytes for i in busy if i.state != pb.TARGET_STATE_RESTORING)
+            promised = sum(i.reserved_bytes for i in busy if i.state is not TargetState.RESTORING)
             if free - promised < need:
                 others = (
                     f" ({promised >> 20} MiB of it promised to {len(busy)} other leases)" if promised else ""
@@ -299,17 +282,17 @@ class TargetMigrations:
             raise InvalidArgumentError("a page stream must start with its migration id", step="transfer")
         inc = self._get(first.migration_id, caller)
         with self._lock:
-            self._require_lease(inc, pb.TARGET_STATE_PREPARED, "a page stream")
             if inc.pages is not None or inc.relay is not None:
                 raise RefusedError(
                     f"migration {inc.migration_id} already has its page stream",
                     step="transfer",
                     node=self.node,
                 )
+            self._require_lease(inc, (TargetState.PREPARED,), "a page stream")
             if inc.lazy:
                 inc.relay = LazyTargetRelay(inc.max_bytes, self.node)
             else:
-                self._set(inc, pb.TARGET_STATE_RECEIVING)
+                self._set(inc, TargetState.STREAMING)
                 inc.relay = TargetRelay(
                     self.criu, inc.staging, inc.max_bytes, self.node, self.criu_logs.dir_for(inc.migration_id)
                 )
@@ -321,16 +304,16 @@ class TargetMigrations:
         except BaseException as e:
             inc.relay.kill()
             with self._lock:
-                if inc.state == pb.TARGET_STATE_RECEIVING:
+                if inc.state is TargetState.STREAMING:
                     self._drop(inc, f"page stream failed: {e}")
             self._stream_failed(e, "transfer", "the page stream")
         with self._lock:
             inc.relay = None
-            if inc.state != pb.TARGET_STATE_RECEIVING:  # aborted while the last bytes came in
+            if inc.state is not TargetState.STREAMING:  # aborted while the last bytes came in
                 raise RefusedError(f"migration {inc.migration_id} was aborted", node=self.node)
             inc.pages = digest
-            # Back to waiting, under the lease's expiry, for the rest of the image.
-            self._set(inc, pb.TARGET_STATE_PREPARED)
+            # Waiting, under the lease's expiry, for the rest of the image.
+            self._set(inc, TargetState.STREAMED)
         log.info("migration %s: %d bytes of memory streamed in", inc.migration_id, digest.bytes)
         yield pb.PageData(end=pb.PageStreamEnd(bytes=digest.bytes, check=digest.check))
 
@@ -356,8 +339,8 @@ class TargetMigrations:
         with self._lock:
             inc.relay = None
             inc.pages = digest
-            if inc.state == pb.TARGET_STATE_POSTCOPY:
-                self._set(inc, pb.TARGET_STATE_RUNNING)
+            if inc.state is TargetState.POSTCOPY:
+                self._set(inc, TargetState.RUNNING)
         shutil.rmtree(inc.staging, ignore_errors=True)
         self.criu_logs.done(inc.migration_id)
         log.info("migration %s: post-copy done, %d bytes of memory pulled in", inc.migration_id, digest.bytes)
@@ -377,7 +360,7 @@ class TargetMigrations:
         read as zeros), and the source may resume its own once we say ABORTED."""
         with self._lock:
             inc.postcopy_failed = why
-            if inc.state == pb.TARGET_STATE_POSTCOPY:
+            if inc.state is TargetState.POSTCOPY:
                 try:
                     job = self.registry.get(inc.job)
                 except NotFoundError:
@@ -393,15 +376,15 @@ class TargetMigrations:
                     if procs.alive(job.pid, job.pid_started):
                         procs.signal_all(procs.tree_pids(job.pid), signal.SIGKILL)
                 self._drop(inc, f"post-copy failed: {why}")
-            elif inc.state in (pb.TARGET_STATE_PREPARED, pb.TARGET_STATE_VERIFIED):
+            elif inc.state in (TargetState.PREPARED, TargetState.VERIFIED):
                 self._drop(inc, f"page stream failed: {why}")
             # RESTORING: the commit sees postcopy_failed at its commit point and kills the restore.
 
-    def _require_lease(self, inc: Incoming, state: int, what: str) -> None:
-        """Under the lock: the migration is in `state` and its lease holds."""
-        if inc.state != state:
+    def _require_lease(self, inc: Incoming, states: tuple[TargetState, ...], what: str) -> None:
+        """Under the lock: the migration is in one of `states` and its lease holds."""
+        if inc.state not in states:
             raise RefusedError(
-                f"migration {inc.migration_id} is {_NAMES.get(inc.state, 'unknown')}, not waiting for {what}",
+                f"migration {inc.migration_id} is {inc.state.value}, not waiting for {what}",
                 step="transfer",
                 node=self.node,
             )
@@ -415,8 +398,8 @@ class TargetMigrations:
             raise InvalidArgumentError("empty image stream", step="transfer", node=self.node)
         inc = self._get(first.migration_id, caller)
         with self._lock:
-            self._require_lease(inc, pb.TARGET_STATE_PREPARED, "an image")
-            self._set(inc, pb.TARGET_STATE_RECEIVING)
+            self._require_lease(inc, (TargetState.PREPARED, TargetState.STREAMED), "an image")
+            self._set(inc, TargetState.RECEIVING)
         streamed = inc.pages.bytes if inc.pages else 0
         intake = Intake(inc.staging, inc.max_bytes - streamed, self.node)
         try:
@@ -459,17 +442,17 @@ class TargetMigrations:
                 ) from e
             raise
         with self._lock:
-            if inc.state != pb.TARGET_STATE_RECEIVING:  # aborted while the last bytes came in
+            if inc.state is not TargetState.RECEIVING:  # aborted while the last bytes came in
                 raise RefusedError(f"migration {inc.migration_id} was aborted", node=self.node)
             inc.manifest = manifest
             inc.expires_at = time.time() + LEASE_S  # the commit must come within a lease from now
-            self._set(inc, pb.TARGET_STATE_VERIFIED)
+            self._set(inc, TargetState.VERIFIED)
         return pb.PushImageResponse(bytes=intake.bytes, files=len(intake.received))
 
     def commit(self, req: pb.CommitRequest, caller: str = "") -> pb.CommitResponse:
         inc = self._get(req.migration_id, caller)
         with self._lock:
-            if inc.manifest is None or inc.state != pb.TARGET_STATE_VERIFIED:
+            if inc.manifest is None or inc.state is not TargetState.VERIFIED:
                 raise RefusedError(
                     f"migration {inc.migration_id} has no verified image to restore", node=self.node
                 )
@@ -478,7 +461,7 @@ class TargetMigrations:
                     f"post-copy migration {inc.migration_id} has no page stream to take memory from",
                     node=self.node,
                 )
-            self._set(inc, pb.TARGET_STATE_RESTORING)
+            self._set(inc, TargetState.RESTORING)
         times: dict[str, float] = {}
 
         def criu_started(pid: int) -> None:
@@ -528,7 +511,7 @@ class TargetMigrations:
         with self._lock:
             if inc.postcopy_failed:  # the job would run on memory that is not there
                 raise TransferError(f"the post-copy transfer failed: {inc.postcopy_failed}", step="restore")
-            self._set(inc, pb.TARGET_STATE_POSTCOPY if inc.lazy else pb.TARGET_STATE_RUNNING)
+            self._set(inc, TargetState.POSTCOPY if inc.lazy else TargetState.RUNNING)
 
     def abort(self, mid: str, reason: str, caller: str = "") -> None:
         _safe_id(mid)
@@ -544,12 +527,12 @@ class TargetMigrations:
                 inc = self._from_journal(mid)
         self._check_caller(inc, caller)
         with self._lock:
-            if inc.state in (pb.TARGET_STATE_RESTORING, pb.TARGET_STATE_RUNNING, pb.TARGET_STATE_POSTCOPY):
-                what = "is restoring" if inc.state == pb.TARGET_STATE_RESTORING else "already runs"
+            if inc.state in (TargetState.RESTORING, TargetState.RUNNING, TargetState.POSTCOPY):
+                what = "is restoring" if inc.state is TargetState.RESTORING else "already runs"
                 raise RefusedError(
                     f"migration {mid} {what} the job here; it cannot be aborted", node=self.node
                 )
-            if inc.state == pb.TARGET_STATE_ABORTED:
+            if inc.state is TargetState.ABORTED:
                 return
             self._drop(inc, f"aborted by the source: {reason}")
 
@@ -563,7 +546,7 @@ class TargetMigrations:
                 return pb.TARGET_STATE_UNKNOWN
             inc = self._from_journal(mid)
         self._check_caller(inc, caller)
-        return inc.state
+        return inc.state.wire
 
     # -- housekeeping --------------------------------------------------------------
 
@@ -580,11 +563,11 @@ class TargetMigrations:
         we did not see finish is killed, for the same reason. Returns what was done.
         """
         done = []
-        for rec in self.journal.load(TARGET):
-            state = _BY_NAME.get(rec.state)
-            if state not in _IN_FLIGHT:
+        for rec in self.journal.load(TARGET, strict=True):
+            state = _journaled(rec)
+            if not state.in_flight:
                 continue
-            if state in (pb.TARGET_STATE_RESTORING, pb.TARGET_STATE_POSTCOPY):
+            if state in (TargetState.RESTORING, TargetState.POSTCOPY):
                 # Post-copy: the pages still missing went with the daemon; the source has them all.
                 killed = self._kill_unfinished_restore(rec)
                 what = (
@@ -593,7 +576,8 @@ class TargetMigrations:
             else:
                 what = f"dropped its {rec.state} image"
             shutil.rmtree(rec.staging, ignore_errors=True)
-            rec.state, rec.note = "aborted", f"agent restarted while {rec.state}: {what}"
+            TARGET_TRANSITIONS.check(state, TargetState.ABORTED, f"{rec.migration_id} (job {rec.job})")
+            rec.state, rec.note = TargetState.ABORTED.value, f"agent restarted while {rec.state}: {what}"
             self.journal.save(rec)
             log.warning("migration %s (job %s): %s", rec.migration_id, rec.job, rec.note)
             done.append(f"{rec.migration_id}: {rec.note}")
@@ -644,7 +628,7 @@ class TargetMigrations:
             rec.max_bytes,
             rec.expires_at,
             peer_name=rec.peer_name,
-            state=_BY_NAME.get(rec.state, pb.TARGET_STATE_ABORTED),
+            state=_journaled(rec),
         )
 
     def _check_caller(self, inc: Incoming, caller: str) -> None:
@@ -661,9 +645,10 @@ class TargetMigrations:
     def _refuse(self, cause: str, hint: str = "") -> RefusedError:
         return RefusedError(cause, step="prepare", node=self.node, hint=hint)
 
-    def _set(self, inc: Incoming, state: int) -> None:
-        """Durable first: the journal knows a state before the agent acts on it."""
-        inc.state = state
+    def _set(self, inc: Incoming, state: TargetState) -> None:
+        """Every state change: checked against TARGET_TRANSITIONS, and durable before the agent
+        acts on it."""
+        inc.state = TARGET_TRANSITIONS.check(inc.state, state, f"{inc.migration_id} (job {inc.job})")
         self.journal.save(inc.record())
 
     def _drop(self, inc: Incoming, why: str) -> None:
@@ -671,7 +656,8 @@ class TargetMigrations:
             inc.relay.kill()  # a page server still writing into staging
         # Staging first: "aborted" on disk then also means nothing is left (recovery cleans both ways).
         shutil.rmtree(inc.staging, ignore_errors=True)
-        inc.state = pb.TARGET_STATE_ABORTED
+        subject = f"{inc.migration_id} (job {inc.job})"
+        inc.state = TARGET_TRANSITIONS.check(inc.state, TargetState.ABORTED, subject)
         rec = inc.record()
         rec.note = why
         self.journal.save(rec)
@@ -680,7 +666,8 @@ class TargetMigrations:
     def _expire_locked(self) -> None:
         now = time.time()
         for inc in self._incoming.values():
-            if inc.state in (pb.TARGET_STATE_PREPARED, pb.TARGET_STATE_VERIFIED) and now > inc.expires_at:
+            waiting = (TargetState.PREPARED, TargetState.STREAMED, TargetState.VERIFIED)
+            if inc.state in waiting and now > inc.expires_at:
                 log.warning("migration %s: lease expired; dropping its staged image", inc.migration_id)
                 self._drop(inc, "lease expired")
 
@@ -732,3 +719,16 @@ def _safe_id(mid: str) -> str:
     if not mid or not mid.isascii() or not mid.replace("-", "").isalnum() or len(mid) > 64:
         raise InvalidArgumentError(f"invalid migration id {mid!r}: 1-64 letters, digits and '-'")
     return mid
+
+
+def _journaled(rec: MigrationRecord) -> TargetState:
+    """A target record's state. One this agent cannot read is refused, not guessed: it may be
+    a restore that must be killed (Journal.load reports such files)."""
+    try:
+        return TargetState(rec.state)
+    except ValueError as e:
+        raise FerryError(
+            f"migration record {rec.migration_id} has the unknown target state {rec.state!r}",
+            step="journal",
+            hint="settle it by hand: see docs/architecture.md, recovery",
+        ) from e

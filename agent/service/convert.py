@@ -9,7 +9,7 @@ from agent.health.events import Event
 from agent.health.healing import Holder
 from agent.health.monitor import GpuHealth
 from agent.jobs.registry import JobRecord, JobState
-from agent.migration.source import MigrationResult, Progress
+from agent.migration.model import MigrationResult, Progress
 from agent.rpc import pb
 
 PHASES = {

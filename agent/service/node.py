@@ -31,18 +31,12 @@ from agent.health.monitor import GpuHealth, HealthMonitor
 from agent.image import read_manifest
 from agent.jobs.network import JobNetwork
 from agent.jobs.registry import JobRecord, JobRegistry, OnDegraded, Priority, check_job_name
-from agent.migration.journal import Journal
+from agent.migration.capture import default_cuda_jobs
+from agent.migration.journal import SOURCE, Journal
+from agent.migration.local import checkpoint, restore_image, resume_preempted
+from agent.migration.model import MigrationResult, MigrationSpec, Progress
 from agent.migration.recovery import SourceRecovery
-from agent.migration.source import (
-    MigrationResult,
-    MigrationSpec,
-    Progress,
-    SourceMigration,
-    checkpoint,
-    default_cuda_jobs,
-    restore_image,
-    resume_preempted,
-)
+from agent.migration.source import SourceMigration
 from agent.migration.target import TargetMigrations
 
 log = logging.getLogger(__name__)
@@ -128,6 +122,9 @@ class AgentNode:
         """Before serving: unwind incoming migrations the last run left; then, in the background
         (it asks peers), settle outgoing ones, and keep expiring leases and asking about
         unresolved migrations."""
+        # Every record must be readable before anything is served: one that is not may stand for
+        # a frozen copy here (source) or a held restore (target, which recover() reads strictly).
+        self.journal.load(SOURCE, strict=True)
         for line in self.targets.recover():
             log.warning("recovered incoming migration %s", line)
 

@@ -11,7 +11,7 @@ import grpc
 from agent.errors import InvalidArgumentError, PermissionDeniedError
 from agent.jobs.logs import STDERR, STDOUT, read_logs
 from agent.jobs.registry import check_job_name
-from agent.migration.source import MigrationResult, Progress
+from agent.migration.model import MigrationResult, Progress
 from agent.rpc import pb, pb_grpc
 from agent.service import access
 from agent.service.convert import event_pb, health_pb, inventory_pb, job_pb, progress_pb, result_pb

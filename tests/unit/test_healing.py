@@ -4,6 +4,7 @@ in tests/integration/test_selfheal.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -74,7 +75,7 @@ class Rig:
                 peer=lambda a: self.peers[a],
                 migrate=self._migrate,
                 spawn=self._spawn,
-                suspend=lambda job, out: None,
+                suspend=self._suspend,
                 resume=self._resume,
             ),
             state_dir=tmp / "state",
@@ -107,8 +108,15 @@ class Rig:
             self.gate.wait(10)
         if self.fail_with is not None:
             raise self.fail_with
+        # As a real move does: MIGRATING while it runs, then MOVED.
+        self.registry.begin_move(job, "m-fake", "migration")
         self.registry.update(job, state=JobState.MOVED)
         return None
+
+    def _suspend(self, job: str, out: Path) -> None:
+        # As `ferry checkpoint` does: MIGRATING while it dumps, then CHECKPOINTED.
+        self.registry.begin_move(job, "checkpoint-fake", "checkpoint")
+        self.registry.update(job, state=JobState.CHECKPOINTED, checkpoint_dir=str(out))
 
     def _spawn(self, work) -> None:
         t = threading.Thread(target=work)
@@ -120,7 +128,10 @@ class Rig:
     def _resume(self, rec: JobRecord, unavailable) -> JobRecord:
         if not self.resumable or set(rec.gpus) & set(unavailable(rec.name)):
             raise NoFreeGpuError("no free GPU")
-        return self.registry.update(rec.name, state=JobState.RUNNING)
+        # As a real resume does: the restored job's new record replaces the preempted one.
+        back = dataclasses.replace(rec, state=JobState.RUNNING)
+        self.registry.save(back)
+        return back
 
     def run(self, seconds: float, step: float = 1.0) -> None:
         """Advance the clock, polling as the agent's monitor would."""

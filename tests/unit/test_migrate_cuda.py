@@ -34,9 +34,11 @@ from fakes import FakeCriu, LocalPageCall, is_dead, is_stopped, launched_record,
 from agent.cli import main as cli
 from agent.errors import CriuError, MigrationAbortedError, RefusedError
 from agent.jobs.registry import JobRegistry, JobState
-from agent.migration import source as migrate
+from agent.migration import capture
 from agent.migration import target as incoming
-from agent.migration.source import MigrationSpec, SourceMigration, checkpoint, restore_image
+from agent.migration.local import checkpoint, restore_image
+from agent.migration.model import MigrationSpec
+from agent.migration.source import SourceMigration
 from agent.migration.target import TargetMigrations
 from agent.rpc import pb
 
@@ -195,7 +197,7 @@ def test_lock_timeout_aborts_before_anything_is_frozen(nodes: TwoNodes) -> None:
     assert nodes.src_criu.dumps == []
     assert nodes.src_world.state(nodes.pid) == RUNNING
     assert not is_stopped(nodes.pid)
-    assert nodes.job.state is JobState.RUNNING and "aborted while dumping" in nodes.job.note
+    assert nodes.job.state is JobState.RUNNING and "aborted while cuda-locking" in nodes.job.note
     assert nodes.target.status(MID) == pb.TARGET_STATE_ABORTED
 
 
@@ -236,7 +238,7 @@ def test_a_refused_cuda_job_is_never_frozen(nodes: TwoNodes) -> None:
 
 
 def test_too_little_host_memory_for_the_device_memory_is_refused(nodes: TwoNodes, monkeypatch) -> None:
-    monkeypatch.setattr(migrate.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=GIB))
+    monkeypatch.setattr(capture.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=GIB))
     with pytest.raises(RefusedError, match=r"holds 2\.0 GiB of GPU memory.*only 1\.0 GiB is available"):
         nodes.migration().run()
     assert nodes.src_drv.actions() == [] and nodes.target.status(MID) == pb.TARGET_STATE_UNKNOWN

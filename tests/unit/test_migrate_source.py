@@ -29,7 +29,9 @@ from agent.image import MANIFEST, STDERR_LOG, STDOUT_LOG
 from agent.jobs import procs
 from agent.jobs.registry import JobRecord, JobRegistry, JobState
 from agent.migration import source as migrate
-from agent.migration.source import MigrationSpec, MigrationState, SourceMigration
+from agent.migration.model import MigrationSpec, Progress
+from agent.migration.source import SourceMigration
+from agent.migration.states import MigrationState
 from agent.rpc import pb
 
 MID = "0123456789abcdef"
@@ -47,7 +49,7 @@ class Harness:
         self.criu = criu
         self.peer = FakePeer(tmp_path / "target-staging")
         self.staging_root = tmp_path / "staging"
-        self.events: list[migrate.Progress] = []
+        self.events: list[Progress] = []
         registry.save(launched_record("train", self.proc, self.out, self.err))
 
         self.resumed: list[list[int]] = []
@@ -264,6 +266,8 @@ def test_second_migration_of_a_moving_job_is_refused(h: Harness) -> None:
 
 @pytest.mark.parametrize("state", [JobState.EXITED, JobState.MOVED, JobState.STOPPED])
 def test_a_job_that_does_not_run_is_not_moved(h: Harness, state: JobState) -> None:
+    if state is JobState.MOVED:  # only a move ends in MOVED
+        h.registry.begin_move("train", "earlier-migration", "migration")
     h.registry.update("train", state=state)
     with pytest.raises(RefusedError, match=f"is {state.value}, not running"):
         h.migration().run()
@@ -510,7 +514,7 @@ def test_os_error_after_the_freeze_still_resumes_the_job(h: Harness, monkeypatch
     def no_space(rec: JobRecord, image_dir: Path) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(migrate, "_copy_logs", no_space)
+    monkeypatch.setattr(migrate, "copy_logs", no_space)
     with pytest.raises(MigrationAbortedError):
         h.migration().run()
     h.assert_rolled_back()

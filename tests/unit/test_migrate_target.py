@@ -45,6 +45,7 @@ from agent.jobs import procs
 from agent.jobs.registry import JobKind, JobRecord, JobRegistry, JobState
 from agent.migration import source as migrate
 from agent.migration import target as incoming
+from agent.migration.states import TargetState
 from agent.migration.target import TargetMigrations
 from agent.migration.transfer import SendStats, send_image
 from agent.rpc import pb
@@ -646,7 +647,7 @@ def test_the_target_grants_post_copy_where_it_can(target: TargetMigrations) -> N
 def test_a_post_copy_lease_without_its_page_stream_is_not_restored(target: TargetMigrations) -> None:
     target.prepare(prepare_req(lazy=True))
     inc = target._incoming[MID]
-    inc.state, inc.manifest = pb.TARGET_STATE_VERIFIED, object()  # type: ignore[assignment]
+    inc.state, inc.manifest = TargetState.VERIFIED, object()  # type: ignore[assignment]
     with pytest.raises(RefusedError, match="no page stream"):
         target.commit(pb.CommitRequest(migration_id=MID))
 
@@ -668,7 +669,7 @@ def test_memory_that_stops_coming_kills_the_running_copy_first(target: TargetMig
     target.registry.save(rec)
 
     def restored_and_released() -> None:  # what a commit does while the stream waits
-        target._incoming[MID].state = pb.TARGET_STATE_POSTCOPY
+        target._incoming[MID].state = TargetState.POSTCOPY
 
     with pytest.raises(FerryError, match="broke off"):
         list(target.stream_pages(broken_stream(MID, restored_and_released)))

@@ -15,7 +15,7 @@ import pytest
 from fake_cuda import CHECKPOINTED, GPU0, RUNNING, CudaWorld, fake_cuda_jobs
 from fakes import SLEEP, FakeCriu, is_dead, is_stopped, launched_record, wait_stopped
 
-from agent.errors import NotFoundError, RefusedError, UnavailableError
+from agent.errors import FerryError, NotFoundError, RefusedError, UnavailableError
 from agent.jobs.registry import JobRegistry, JobState
 from agent.migration.journal import KEEP_FINISHED_S, SOURCE, TARGET, Journal, MigrationRecord
 from agent.migration.recovery import SourceRecovery
@@ -266,3 +266,15 @@ def test_a_restarted_target_leaves_finished_migrations_alone(target) -> None:
     target.journal.save(MigrationRecord("m1", TARGET, "train", "running", peer="nodea"))
     assert target.recover() == []
     assert target.status("m1") == pb.TARGET_STATE_RUNNING
+
+
+@pytest.mark.parametrize("role", [TARGET, SOURCE])
+def test_an_unreadable_record_stops_the_start_and_is_named(role, make_agent, tmp_path) -> None:
+    """A corrupt record may be a held restore (target) or a frozen copy (source): never "no record"."""
+    svc, _, _ = make_agent("nodez")
+    path = svc.journal.root / f"{role}-m-corrupt.json"
+    path.write_text('{"migration_id": "m-corrupt", "state": "restor')
+    with pytest.raises(FerryError, match=r"unreadable: .*m-corrupt\.json") as err:
+        svc.recover()
+    assert "check the job on both nodes" in err.value.hint
+    assert path.exists()  # left for the operator

@@ -1,0 +1,79 @@
+"""The dump side that every move shares (a migration's source and a local checkpoint): phase
+timings, the checks before a freeze, and what CRIU must be told about the job."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+from agent.cuda import driver as cuda
+from agent.cuda.jobs import CudaConfig, CudaJobs, Footprint, ProcView
+from agent.errors import RefusedError
+from agent.gpus.inventory import Nvml, gib
+from agent.image import STDERR_LOG, STDOUT_LOG
+from agent.jobs import procs
+from agent.jobs.network import LinkLock
+from agent.jobs.registry import LOG_MOUNT, LOG_MOUNT_KEY, JobKind, JobRecord
+
+
+class Phases:
+    """Per-phase wall time."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    def run(self, name: str, fn: Callable[[], object]) -> object:
+        t = time.monotonic()
+        try:
+            return fn()
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.monotonic() - t
+
+
+def log_mtime(rec: JobRecord) -> float:
+    times = [os.stat(p).st_mtime for p in (rec.stdout_path, rec.stderr_path) if p and os.path.exists(p)]
+    return max(times, default=0.0)
+
+
+def copy_logs(rec: JobRecord, image_dir: Path) -> None:
+    """Agent-owned logs travel with the image; the job's fds to them are re-pointed on restore."""
+    if rec.kind is not JobKind.LAUNCHED:
+        return
+    shutil.copyfile(rec.stdout_path, image_dir / STDOUT_LOG)
+    shutil.copyfile(rec.stderr_path, image_dir / STDERR_LOG)
+
+
+def needs_shell_job(rec: JobRecord, pids: list[int]) -> bool:
+    """An adopted process whose session leader is outside its tree needs CRIU's --shell-job."""
+    return rec.kind is JobKind.ADOPTED and procs.session_id(rec.pid) not in pids
+
+
+def dump_externals(rec: JobRecord, link: LinkLock | None = None) -> list[str]:
+    """What CRIU must treat as outside the job: its log mount and its link."""
+    ext = [f"mnt[{LOG_MOUNT}]:{LOG_MOUNT_KEY}"] if rec.private else []
+    return ext + (link.external() if link is not None else [])
+
+
+def require_host_memory(fp: Footprint, node: str) -> None:
+    """The CUDA checkpoint stages device memory in the job's host memory: refuse if it cannot fit."""
+    available = psutil.virtual_memory().available
+    if fp.gpu_bytes and fp.gpu_bytes > available:
+        raise RefusedError(
+            f"the job holds {gib(fp.gpu_bytes)} of GPU memory, which its checkpoint copies into host "
+            f"memory, but only {gib(available)} is available",
+            step="cuda check",
+            node=node,
+            hint="free host memory on this node first",
+        )
+
+
+def default_cuda_jobs(node: str, config: CudaConfig | None = None) -> CudaJobs:
+    cfg = config or CudaConfig()
+    driver = cuda.CudaDriver(node=node, explicit_gpu_pairs=cfg.explicit_gpu_pairs)
+    return CudaJobs(driver, Nvml(node=node), node, ProcView(), cfg.lock_timeout_s)
+

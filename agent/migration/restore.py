@@ -1,0 +1,159 @@
+"""Restoring a verified image as a job on this node: the one restore that a migration's target,
+`ferry restore` and a preempted job's resume share."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from agent.criu.images import bound_socket_dirs
+from agent.criu.runner import Criu, InheritFd
+from agent.cuda.jobs import CudaJobs, restore_plan
+from agent.image import STDERR_LOG, STDOUT_LOG, JobSpec, Manifest
+from agent.jobs import procs
+from agent.jobs.network import carrying, veth_name
+from agent.jobs.registry import LOG_MOUNT_KEY, JobKind, JobRecord, JobRegistry
+
+log = logging.getLogger(__name__)
+
+
+def restore_tree(
+    registry: JobRegistry,
+    criu: Criu,
+    image_dir: Path,
+    manifest: Manifest,
+    name: str,
+    note: str,
+    *,
+    cuda_jobs: CudaJobs,
+    gpu_map: dict[str, str],
+    times: dict[str, float] | None = None,
+    on_criu_start: Callable[[int], None] | None = None,
+    before_release: Callable[[JobRecord], None] | None = None,
+    lazy_pages: bool = False,
+    resuming: bool = False,
+    log_dir: Path | None = None,
+) -> JobRecord:
+    """Restore a verified image as job `name` on this node, its logs re-pointed to our job dir.
+    CRIU logs in log_dir (by default the job's dir); a lazy restore's daemon must listen there.
+
+    CRIU restores the tree stopped. A CUDA job then gets SIGCONT (the driver's
+    restore thread must run) and its device memory back onto the GPUs of
+    gpu_map, still locked, so its CUDA calls wait. Until `before_release` has
+    returned (a target journals RUNNING there), the job cannot make progress,
+    and any failure kills it: no copy runs that its node has not recorded.
+    Only then the tree continues (SIGCONT, or the CUDA unlock).
+    """
+    times = {} if times is None else times
+    spec = manifest.job
+    registry.reserve_name(name, resuming=resuming)
+    job_dir = registry.job_dir(name)
+    job_dir.mkdir(parents=True, exist_ok=True)
+    out, err = job_dir / "stdout.log", job_dir / "stderr.log"
+    inherit: list[InheritFd] = []
+    fds: list[int] = []
+    try:
+        external: list[str] = []
+        if spec.kind == JobKind.LAUNCHED.value:
+            for src, dst, key in ((STDOUT_LOG, out, spec.stdout_path), (STDERR_LOG, err, spec.stderr_path)):
+                shutil.copyfile(image_dir / src, dst)
+                if not spec.private:
+                    fds.append(os.open(dst, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC))
+                    inherit.append(InheritFd(key, fds[-1]))
+            if spec.private:  # CRIU binds our copy of the logs where the job sees them, and reopens them
+                external.append(f"mnt[{LOG_MOUNT_KEY}]:{job_dir}")
+            paths = (str(out), str(err))
+        else:
+            paths = (spec.stdout_path, spec.stderr_path)
+        if not spec.private:  # a private job's sockets live in its own /tmp, which CRIU restores
+            for d in bound_socket_dirs(image_dir):
+                d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        net = job_link(registry, spec, name)
+        if net and registry.network is not None:
+            external.append(registry.network.criu_restore_external(net))
+        t = time.monotonic()
+        try:
+            res = criu.restore(
+                image_dir,
+                inherit=inherit,
+                shell_job=spec.shell_job,
+                log_dir=log_dir or job_dir,
+                on_start=on_criu_start,
+                leave_stopped=True,
+                lazy_pages=lazy_pages,
+                root="/" if spec.private else "",
+                external=external,
+            )
+        except BaseException:
+            if net and registry.network is not None:
+                registry.network.delete(net)  # whatever CRIU made of the job's link before failing
+            raise
+        times["restore"] = time.monotonic() - t
+    finally:
+        for fd in fds:
+            os.close(fd)
+    # From here a restored tree exists: any failure must take it down, or two copies could run.
+    pids: list[int] = []
+    try:
+        pids = procs.tree_pids(res.pid)
+        if manifest.cuda is not None:
+            procs.resume(pids)
+            plan = restore_plan(cuda_jobs.view, pids, manifest.cuda, gpu_map, criu.node)
+            cuda_jobs.thaw(plan, times, unlock=False)
+        gpus_here = [gpu_map.get(u, u) for u in spec.gpus]
+        spec_here = JobSpec(**{**spec.__dict__, "name": name, "gpus": gpus_here})
+        rec = registry.register_restored(spec_here, res.pid, paths[0], paths[1], note=note, veth=net)
+        if before_release is not None:
+            before_release(rec)
+    except BaseException:
+        kill_restored(res.pid)
+        if net and registry.network is not None:
+            registry.network.delete(net)
+        raise
+    # Recorded as running: from now on this is the job's one copy, so it is never killed here.
+    if net and registry.network is not None:
+        registry.network.announce(res.pid, spec.address)  # the segment learns the job's new port
+    try:
+        if manifest.cuda is not None:
+            cuda_jobs.unlock([pid for pid, _ in plan], times)
+        else:
+            procs.resume(pids)
+    except Exception as e:
+        log.error("job %s: restored, but could not be released: %s", name, e)
+        rec = registry.update(name, note=f"{note}; its CUDA calls stay blocked: unlock failed: {e}")
+    return rec
+
+
+def job_link(registry: JobRegistry, spec: JobSpec, name: str) -> str:
+    """The name of the job's new link here ("" for a job on the node's network); refuses a job
+    whose address this node's job network does not carry."""
+    if not spec.address:
+        return ""
+    carrying(registry.network, spec.address, registry.node, "restore")
+    return veth_name(f"{registry.node}/{name}/{time.time_ns()}")
+
+
+def kill_restored(root: int) -> None:
+    """A restored tree that must not run: kill it and reap its root (our child, via rst_sibling)."""
+    procs.signal_all(list(reversed(procs.tree_pids(root))), 9)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(root, 0)
+
+
+def wait_for_output(rec: JobRecord, timeout_s: float) -> float:
+    """Unix time of the job's first new output after restore (0 if none came in time)."""
+    paths = [p for p in (rec.stdout_path, rec.stderr_path) if p]
+    sizes = {p: os.path.getsize(p) for p in paths if os.path.exists(p)}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for p, size in sizes.items():
+            if os.path.getsize(p) > size:
+                return os.stat(p).st_mtime
+        time.sleep(0.002)
+    return 0.0
+

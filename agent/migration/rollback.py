@@ -1,0 +1,108 @@
+"""The two ways a frozen copy of a job ends: it resumes here, or it goes because another copy runs.
+
+Every move that freezes a job ends in one of these, and only here: a source's abort, a
+local checkpoint that failed (or was asked to leave the job running), and recovery after a
+crash or a silent target (agent.migration.recovery). Resuming undoes the freeze in the
+reverse order it was applied: TCP sockets out of repair mode, the job's link back on its
+bridge, SIGCONT (the CUDA driver's restore thread must run), then the one CUDA undo
+(agent.cuda.driver.undo) for as far as the freeze got.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from agent.criu import tcp_repair
+from agent.cuda import driver as cuda
+from agent.errors import FerryError
+from agent.jobs import procs
+from agent.jobs.network import LinkLock
+from agent.jobs.registry import JobRecord, JobRegistry, JobState
+from agent.migration.states import CudaLeft
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FrozenCopy:
+    """A job's copy as a move left it here."""
+
+    rec: JobRecord  # the job's record when the move began
+    pids: list[int]  # its dumped (stopped) tree; [] if no dump stopped it
+    link: LinkLock  # its link, cut for the move (or a no-op for a job on the node's network)
+    cuda_pids: list[int] = field(default_factory=list)
+    cuda_left: CudaLeft = CudaLeft.NONE  # how far its CUDA freeze got (and was not undone)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    running: bool  # the job's process is alive after the resume
+    undone: cuda.UndoReport  # what of the CUDA freeze could not be undone (falsy: all of it was)
+    problems: tuple[str, ...] = ()  # what else could not be put back (its link, say)
+
+    def summary(self) -> str:
+        """ "" when all went back; else what did not, for the job's note and the error."""
+        parts = list(self.problems) + ([self.undone.summary()] if self.undone else [])
+        return "; ".join(parts)
+
+
+def undo_cuda(driver: cuda.CudaDriver, pids: list[int], left: CudaLeft) -> cuda.UndoReport:
+    """The CUDA part of a resume, from what the journal says the freeze did."""
+    if left is CudaLeft.NONE or not pids:
+        return cuda.UndoReport()
+    if left is CudaLeft.PARTLY:  # a call was under way: only get-state knows each process's state
+        return cuda.undo(driver, pids)
+    state = cuda.ProcessState.LOCKED if left is CudaLeft.LOCKED else cuda.ProcessState.CHECKPOINTED
+    return cuda.undo(driver, pids, dict.fromkeys(pids, state))
+
+
+def resume(
+    registry: JobRegistry,
+    driver: cuda.CudaDriver,
+    copy: FrozenCopy,
+    note: Callable[[Resumed], str],
+    *,
+    gone: JobState = JobState.EXITED,
+    cuda_back: Callable[[], None] = lambda: None,
+) -> Resumed:
+    """Let the frozen copy go on here; its record becomes RUNNING (or `gone` if its process
+    ended meanwhile) with the note `note(outcome)`. `cuda_back` runs once its CUDA state is
+    wholly back (the GPUs its freeze kept are then its own again). Never raises for what it
+    could not put back: that is in the outcome and the note."""
+    problems: list[str] = []
+    tcp_repair.release(copy.pids)
+    try:
+        copy.link.release()
+    except FerryError as e:
+        problems.append(f"its link could not be put back on the bridge ({e.cause})")
+        log.error("job %s: cannot put its link back: %s", copy.rec.name, e)
+    procs.resume(copy.pids)  # before the CUDA undo: the driver's restore thread must run
+    undone = undo_cuda(driver, copy.cuda_pids, copy.cuda_left)
+    if not undone:
+        cuda_back()
+    out = Resumed(procs.alive(copy.rec.pid, copy.rec.pid_started), undone, tuple(problems))
+    registry.update(
+        copy.rec.name, state=JobState.RUNNING if out.running else gone, migration_id="", note=note(out)
+    )
+    return out
+
+
+def finish(
+    registry: JobRegistry,
+    copy: FrozenCopy,
+    state: JobState,
+    note: str,
+    *,
+    cuda_gone: Callable[[], None] = lambda: None,
+    **changes: object,
+) -> None:
+    """Another copy runs (MOVED) or the image holds the job (CHECKPOINTED): the frozen tree
+    is killed, its link deleted, and the GPUs its freeze kept are nobody's any more."""
+    if copy.pids and procs.alive(copy.rec.pid, copy.rec.pid_started):
+        registry.kill_tree(copy.rec, copy.pids)
+    if copy.link.network is not None:
+        copy.link.network.delete(copy.link.veth)
+    cuda_gone()
+    registry.update(copy.rec.name, state=state, migration_id="", note=note, **changes)
