@@ -14,29 +14,25 @@ instead, an unauthenticated door to the job's memory. Errors come from the logs.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import os
 import select
-import signal
 import subprocess
-import time
 from pathlib import Path
 
+from agent.criu import child
 from agent.criu import logs as criu_logs
-from agent.criu.runner import (
-    DUMP_LOG,
-    GHOST_LIMIT,
-    STATS_DUMP,
-    Criu,
-    DumpResult,
-    no_plugins_dir,
-    read_stats,
-)
-from agent.errors import CriuError, StepTimeoutError
+from agent.criu.options import CriuOptions, dump_options
+from agent.criu.runner import DUMP_LOG, STATS_DUMP, Criu, DumpResult, read_stats
+from agent.errors import CriuError
 
 LAZY_PAGES_LOG = "criu-lazy-pages.log"
 #: CRIU's lazy page server sizes its pipe to 4 MiB (PIPE_MAX_SIZE pages, rounded up).
 LAZY_PIPE_BYTES = 4 << 20
+#: A backstop for the waits on a post-copy that no caller bounds: it ends once the target has
+#: every page, and the source's wait is sized by the job's memory (migration.source). A day is
+#: 1.7 TiB at the slowest rate the source accepts (20 MB/s).
+LAZY_MAX_S = 24 * 3600.0
 _CAP_SYS_RESOURCE = 24
 
 
@@ -60,46 +56,53 @@ def lazy_dump_blocker(
     )
 
 
-def _start(criu: Criu, op: str, args: list[str], sock_fd: int) -> tuple[subprocess.Popen[bytes], int]:
-    """`criu ARGS` talking page-server protocol on sock_fd, without plugins; returns it and the
-    read end of its --status-fd, which gets one byte once CRIU is ready (EOF if it dies first)."""
+def _start(criu: Criu, command: str, opts: CriuOptions) -> tuple[subprocess.Popen[bytes], int]:
+    """`criu COMMAND` with opts (page-server protocol on opts.page_server_fd), without plugins;
+    returns it and the read end of its --status-fd, which gets one byte once CRIU is ready (EOF
+    if it dies first): _await_ready reads it."""
     ready_r, ready_w = os.pipe()
-    cmd = [criu.binary, *args, "-v4", "--ps-socket", str(sock_fd), "--status-fd", str(ready_w)]
+    cmd = [criu.binary, command, *dataclasses.replace(opts, status_fd=ready_w).to_argv()]
     try:
         proc = subprocess.Popen(
             cmd,
-            env={**os.environ, "CRIU_LIBS_DIR": no_plugins_dir()},
-            pass_fds=[sock_fd, ready_w],
+            env=child.env(),
+            pass_fds=[opts.page_server_fd, ready_w],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
     except OSError as e:
         os.close(ready_r)
-        raise CriuError(op, f"cannot start {criu.binary}: {e}", node=criu.node) from e
+        raise CriuError(command, f"cannot start {criu.binary}: {e}", node=criu.node) from e
     finally:
         os.close(ready_w)
     return proc, ready_r
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGKILL)
-    proc.wait()
-
-
-def _wait_status_fd(fd: int, proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
-    """True once CRIU wrote its ready byte; False if it exited (closing the pipe) first."""
-    deadline = time.monotonic() + timeout_s
+def _await_ready(
+    proc: subprocess.Popen[bytes], fd: int, timeout_s: float, op: str, criu: Criu, opts: CriuOptions
+) -> None:
+    """Return once CRIU wrote its ready byte to fd (which this closes). A CRIU that exits first
+    is a CriuError quoting its log; one that takes longer than timeout_s is killed."""
+    log_path = _log_path(opts)
     try:
-        while (left := deadline - time.monotonic()) > 0:
-            ready, _, _ = select.select([fd], [], [], min(left, 1.0))
-            if ready:
-                return os.read(fd, 1) == b"\0"
-        proc.kill()
-        raise StepTimeoutError(f"CRIU did not get ready within {timeout_s:.0f} s")
+        if select.select([fd], [], [], max(timeout_s, 0.0))[0]:
+            if os.read(fd, 1) == b"\0":
+                return
+        else:
+            what = f"CRIU did not get ready within {timeout_s:g} s"
+            node, images = criu.node, opts.images_dir
+            raise child.timed_out(proc, op, what, node=node, images_dir=images, log_path=log_path)
     finally:
         os.close(fd)
+    # EOF: it died (or closed the pipe and lives on, which finish() ends).
+    code = child.finish(proc)
+    what = f"CRIU exited before it was ready ({code})" if code is not None else "CRIU never got ready"
+    raise CriuError(op, criu_logs.cause(log_path) or what, log_path=str(log_path), node=criu.node)
+
+
+def _log_path(opts: CriuOptions) -> Path:
+    return (opts.work_dir or opts.images_dir) / opts.log_file
 
 
 class LazyDump:
@@ -124,41 +127,49 @@ class LazyDump:
         self.criu = criu
         self.work_dir = log_dir or images_dir  # the log and the stats go there
         self.log_path = self.work_dir / DUMP_LOG
-        args = [
-            "dump", "--tree", str(pid), "--images-dir", str(images_dir), "--work-dir", str(self.work_dir),
-            "--log-file", DUMP_LOG,
-            "--lazy-pages", "--leave-stopped", "--tcp-established", "--ext-unix-sk", "--file-locks",
-            "--ghost-limit", str(GHOST_LIMIT), "--network-lock", "skip",
-        ]  # fmt: skip
-        for item in external or []:
-            args += ["--external", item]
-        if shell_job:
-            args.append("--shell-job")
-        self.proc, self._ready_fd = _start(criu, "dump", args, sock_fd)
+        # The same dump as Criu.dump's, but its pages stay behind, served on sock_fd.
+        self.opts = dump_options(
+            pid,
+            images_dir,
+            DUMP_LOG,
+            work_dir=self.work_dir,
+            leave_stopped=True,
+            shell_job=shell_job,
+            external=external,
+            page_server_fd=sock_fd,
+            lazy_pages=True,
+        )
+        self.proc, self._ready_fd = _start(criu, "dump", self.opts)
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
     def ready(self, timeout_s: float) -> None:
-        if not _wait_status_fd(self._ready_fd, self.proc, timeout_s):
-            self.proc.wait()
-            raise self._error("the dump failed")
+        _await_ready(self.proc, self._ready_fd, timeout_s, "dump", self.criu, self.opts)
 
     def wait(self, timeout_s: float | None = None) -> DumpResult:
+        """Until the target has every page, within timeout_s (None: LAZY_MAX_S)."""
+        timeout_s = LAZY_MAX_S if timeout_s is None else timeout_s
         try:
             code = self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            self.kill()
-            raise StepTimeoutError(
-                f"the job's memory was not all fetched within {timeout_s:.0f} s", step="pages"
+            raise child.timed_out(
+                self.proc,
+                "dump",
+                f"the job's memory was not all fetched within {timeout_s:g} s",
+                node=self.criu.node,
+                images_dir=self.opts.images_dir,
+                log_path=self.log_path,
+                hint="the target's `ferry ps` says whether its copy of the job survived; "
+                "the CRIU log says which pages were still being served",
             ) from None
         if code != 0:
             raise self._error(f"the lazy page transfer failed (criu exit {code})")
         return DumpResult(stats=read_stats(self.work_dir / STATS_DUMP, "dump"))
 
     def kill(self) -> None:
-        _kill(self.proc)
+        child.kill(self.proc)
 
     def _error(self, what: str) -> CriuError:
         cause = criu_logs.cause(self.log_path) or what
@@ -172,21 +183,29 @@ class LazyPagesDaemon:
     def __init__(self, criu: Criu, images_dir: Path, work_dir: Path, sock_fd: int, timeout_s: float) -> None:
         self.criu = criu
         self.log_path = work_dir / LAZY_PAGES_LOG
-        args = [
-            "lazy-pages", "--images-dir", str(images_dir), "--work-dir", str(work_dir),
-            "--log-file", LAZY_PAGES_LOG, "--page-server",
-        ]  # fmt: skip
-        self.proc, ready_r = _start(criu, "lazy-pages", args, sock_fd)
-        if not _wait_status_fd(ready_r, self.proc, timeout_s):
-            self.proc.wait()
-            raise self.error("the lazy-pages daemon did not start")
+        self.opts = CriuOptions(images_dir, LAZY_PAGES_LOG, work_dir=work_dir, page_server_fd=sock_fd)
+        self.proc, ready_r = _start(criu, "lazy-pages", self.opts)
+        _await_ready(self.proc, ready_r, timeout_s, "lazy-pages", criu, self.opts)
 
-    def wait(self) -> int:
-        return self.proc.wait()
+    def wait(self, timeout_s: float | None = None) -> int:
+        """Its exit status once every page is in (0) or the transfer broke; within timeout_s
+        (None: LAZY_MAX_S), or it is killed."""
+        timeout_s = LAZY_MAX_S if timeout_s is None else timeout_s
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise child.timed_out(
+                self.proc,
+                "lazy-pages",
+                f"the restored job's memory did not all arrive within {timeout_s:g} s",
+                node=self.criu.node,
+                images_dir=self.opts.images_dir,
+                log_path=self.log_path,
+            ) from None
 
     def error(self, what: str) -> CriuError:
         cause = criu_logs.cause(self.log_path) or what
         return CriuError("lazy-pages", cause, log_path=str(self.log_path), node=self.criu.node)
 
     def kill(self) -> None:
-        _kill(self.proc)
+        child.kill(self.proc)

@@ -1,0 +1,230 @@
+"""One set of CRIU options, rendered to `criu swrk` RPC fields and to a command line.
+
+Dump, restore and the pre-copy page server go over RPC (agent/criu/runner.py); the
+post-copy pair, `criu dump --lazy-pages` and `criu lazy-pages`, runs from the command
+line (agent/criu/lazy.py). Both are rendered from one CriuOptions, and the factories
+below say once what a ferry dump or restore needs, so the two paths cannot drift
+apart: tests/unit/test_criu_options.py checks that every field reaches both
+renderings, or is in ONE_PATH_ONLY with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+try:
+    from agent.criu_pb import rpc_pb2
+except ImportError as e:  # pragma: no cover - only without a build
+    raise SystemExit("ferry: CRIU's protos are not compiled (agent/criu_pb); run `make proto`") from e
+
+#: Unlinked files a job holds open (PyTorch's shared-memory tensors) travel
+#: inside the image; CRIU's 1 MiB default is far too small for training jobs.
+GHOST_LIMIT = 1 << 31
+#: Debug: CRIU's log is the only record of why a step failed, and errors quote it.
+LOG_LEVEL = 4
+#: CRIU's network_lock methods; ferry locks the network itself (agent.jobs.network), so "skip".
+NETWORK_LOCKS = ("iptables", "nftables", "skip")
+
+#: Fields only one rendering carries, and why.
+ONE_PATH_ONLY: dict[str, str] = {
+    "status_fd": "argv only: over RPC CRIU's answer is the readiness signal (rpc.proto marks "
+    "status_fd obsolete); a command-line CRIU has only --status-fd to say it is ready",
+}
+
+
+@dataclass(frozen=True)
+class InheritFd:
+    """A file the restored tree gets from us instead of opening by path."""
+
+    path: str  # the path as the job had it open on the source
+    fd: int  # an fd of ours to use in its place
+
+    @property
+    def key(self) -> str:
+        # CRIU keys regular files by their path without the leading slash.
+        return self.path.lstrip("/")
+
+
+@dataclass(frozen=True)
+class CriuOptions:
+    """What one CRIU run is told. Defaults but log_level render as nothing: CRIU's own apply."""
+
+    images_dir: Path
+    log_file: str  # a name in work_dir: CRIU allows no subdirectories
+    work_dir: Path | None = None  # logs and stats; images_dir if None
+    log_level: int = LOG_LEVEL
+    pid: int = 0  # the root of the tree to dump
+    leave_running: bool = False
+    leave_stopped: bool = False
+    shell_job: bool = False
+    tcp_established: bool = False
+    ext_unix_sk: bool = False
+    file_locks: bool = False
+    network_lock: str = ""  # one of NETWORK_LOCKS
+    ghost_limit: int = 0
+    freeze_timeout_s: int = 0  # CRIU's --timeout: how long collecting (freezing) the tree may take
+    external: tuple[str, ...] = ()
+    root: str = ""
+    restore_sibling: bool = False
+    lazy_pages: bool = False
+    inherit_fd: tuple[InheritFd, ...] = ()
+    #: A connected stream socket of ours speaking CRIU's page protocol (pass it to the child).
+    page_server_fd: int = -1
+    status_fd: int = -1
+
+    def __post_init__(self) -> None:
+        if self.leave_running and self.leave_stopped:
+            raise ValueError("leave_running and leave_stopped exclude each other")
+        if self.network_lock and self.network_lock not in NETWORK_LOCKS:
+            raise ValueError(f"network_lock {self.network_lock!r} is not one of {NETWORK_LOCKS}")
+
+    def to_rpc(self, msg: rpc_pb2.criu_opts, *, images_dir_fd: int, work_dir_fd: int = -1) -> None:
+        """Fill in `msg`. CRIU opens the directories as /proc/<our pid>/fd/N, so the
+        caller opens them (images_dir, work_dir) and keeps them open until CRIU has answered."""
+        if self.lazy_pages and self.page_server_fd >= 0:
+            # Over RPC a lazy dump ignores the socket and listens on a TCP port instead: an
+            # unauthenticated door to the job's memory. The command line honours it (lazy.py).
+            raise ValueError("lazy pages with a page-server socket run from the command line only")
+        if self.work_dir is not None and work_dir_fd < 0:
+            raise ValueError("work_dir is set: pass its open fd as work_dir_fd")
+        msg.images_dir_fd = images_dir_fd
+        if self.work_dir is not None:
+            msg.work_dir_fd = work_dir_fd
+        msg.log_file = self.log_file
+        msg.log_level = self.log_level
+        if self.pid:
+            msg.pid = self.pid
+        for name in _FLAGS:
+            if getattr(self, name):
+                setattr(msg, _RPC_NAME.get(name, name), True)
+        if self.network_lock:
+            msg.network_lock = rpc_pb2.criu_network_lock_method.Value(self.network_lock.upper())
+        if self.ghost_limit:
+            msg.ghost_limit = self.ghost_limit
+        if self.freeze_timeout_s:
+            msg.timeout = self.freeze_timeout_s
+        msg.external.extend(self.external)
+        if self.root:
+            msg.root = self.root
+        for item in self.inherit_fd:
+            msg.inherit_fd.add(key=item.key, fd=item.fd)
+        if self.page_server_fd >= 0:
+            msg.ps.fd = self.page_server_fd
+            msg.ps.port = 0  # no TCP: the socket is the connection
+
+    def to_argv(self) -> list[str]:
+        """The options of a `criu COMMAND` command line (the command itself is the caller's)."""
+        argv = ["--images-dir", str(self.images_dir)]
+        if self.work_dir is not None:
+            argv += ["--work-dir", str(self.work_dir)]
+        argv += ["--log-file", self.log_file, f"-v{self.log_level}"]
+        if self.pid:
+            argv += ["--tree", str(self.pid)]
+        argv += [_ARGV_FLAG[name] for name in _FLAGS if getattr(self, name)]
+        if self.network_lock:
+            argv += ["--network-lock", self.network_lock]
+        if self.ghost_limit:
+            argv += ["--ghost-limit", str(self.ghost_limit)]
+        if self.freeze_timeout_s:
+            argv += ["--timeout", str(self.freeze_timeout_s)]
+        for item in self.external:
+            argv += ["--external", item]
+        if self.root:
+            argv += ["--root", self.root]
+        for fd in self.inherit_fd:
+            argv += ["--inherit-fd", f"fd[{fd.fd}]:{fd.key}"]
+        if self.page_server_fd >= 0:
+            # A lazy dump serves its pages on the socket; any other run sends (dump) or fetches
+            # (lazy-pages) them through it, which the command line spells --page-server.
+            argv += ["--ps-socket", str(self.page_server_fd)]
+            if not self.lazy_pages:
+                argv.append("--page-server")
+        if self.status_fd >= 0:
+            argv += ["--status-fd", str(self.status_fd)]
+        return argv
+
+
+#: The boolean fields, their command-line flags, and their RPC names where those differ.
+_ARGV_FLAG = {
+    "leave_running": "--leave-running",
+    "leave_stopped": "--leave-stopped",
+    "shell_job": "--shell-job",
+    "tcp_established": "--tcp-established",
+    "ext_unix_sk": "--ext-unix-sk",
+    "file_locks": "--file-locks",
+    "restore_sibling": "--restore-sibling",
+    "lazy_pages": "--lazy-pages",
+}
+_FLAGS = tuple(_ARGV_FLAG)
+_RPC_NAME = {"restore_sibling": "rst_sibling"}
+
+
+def dump_options(
+    pid: int,
+    images_dir: Path,
+    log_file: str,
+    *,
+    work_dir: Path | None = None,
+    leave_running: bool = False,
+    leave_stopped: bool = True,
+    shell_job: bool = False,
+    external: list[str] | tuple[str, ...] | None = None,
+    freeze_timeout_s: int = 0,
+    page_server_fd: int = -1,
+    lazy_pages: bool = False,
+) -> CriuOptions:
+    """A dump of a ferry job, over RPC or (lazy) from the command line.
+
+    Established TCP connections, external unix sockets and file locks travel with the
+    job. CRIU never locks the network: ferry does, by cutting the job's link.
+    """
+    return CriuOptions(
+        images_dir=images_dir,
+        log_file=log_file,
+        work_dir=work_dir,
+        pid=pid,
+        leave_running=leave_running,
+        leave_stopped=leave_stopped and not leave_running,
+        shell_job=shell_job,
+        tcp_established=True,
+        ext_unix_sk=True,
+        file_locks=True,
+        network_lock="skip",
+        ghost_limit=GHOST_LIMIT,
+        freeze_timeout_s=freeze_timeout_s,
+        external=tuple(external or ()),
+        page_server_fd=page_server_fd,
+        lazy_pages=lazy_pages,
+    )
+
+
+def restore_options(
+    images_dir: Path,
+    log_file: str,
+    *,
+    work_dir: Path | None = None,
+    inherit: list[InheritFd] | tuple[InheritFd, ...] = (),
+    shell_job: bool = False,
+    leave_stopped: bool = False,
+    lazy_pages: bool = False,
+    root: str = "",
+    external: list[str] | tuple[str, ...] | None = None,
+) -> CriuOptions:
+    """A restore of a ferry job as a sibling of CRIU, i.e. a child of the agent."""
+    return CriuOptions(
+        images_dir=images_dir,
+        log_file=log_file,
+        work_dir=work_dir,
+        leave_stopped=leave_stopped,
+        shell_job=shell_job,
+        tcp_established=True,
+        ext_unix_sk=True,
+        file_locks=True,
+        ghost_limit=GHOST_LIMIT,
+        external=tuple(external or ()),
+        root=root,
+        restore_sibling=True,
+        lazy_pages=lazy_pages,
+        inherit_fd=tuple(inherit),
+    )

@@ -1,0 +1,195 @@
+"""The `criu swrk` exchange: one protobuf request and its answer over a SEQPACKET socketpair.
+
+Every read has a deadline. One that expires kills CRIU (a CRIU left running may hold
+the job frozen) and raises StepTimeoutError naming the step, the node, the images and
+CRIU's log; a lost connection or a CRIU that exits without answering is a CriuError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from agent.criu import child
+from agent.criu import logs as criu_logs
+from agent.errors import CriuError
+
+try:
+    from agent.criu_pb import rpc_pb2
+except ImportError as e:  # pragma: no cover - only without a build
+    raise SystemExit("ferry: CRIU's protos are not compiled (agent/criu_pb); run `make proto`") from e
+
+log = logging.getLogger(__name__)
+
+_MAX_MSG = 1 << 20
+#: How long CRIU may take to start a page server and say so (it only opens its images).
+START_TIMEOUT_S = 60.0
+#: A dump or restore exchange, unless the caller gives its own deadline. CRIU moves the job's
+#: memory at disk or stream speed: an hour is ~1 TiB at 300 MB/s. Only a stuck CRIU (a hung
+#: mount, a page server that stopped reading) should reach it, with the job frozen meanwhile.
+SWRK_TIMEOUT_S = 3600.0
+#: A page server lives as long as the dump that feeds it (bounded as above), plus its start.
+PAGE_SERVER_MAX_S = SWRK_TIMEOUT_S + START_TIMEOUT_S
+
+
+def start(
+    binary: str, op: str, node: str, pass_fds: list[int], stderr: int
+) -> tuple[subprocess.Popen[bytes], socket.socket]:
+    """`criu swrk` on one end of a SEQPACKET pair, no plugins; the other end is returned."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        proc = subprocess.Popen(
+            [binary, "swrk", str(theirs.fileno())],
+            env=child.env(),
+            pass_fds=[theirs.fileno(), *pass_fds],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+    except OSError as e:
+        ours.close()
+        raise CriuError(op, f"cannot start {binary}: {e}", node=node) from e
+    finally:
+        theirs.close()
+    return proc, ours
+
+
+def exchange(
+    binary: str,
+    node: str,
+    op: str,
+    req: rpc_pb2.criu_req,
+    *,
+    images_dir: Path,
+    log_path: str,
+    pass_fds: list[int],
+    on_start: Callable[[int], None] | None,
+    deadline_s: float,
+) -> rpc_pb2.criu_resp:
+    """Run one swrk for req; its successful answer, within deadline_s."""
+    # stderr to a file, not a pipe: a pipe nobody reads until CRIU answers could fill and stall it.
+    with tempfile.TemporaryFile() as err:
+        proc, ours = start(binary, op, node, pass_fds, stderr=err.fileno())
+        try:
+            if on_start is not None:
+                on_start(proc.pid)
+            data = ask(ours, req, deadline_s)
+        except ConnectionResetError:  # it exited without reading the request: its stderr says why
+            data = b""
+        except TimeoutError:
+            raise child.timed_out(
+                proc,
+                op,
+                f"CRIU did not answer within {deadline_s:g} s",
+                node=node,
+                images_dir=images_dir,
+                log_path=log_path,
+            ) from None
+        except OSError as e:
+            cause = f"lost the RPC connection to criu swrk: {e}"
+            raise CriuError(op, cause, log_path=log_path, node=node) from e
+        finally:
+            ours.close()  # swrk exits on EOF
+            child.finish(proc)
+        if not data:
+            err.seek(0)
+            detail = err.read().decode(errors="replace").strip().splitlines()[-1:] or ["no response"]
+            cause = f"criu swrk exited ({proc.returncode}): {detail[0]}"
+            raise CriuError(op, cause, log_path=log_path, node=node)
+    resp = rpc_pb2.criu_resp()
+    resp.ParseFromString(data)
+    if not resp.success:
+        cause = criu_logs.cause(log_path, resp.cr_errmsg) or "CRIU reported failure"
+        raise CriuError(op, cause, log_path=log_path, errno=resp.cr_errno, node=node)
+    log.debug("criu %s ok (log %s)", op, log_path)
+    return resp
+
+
+def ask(sock: socket.socket, req: rpc_pb2.criu_req, timeout_s: float) -> bytes:
+    """Send req and read the answer, both within timeout_s (TimeoutError otherwise)."""
+    deadline = time.monotonic() + timeout_s
+    # Never 0: that would make the socket non-blocking, and its error no timeout.
+    sock.settimeout(max(timeout_s, 1e-3))
+    sock.send(req.SerializeToString())
+    sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+    return sock.recv(_MAX_MSG)
+
+
+class PageServer:
+    """A running `criu page-server` child of a `criu swrk` we hold the RPC socket of."""
+
+    def __init__(
+        self,
+        proc: subprocess.Popen[bytes],
+        sock: socket.socket,
+        log_path: str,
+        node: str,
+        *,
+        images_dir: Path | None = None,
+    ) -> None:
+        self.proc = proc
+        self.sock = sock
+        self.log_path = log_path
+        self.node = node
+        self.images_dir = images_dir
+        self.pid = 0
+
+    def request(self, req: rpc_pb2.criu_req, timeout_s: float | None = None) -> rpc_pb2.criu_resp:
+        """One request and its answer within timeout_s (None: PAGE_SERVER_MAX_S); on expiry the
+        server and its swrk are killed."""
+        timeout_s = PAGE_SERVER_MAX_S if timeout_s is None else timeout_s
+        try:
+            data = ask(self.sock, req, timeout_s)
+        except TimeoutError:
+            self._kill_server()
+            self.sock.close()
+            raise child.timed_out(
+                self.proc,
+                "page-server",
+                f"CRIU's page server did not answer within {timeout_s:g} s",
+                node=self.node,
+                images_dir=self.images_dir,
+                log_path=self.log_path,
+            ) from None
+        except OSError as e:
+            cause = f"lost the RPC connection to criu swrk: {e}"
+            raise CriuError("page-server", cause, log_path=self.log_path, node=self.node) from e
+        if not data:
+            raise CriuError("page-server", "criu swrk exited", log_path=self.log_path, node=self.node)
+        resp = rpc_pb2.criu_resp()
+        resp.ParseFromString(data)
+        return resp
+
+    def wait(self, timeout_s: float | None) -> None:
+        """Until the server has exited (within timeout_s; None: PAGE_SERVER_MAX_S); raise unless
+        it wrote every page it was sent."""
+        try:
+            resp = self.request(rpc_pb2.criu_req(type=rpc_pb2.WAIT_PID, pid=self.pid), timeout_s)
+        finally:
+            self.close()
+        status = resp.status if resp.HasField("status") else -1
+        if not resp.success or status != 0:
+            cause = criu_logs.cause(self.log_path) or f"page server ended with wait status {status}"
+            raise CriuError("page-server", cause, log_path=self.log_path, node=self.node)
+
+    def kill(self) -> None:
+        """Stop it now (an aborted migration); its swrk parent then exits too."""
+        self._kill_server()
+        self.close()
+
+    def close(self) -> None:
+        self.sock.close()
+        child.finish(self.proc)
+
+    def _kill_server(self) -> None:
+        if self.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
