@@ -24,6 +24,7 @@ from agent.cuda import pidprobe
 from agent.cuda.driver import CudaDriver, ProcessState
 from agent.errors import FerryError, RefusedError
 from agent.gpus.inventory import GpuNeed, Inventory, Nvml, choose
+from agent.gpus.ledger import GpuLedger
 from agent.image import CudaProcessEntry, CudaSection
 
 _DEVICE = re.compile(r"^/dev/nvidia(\d+|ctl)$")
@@ -118,9 +119,9 @@ class Footprint:
 class CudaJobs:
     """The CUDA half of moving a job on one node: inspect, freeze, thaw, choose GPUs.
 
-    One per agent. It remembers the GPU memory of its frozen jobs: NVML shows
-    it free once checkpointed, but the job needs it back if its move aborts,
-    so no incoming job or local restore may take it meanwhile.
+    One per agent. The GPU memory of its frozen jobs is held in the node's GPU ledger
+    (agent.gpus.ledger, set by the agent): NVML shows it free once checkpointed, but the
+    job needs it back if its move aborts, so no incoming job or local restore may take it.
     """
 
     driver: CudaDriver
@@ -131,8 +132,8 @@ class CudaJobs:
     #: How `nvml_pids` probes (tests give one that needs no GPU).
     pid_probe: Callable[[Nvml], pidprobe.PidProbe] = pidprobe.probe
     _pid_probe: pidprobe.PidProbe | None = field(default=None, repr=False)
-    _held: dict[tuple[int, ...], dict[str, int]] = field(default_factory=dict, repr=False)
-    _held_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    ledger: GpuLedger = field(default_factory=GpuLedger)
+    _probe_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def inspect(self, pids: Iterable[int]) -> Footprint:
         """The job's CUDA processes and GPUs; refuses, before anything is frozen, what cannot move."""
@@ -217,16 +218,27 @@ class CudaJobs:
         releasing: Mapping[str, int] | None = None,
         cuda_state: bool = True,
     ) -> dict[str, str]:
-        """Old → new UUID for a job coming here; refuses unless this driver can restore it so.
-
-        cuda_state=False: the job holds GPUs (`ferry run --gpu`) but no CUDA context to
-        restore, so any driver will do.
-        """
+        """Old → new UUID for a job coming here, reading NVML now (never call it under a lock:
+        there, read the inventory first and use check_restorable and pick_gpus)."""
         if not needs:
             return {}
         inv = self.nvml.inventory()
+        self.check_restorable(inv, driver_version, cuda_state)
+        return self.pick_gpus(
+            needs,
+            inv,
+            reserved=reserved,
+            releasing=releasing,
+            frozen=self.ledger.frozen_bytes(),
+            cuda_state=cuda_state,
+        )
+
+    def check_restorable(self, inv: Inventory, driver_version: str, cuda_state: bool) -> None:
+        """Refuses unless this node's driver can restore a job checkpointed under `driver_version`.
+        cuda_state=False: the job holds GPUs (`ferry run --gpu`) but no CUDA context to restore,
+        so any driver will do."""
         if not cuda_state:
-            return choose(needs, inv, reserved=reserved, node=self.node)
+            return
         self.driver.require_checkpoint()
         if driver_version and inv.available and inv.driver_version != driver_version:
             # The restored process keeps the source's user-mode driver mapped: it must match ours.
@@ -235,11 +247,27 @@ class CudaJobs:
                 f"{inv.driver_version}",
                 "move it to a node with the same driver version",
             )
+
+    def pick_gpus(
+        self,
+        needs: list[GpuNeed],
+        inv: Inventory,
+        *,
+        reserved: Mapping[str, str] | Iterable[str] = (),
+        releasing: Mapping[str, int] | None = None,
+        frozen: Mapping[str, int] | None = None,
+        cuda_state: bool = True,
+    ) -> dict[str, str]:
+        """The choice alone, from an inventory read before (no NVML, no driver call: it runs under
+        the GPU ledger's lock). `releasing`: memory the job itself frees here (two agents, one
+        host); `frozen`: memory frozen jobs keep, which counts as used."""
+        if not needs:
+            return {}
+        if not cuda_state:
+            return choose(needs, inv, reserved=reserved, node=self.node)
         free = dict(releasing or {})
-        with self._held_lock:
-            for held in self._held.values():
-                for uuid, n in held.items():
-                    free[uuid] = free.get(uuid, 0) - n
+        for uuid, n in (frozen or {}).items():
+            free[uuid] = free.get(uuid, 0) - n
         gpu_map = choose(needs, inv, reserved=reserved, releasing=free, node=self.node)
         moved = {o: n for o, n in gpu_map.items() if o != n}
         if moved and inv.driver_branch < REMAP_BRANCH:
@@ -260,13 +288,11 @@ class CudaJobs:
         if not fp.processes:
             return
         cuda.freeze(self.driver, fp.pids, lock_timeout_s or self.lock_timeout_s, times, on_step)
-        with self._held_lock:
-            self._held[tuple(fp.pids)] = {g.uuid: g.memory_bytes for g in fp.gpus}
+        self.ledger.hold_frozen(fp.pids, {g.uuid: g.memory_bytes for g in fp.gpus})
 
     def release(self, fp: Footprint) -> None:
         """The frozen job's GPUs are its own again (resumed) or nobody's (moved or ended)."""
-        with self._held_lock:
-            self._held.pop(tuple(fp.pids), None)
+        self.ledger.release_frozen(fp.pids)
 
     def thaw(
         self, plan: list[tuple[int, Mapping[str, str] | None]], times: dict[str, float], unlock: bool = True
@@ -287,11 +313,11 @@ class CudaJobs:
 
     def nvml_pids(self) -> pidprobe.PidProbe:
         """Whether NVML reports PIDs as this agent sees them (probed once, then remembered)."""
-        with self._held_lock:
+        with self._probe_lock:
             if self._pid_probe is not None:
                 return self._pid_probe
         result = self.pid_probe(self.nvml)
-        with self._held_lock:
+        with self._probe_lock:
             if result.verdict is not pidprobe.PidVerdict.UNKNOWN:
                 self._pid_probe = result
         return result

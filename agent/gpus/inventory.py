@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,25 +71,37 @@ class GpuNeed:
     memory_bytes: int
 
 
-_replays: dict[str, Any] = {}
-_replay_lock = threading.Lock()
+#: What use_nvml installed in place of pynvml (None: pynvml), and what to call it in the warning.
+_override: Any = None
+_override_what = ""
+_warned = False
+
+
+def use_nvml(module: Any, what: str = "") -> Any:
+    """Make nvml_module() answer `module` instead of pynvml, for every reader in this process (the
+    inventory and the health monitor must see the same GPUs); None puts pynvml back.
+
+    The injection point for stand-ins (tests and drills on machines without a GPU: see
+    agent.testing.agent): production code never picks one by itself. `what` names it in the
+    warning logged at first use. Returns what was installed before, so a caller can restore it."""
+    global _override, _override_what, _warned
+    previous = _override
+    _override, _override_what, _warned = module, what or repr(module), False
+    return previous
 
 
 def nvml_module() -> Any:
-    """pynvml; or, where FERRY_NVML_REPLAY names a telemetry file (tests and drills on machines
-    without a GPU), one shared agent.testing.nvml_replay.ReplayNvml per file that answers the same calls."""
-    path = os.environ.get("FERRY_NVML_REPLAY")
-    if not path:
+    """pynvml; or the stand-in use_nvml installed, with a warning the first time it answers."""
+    global _warned
+    module = _override
+    if module is None:
         import pynvml
 
         return pynvml
-    with _replay_lock:
-        if path not in _replays:
-            from agent.testing.nvml_replay import ReplayNvml
-
-            log.warning("NVML replays %s (FERRY_NVML_REPLAY): these are not real GPUs", path)
-            _replays[path] = ReplayNvml.from_file(path)
-        return _replays[path]
+    if not _warned:
+        _warned = True  # once per install: every Nvml() and the monitor ask for it
+        log.warning("NVML answers from %s: these are not real GPUs", _override_what)
+    return module
 
 
 @dataclass

@@ -34,6 +34,7 @@ from typing import Protocol
 from agent.agent_config import AgentConfig, PeerSpec
 from agent.errors import FerryError, NoFreeGpuError, RefusedError
 from agent.gpus.inventory import GpuNeed, Inventory
+from agent.gpus.ledger import GpuLedger
 from agent.gpus.quarantine import Quarantine
 from agent.health.events import EventLog
 from agent.health.monitor import Change, GpuHealth, State
@@ -73,10 +74,8 @@ class Hooks:
     spawn: Callable[[Callable[[], None]], None]
     #: Suspend a job to a directory (checkpoint semantics: the job ends here, nothing lost).
     suspend: Callable[[str, Path], None]
-    #: Resume a suspended job here; raises RefusedError while no GPU can take it.
-    resume: Callable[[JobRecord, Callable[[str], dict[str, str]]], JobRecord]
-    #: GPUs that incoming leases have promised.
-    promised: Callable[[], set[str]] = set
+    #: Resume a suspended job here (its GPUs claimed in the ledger); NoFreeGpuError while none can.
+    resume: Callable[[JobRecord], JobRecord]
     agent_id: str = ""
 
 
@@ -95,6 +94,7 @@ class SelfHealing:
         registry: JobRegistry,
         events: EventLog,
         quarantine: Quarantine,
+        ledger: GpuLedger,
         config: AgentConfig,
         hooks: Hooks,
         state_dir: Path,
@@ -105,6 +105,7 @@ class SelfHealing:
         self.registry = registry
         self.events = events
         self.quarantine = quarantine
+        self.ledger = ledger  # the preemption holds are kept there, with every other GPU claim
         self.config = config
         self.hooks = hooks
         self.state_dir = state_dir
@@ -116,7 +117,6 @@ class SelfHealing:
         self._starts: list[float] = []  # when automatic moves started (storm guard)
         self._given_up: set[tuple[str, str]] = set()  # (job, gpu): failing, one try made
         self._episodes: dict[tuple[str, str, str], _Episode] = {}
-        self._holds: dict[str, tuple[str, float, float]] = {}  # GPU → (job it is kept for, since, until)
         self._resume_failed: dict[str, float] = {}  # job → when its last resume failed
         #: Set when the agent stops: no new automatic move or resume starts.
         self.draining = threading.Event()
@@ -163,44 +163,10 @@ class SelfHealing:
                         out.setdefault(g.uuid, {}).setdefault(rec.name, Holder(rec)).used_bytes += used
         return {u: list(by_job.values()) for u, by_job in out.items()}
 
-    def unavailable_gpus(self, job: str) -> dict[str, str]:
-        """GPUs here that `job` may not be placed on, each with why."""
-        out: dict[str, str] = {}
-        for u, for_job in self._live_holds().items():
-            if for_job != job:
-                out[u] = f"is kept for job {for_job} (it suspended a low-priority job to get it)"
-        # GPUs given with `ferry run --gpu` are their job's alone; a GPU that NVML shows other CUDA
-        # jobs on may still be shared where its memory allows (gpus.choose prefers idle ones).
-        for rec in self.registry.list():
-            if rec.state.active and rec.name != job:
-                for u in rec.gpus:
-                    out[u] = f"is held by job {rec.name}"
-        for g in self.health():
-            if g.state is not State.HEALTHY:
-                out[g.uuid] = f"is {g.state} ({'; '.join(e.detail for e in g.evidence)})"
-        for u, e in self.quarantine.all().items():
-            out[u] = f"is quarantined ({e.reason}; `ferry gpus --clear {u}` once fixed)"
-        for u in self.hooks.promised():
-            out.setdefault(u, "is promised to an incoming job")
-        return out
-
-    def held(self) -> set[str]:
-        return set(self._live_holds())
-
     def cleared(self, uuid: str) -> None:
         """An operator cleared the GPU: a job ferry gave up on there may be tried again."""
         with self._lock:
             self._given_up = {k for k in self._given_up if k[1] != uuid}
-
-    def _live_holds(self) -> dict[str, str]:
-        """GPU → the job it is kept for; a hold ends when it expires or that job has arrived."""
-        now = self.clock()
-        arrived = {r.name: r.started_at for r in self.registry.list() if r.state is not JobState.PREEMPTED}
-        with self._lock:
-            self._holds = {
-                u: h for u, h in self._holds.items() if h[2] > now and arrived.get(h[0], 0.0) < h[1]
-            }
-            return {u: h[0] for u, h in self._holds.items()}
 
     # -- the policy -------------------------------------------------------------------
 
@@ -371,9 +337,10 @@ class SelfHealing:
         gpus = [u for u, hs in self.jobs_by_gpu().items() if any(h.job.name == rec.name for h in hs)]
         out = self.state_dir / "preempted" / f"{rec.name}-{uuid.uuid4().hex[:8]}"
         out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._hold(gpus, req.for_job)  # kept already while the suspend runs ...
+        hold_s = self.config.policy.preempt_hold_s
+        self.ledger.hold_for(gpus, req.for_job, hold_s)  # kept already while the suspend runs ...
         self.hooks.suspend(rec.name, out)
-        self._hold(gpus, req.for_job)  # ... and preempt_hold_s from its end
+        self.ledger.hold_for(gpus, req.for_job, hold_s)  # ... and preempt_hold_s from its end
         note = (
             f"preempted for job {req.for_job} from {req.source_node} ({req.reason}); resumes here by itself "
             f"once a GPU is free (image {out})"
@@ -382,13 +349,6 @@ class SelfHealing:
         self.events.record("preempt", f"suspended low-priority job {rec.name} to {out} for job {req.for_job} "
                            f"from {req.source_node}", job=rec.name)  # fmt: skip
         return pb.PreemptResponse(image_dir=str(out), gpus=gpus)
-
-    def _hold(self, gpus: list[str], for_job: str) -> None:
-        now = self.clock()
-        with self._lock:
-            for u in gpus:
-                since = self._holds[u][1] if u in self._holds and self._holds[u][0] == for_job else now
-                self._holds[u] = (for_job, since, now + self.config.policy.preempt_hold_s)
 
     def resume_preempted(self) -> list[str]:
         """Resume suspended jobs, oldest first, while GPUs can take them; returns those resumed."""
@@ -401,7 +361,7 @@ class SelfHealing:
             if now - self._resume_failed.get(rec.name, -RESUME_RETRY_S) < RESUME_RETRY_S:
                 continue
             try:
-                new = self.hooks.resume(rec, self.unavailable_gpus)
+                new = self.hooks.resume(rec)
             except NoFreeGpuError as e:
                 log.debug("job %s stays preempted: %s", rec.name, e)
                 continue

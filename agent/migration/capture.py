@@ -76,4 +76,3 @@ def default_cuda_jobs(node: str, config: CudaConfig | None = None) -> CudaJobs:
     cfg = config or CudaConfig()
     driver = cuda.CudaDriver(node=node, explicit_gpu_pairs=cfg.explicit_gpu_pairs)
     return CudaJobs(driver, Nvml(node=node), node, ProcView(), cfg.lock_timeout_s)
-

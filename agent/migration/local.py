@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 
 from agent.criu.dumpable import refuse_undumpable
@@ -153,79 +153,87 @@ def restore_image(
     name: str,
     node: str,
     cuda_jobs: CudaJobs | None = None,
-    claim: Callable[[Callable[[Mapping[str, str]], dict[str, str]]], dict[str, str]] | None = None,
 ) -> JobRecord:
-    """Resume a saved image on this node, after checking every digest; a CUDA job onto suitable GPUs.
-
-    `claim` chooses its GPUs, given those it may not take, and holds them for it
-    (TargetMigrations.claim); without one, any suitable GPU will do.
-    """
+    """Resume a saved image on this node, after checking every digest; a CUDA job onto suitable
+    GPUs, claimed in the node's GPU ledger until the restored job holds them."""
     if not image_dir.is_dir():
         raise NotFoundError(f"no image directory {image_dir} on this node", node=node)
     m = verify(image_dir)
     cj = cuda_jobs or default_cuda_jobs(node)
-    claim = claim or (lambda pick: pick({}))
-    gpu_map = claim(lambda reserved: local_gpu_map(cj, m, reserved))
-    rec = restore_tree(
-        registry,
-        criu,
-        image_dir,
-        m,
-        name or m.job.name,
-        note=f"restored from {image_dir}" + (f" onto {', '.join(gpu_map.values())}" if gpu_map else ""),
-        cuda_jobs=cj,
-        gpu_map=gpu_map,
-    )
+    job = name or m.job.name
+    owner = f"the restore of job {job}"
+    try:
+        gpu_map = claim_gpus(cj, m, owner, job)
+        rec = restore_tree(
+            registry,
+            criu,
+            image_dir,
+            m,
+            job,
+            note=f"restored from {image_dir}" + (f" onto {', '.join(gpu_map.values())}" if gpu_map else ""),
+            cuda_jobs=cj,
+            gpu_map=gpu_map,
+        )
+    finally:
+        cj.ledger.release(owner)
     log.info("job %s: restored from %s as pid %d", rec.name, image_dir, rec.pid)
     return rec
 
 
-def local_gpu_map(cj: CudaJobs, m: Manifest, reserved: Mapping[str, str]) -> dict[str, str]:
-    """GPUs here for a saved job: its CUDA state's and those `ferry run --gpu` gave it."""
+def claim_gpus(cj: CudaJobs, m: Manifest, owner: str, job: str) -> dict[str, str]:
+    """GPUs here for a saved job (its CUDA state's and those `ferry run --gpu` gave it), held in
+    the ledger for `owner` until released. NVML and the driver are asked before the ledger's lock."""
     needs = list(m.cuda.gpus) if m.cuda else []
     seen = {n.uuid for n in needs}
     needs += [GpuNeed(u, m.job.gpu_chip, 0) for u in m.job.gpus if u not in seen]
-    return cj.choose_gpus(
-        needs,
-        driver_version=m.cuda.driver_version if m.cuda else "",
-        reserved=reserved,
-        cuda_state=m.cuda is not None,
-    )
+    if not needs:
+        return {}
+    inv = cj.nvml.inventory()
+    cj.check_restorable(inv, m.cuda.driver_version if m.cuda else "", m.cuda is not None)
+
+    def pick(taken: dict[str, str], frozen: dict[str, int]) -> tuple[dict[str, str], Iterable[str]]:
+        gpu_map = cj.pick_gpus(needs, inv, reserved=taken, frozen=frozen, cuda_state=m.cuda is not None)
+        return gpu_map, gpu_map.values()
+
+    return cj.ledger.decide(owner, job, pick)
 
 
 def resume_preempted(
     registry: JobRegistry,
     criu: Criu,
     rec: JobRecord,
-    claim: Callable[[Callable[[Mapping[str, str]], dict[str, str]]], dict[str, str]],
     node: str,
     cuda_jobs: CudaJobs,
 ) -> JobRecord:
     """Resume a job suspended by a preemption; NoFreeGpuError while no GPU here can take it.
 
-    `claim` chooses its GPUs and holds them until the restore is over (TargetMigrations.claim).
-    The record stays PREEMPTED until the restored job replaces it: a failure or a crash on
-    the way leaves it waiting, never lost.
+    Its GPUs are claimed in the ledger until the restore is over. The record stays PREEMPTED
+    until the restored job replaces it: a failure or a crash on the way leaves it waiting,
+    never lost.
     """
     image_dir = Path(rec.checkpoint_dir)
     m = read_manifest(image_dir)  # cheap; the digests are checked once a GPU is free
-    gpu_map = claim(lambda reserved: local_gpu_map(cuda_jobs, m, reserved))
+    owner = f"the resume of job {rec.name}"
     try:
-        verify(image_dir, m)
-        new = restore_tree(
-            registry,
-            criu,
-            image_dir,
-            m,
-            rec.name,
-            note=f"resumed after preemption from {image_dir}",
-            cuda_jobs=cuda_jobs,
-            gpu_map=gpu_map,
-            resuming=True,
-        )
-    except FerryError as e:
-        registry.update(rec.name, note=f"{rec.note}; the last resume failed: {e}")
-        raise
+        gpu_map = claim_gpus(cuda_jobs, m, owner, rec.name)
+        try:
+            verify(image_dir, m)
+            new = restore_tree(
+                registry,
+                criu,
+                image_dir,
+                m,
+                rec.name,
+                note=f"resumed after preemption from {image_dir}",
+                cuda_jobs=cuda_jobs,
+                gpu_map=gpu_map,
+                resuming=True,
+            )
+        except FerryError as e:
+            registry.update(rec.name, note=f"{rec.note}; the last resume failed: {e}")
+            raise
+    finally:
+        cuda_jobs.ledger.release(owner)
     shutil.rmtree(image_dir, ignore_errors=True)
     log.info("job %s: resumed after preemption as pid %d", rec.name, new.pid)
     return new

@@ -156,4 +156,3 @@ def wait_for_output(rec: JobRecord, timeout_s: float) -> float:
                 return os.stat(p).st_mtime
         time.sleep(0.002)
     return 0.0
-

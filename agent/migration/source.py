@@ -75,8 +75,6 @@ POSTCOPY_MIN_BPS = 20e6
 POSTCOPY_SETTLE_S = 30.0
 
 
-
-
 class SourceMigration:
     """One outgoing migration, driven start to end by `run()` on its own thread."""
 
@@ -535,5 +533,3 @@ def gpu_needs(rec: JobRecord, fp: Footprint) -> list[pb.GpuNeed]:
     seen = {g.uuid for g in fp.gpus}
     out += [pb.GpuNeed(uuid=u, name=rec.gpu_chip, memory_bytes=0) for u in rec.gpus if u not in seen]
     return out
-
-

@@ -16,7 +16,7 @@ import signal
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
@@ -37,7 +37,8 @@ from agent.errors import (
     RefusedError,
     TransferError,
 )
-from agent.gpus.inventory import GpuNeed
+from agent.gpus.inventory import GpuNeed, Inventory
+from agent.gpus.ledger import GpuLedger
 from agent.image import Manifest, StreamDigest
 from agent.jobs import procs
 from agent.jobs.network import carrying
@@ -60,6 +61,7 @@ MAX_INCOMING = 2
 STAGING_SLACK = 1.2
 #: How long recovery waits for a CRIU restore that outlived its agent.
 CRIU_WAIT_S = 60.0
+
 
 @dataclass
 class Incoming:
@@ -113,6 +115,7 @@ class TargetMigrations:
         node: str,
         cuda_jobs: CudaJobs | None = None,
         journal: Journal | None = None,
+        ledger: GpuLedger | None = None,
     ) -> None:
         self.registry = registry
         self.criu = criu
@@ -124,36 +127,9 @@ class TargetMigrations:
         self.criu_logs = CriuLogs(registry.root.parent)
         self._lock = threading.Lock()
         self._incoming: dict[str, Incoming] = {}
-        self._claims: dict[str, tuple[str, ...]] = {}  # a local start → the GPUs it is taking
-        #: GPUs here that no incoming job may take, with why (quarantined, unhealthy, another job's),
-        #: given the incoming job's name. The agent's self-healing sets it.
-        self.unavailable_gpus: Callable[[str], dict[str, str]] = lambda job: {}
-
-    def promised_gpus(self) -> set[str]:
-        """GPUs here that leases in flight have promised to incoming jobs, or that a start claims."""
-        with self._lock:
-            return set(self._taken_locked(""))
-
-    def claim(self, owner: str, pick: Callable[[dict[str, str]], Iterable[str]]) -> None:
-        """Choose GPUs and hold them for `owner` (a resume, a restore, a `ferry run --gpu`) in one
-        step, under the lock leases are granted under: no lease or other start takes them meanwhile.
-
-        `pick` gets the GPUs already taken, with why, and returns those it chose (or raises).
-        """
-        with self._lock:
-            self._claims[owner] = tuple(pick(self._taken_locked(owner)))
-
-    def release(self, owner: str) -> None:
-        """The start is over: its job holds its GPUs now (or it failed and holds none)."""
-        with self._lock:
-            self._claims.pop(owner, None)
-
-    def _taken_locked(self, owner: str) -> dict[str, str]:
-        out = {u: f"is being taken by {o}" for o, us in self._claims.items() if o != owner for u in us}
-        for i in self._incoming.values():
-            if i.state.in_flight:
-                out.update(dict.fromkeys(i.gpu_map.values(), "is promised to another incoming job"))
-        return out
+        #: Every GPU claim on this node (agent.gpus.ledger); a lease's GPUs are held there until
+        #: its restore ends. The agent gives the node's one ledger.
+        self.ledger = ledger or self.cuda.ledger
 
     # -- the protocol ------------------------------------------------------------
 
@@ -214,8 +190,25 @@ class TargetMigrations:
                 "CRIU here cannot restore lazily: the kernel offers no non-cooperative userfaultfd",
                 "migrate without --lazy, or choose a target whose kernel has CONFIG_USERFAULTFD",
             )
-        # Before the lock: it reads NVML and the job registry, and asks what leases promised.
-        unavailable = self.unavailable_gpus(req.job) if req.gpus else {}
+        # Before any lock: NVML and the driver may hang, and GetMigration (the source's fencing
+        # query) must never wait on them.
+        needs = [GpuNeed(g.uuid, g.name, g.memory_bytes) for g in req.gpus]
+        inv = self.cuda.nvml.inventory() if needs else Inventory(False)
+        if needs:
+            self.cuda.check_restorable(inv, req.cuda_driver, bool(req.cuda_driver))
+
+        def pick(taken: dict[str, str], frozen: dict[str, int]) -> tuple[dict[str, str], Iterable[str]]:
+            # A GPU the job holds on this very host (two agents, one node) is freed by its checkpoint.
+            gpu_map = self.cuda.pick_gpus(
+                needs,
+                inv,
+                reserved=taken,
+                releasing={n.uuid: n.memory_bytes for n in needs},
+                frozen=frozen,
+                cuda_state=bool(req.cuda_driver),
+            )
+            return gpu_map, gpu_map.values()
+
         with self._lock:
             self._expire_locked()
             if req.migration_id in self._incoming or self.journal.get(TARGET, req.migration_id):
@@ -223,37 +216,14 @@ class TargetMigrations:
                     f"migration {req.migration_id} is already known here; ids are never reused"
                 )
             busy = [i for i in self._incoming.values() if i.state.in_flight]
-            if req.gpus:
-                # Under the lock, so two incoming jobs are never promised the same GPU.
-                needs = [GpuNeed(g.uuid, g.name, g.memory_bytes) for g in req.gpus]
-                taken = {**unavailable, **self._taken_locked("")}
-                # A GPU the job holds on this very host (two agents, one node) is freed by its checkpoint.
-                inc.gpu_map = self.cuda.choose_gpus(
-                    needs,
-                    driver_version=req.cuda_driver,
-                    reserved=taken,
-                    releasing={n.uuid: n.memory_bytes for n in needs},
-                    cuda_state=bool(req.cuda_driver),
-                )
-            if any(i.job == req.job for i in busy):
-                raise self._refuse(f"job {req.job!r} is already coming in from another migration")
-            if len(busy) >= MAX_INCOMING:
-                raise self._refuse(f"{len(busy)} migrations are already coming in", "retry when they finish")
-            # Space already promised to other leases counts as used: two images that each
-            # fit alone must not both be accepted into a staging area that holds one.
-            free = shutil.disk_usage(self.staging_root).free
-            promised = sum(i.reserved_bytes for i in busy if i.state is not TargetState.RESTORING)
-            if free - promised < need:
-                others = (
-                    f" ({promised >> 20} MiB of it promised to {len(busy)} other leases)" if promised else ""
-                )
-                raise self._refuse(
-                    f"staging {self.staging_root} has {free >> 20} MiB free{others}; "
-                    f"the image needs about {need >> 20} MiB",
-                    "free space or point --staging-dir at a larger tmpfs",
-                )
-            staging.mkdir(mode=0o700)
-            self.journal.save(inc.record())
+            if needs:  # held from here on, in the ledger, so two leases never share a GPU
+                inc.gpu_map = self.ledger.decide(_lease(req.migration_id), req.job, pick, lease=True)
+            try:
+                self._admit_locked(req, busy, need, staging)
+                self.journal.save(inc.record())
+            except BaseException:
+                self.ledger.release(_lease(req.migration_id))
+                raise
             self._incoming[req.migration_id] = inc
         log.info(
             "migration %s: lease granted for job %s from %s (%s)",
@@ -271,6 +241,25 @@ class TargetMigrations:
             page_stream=True,
             lazy=inc.lazy,
         )
+
+    def _admit_locked(self, req: pb.PrepareRequest, busy: list[Incoming], need: int, staging: Path) -> None:
+        """Under the lock: room for one more incoming job, and staging for its image."""
+        if any(i.job == req.job for i in busy):
+            raise self._refuse(f"job {req.job!r} is already coming in from another migration")
+        if len(busy) >= MAX_INCOMING:
+            raise self._refuse(f"{len(busy)} migrations are already coming in", "retry when they finish")
+        # Space already promised to other leases counts as used: two images that each
+        # fit alone must not both be accepted into a staging area that holds one.
+        free = shutil.disk_usage(self.staging_root).free
+        promised = sum(i.reserved_bytes for i in busy if i.state is not TargetState.RESTORING)
+        if free - promised < need:
+            others = f" ({promised >> 20} MiB of it promised to {len(busy)} other leases)" if promised else ""
+            raise self._refuse(
+                f"staging {self.staging_root} has {free >> 20} MiB free{others}; "
+                f"the image needs about {need >> 20} MiB",
+                "free space or point --staging-dir at a larger tmpfs",
+            )
+        staging.mkdir(mode=0o700)
 
     def stream_pages(self, requests: Iterator[pb.PageData], caller: str = "") -> Iterator[pb.PageData]:
         """The job's memory, while the source dumps it: relayed into a page server writing staging.
@@ -649,6 +638,8 @@ class TargetMigrations:
         """Every state change: checked against TARGET_TRANSITIONS, and durable before the agent
         acts on it."""
         inc.state = TARGET_TRANSITIONS.check(inc.state, state, f"{inc.migration_id} (job {inc.job})")
+        if not state.in_flight:  # RUNNING: the job's record holds its GPUs now
+            self.ledger.release(_lease(inc.migration_id))
         self.journal.save(inc.record())
 
     def _drop(self, inc: Incoming, why: str) -> None:
@@ -658,6 +649,7 @@ class TargetMigrations:
         shutil.rmtree(inc.staging, ignore_errors=True)
         subject = f"{inc.migration_id} (job {inc.job})"
         inc.state = TARGET_TRANSITIONS.check(inc.state, TargetState.ABORTED, subject)
+        self.ledger.release(_lease(inc.migration_id))
         rec = inc.record()
         rec.note = why
         self.journal.save(rec)
@@ -732,3 +724,8 @@ def _journaled(rec: MigrationRecord) -> TargetState:
             step="journal",
             hint="settle it by hand: see docs/architecture.md, recovery",
         ) from e
+
+
+def _lease(mid: str) -> str:
+    """A lease's owner name in the GPU ledger."""
+    return f"the lease of migration {mid}"

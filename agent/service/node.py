@@ -13,7 +13,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -23,12 +23,12 @@ from agent.agent_config import AgentConfig
 from agent.criu.runner import Criu
 from agent.cuda.jobs import CudaJobs
 from agent.errors import FerryError, InvalidArgumentError, NotFoundError, RefusedError
-from agent.gpus.inventory import nvml_module
+from agent.gpus.inventory import Inventory, nvml_module
+from agent.gpus.ledger import GpuLedger
 from agent.gpus.quarantine import Entry, Quarantine
 from agent.health.events import EventLog
 from agent.health.healing import Hooks, SelfHealing
 from agent.health.monitor import GpuHealth, HealthMonitor
-from agent.image import read_manifest
 from agent.jobs.network import JobNetwork
 from agent.jobs.registry import JobRecord, JobRegistry, OnDegraded, Priority, check_job_name
 from agent.migration.capture import default_cuda_jobs
@@ -83,7 +83,13 @@ class AgentNode:
         self.cuda = cuda_jobs or default_cuda_jobs(node, self.config.cuda)
         self.registry = JobRegistry(state_dir, node, network=JobNetwork(self.config.network, node))
         self.journal = Journal(state_dir)
-        self.targets = TargetMigrations(self.registry, self.criu, staging_root, node, self.cuda, self.journal)
+        self.quarantine = Quarantine(state_dir)
+        #: The one owner of every claim on this node's GPUs; the CUDA side keeps frozen jobs there.
+        self.gpus = GpuLedger(self.registry, self.quarantine, health=lambda: self.monitor.snapshot())
+        self.cuda.ledger = self.gpus
+        self.targets = TargetMigrations(
+            self.registry, self.criu, staging_root, node, self.cuda, self.journal, ledger=self.gpus
+        )
         self.recovery = SourceRecovery(
             self.registry, self.journal, self.cuda.driver, node, lambda a: client.PeerClient(a, self.dial)
         )
@@ -91,12 +97,12 @@ class AgentNode:
         self._moves_lock = threading.Condition()
         self.stopping = threading.Event()
         self.events = EventLog(state_dir, node)
-        self.quarantine = Quarantine(state_dir)
         self.healing = SelfHealing(
             node=node,
             registry=self.registry,
             events=self.events,
             quarantine=self.quarantine,
+            ledger=self.gpus,
             config=self.config,
             hooks=Hooks(
                 inventory=self.cuda.nvml.inventory,
@@ -105,7 +111,6 @@ class AgentNode:
                 spawn=self._spawn,
                 suspend=self._suspend,
                 resume=self._resume,
-                promised=self.targets.promised_gpus,
                 agent_id=self.agent_id,
             ),
             state_dir=state_dir,
@@ -114,7 +119,6 @@ class AgentNode:
         self.monitor = HealthMonitor(
             nvml_module(), self.config.health, node=node, on_poll=self.healing.on_poll
         )
-        self.targets.unavailable_gpus = self.healing.unavailable_gpus
 
     # -- start and housekeeping ----------------------------------------------------------
 
@@ -172,42 +176,11 @@ class AgentNode:
             self._in_flight(-1)
             raise
 
-    def _claimed(self, owner: str, job: str, pick: Callable[[dict[str, str]], tuple[T, Iterable[str]]]) -> T:
-        """Run `pick` (GPUs `job` may not take → its result and the GPUs it chose) as one claim for
-        `owner`, released by the caller once the job holds its GPUs."""
-        out: list[T] = []
-        # Read before the claim's lock: it asks NVML, the registry and (under that lock) the leases.
-        unavailable = self.healing.unavailable_gpus(job)
-
-        def choose(taken: dict[str, str]) -> Iterable[str]:
-            result, gpus = pick({**unavailable, **taken})
-            out.append(result)
-            return gpus
-
-        self.targets.claim(owner, choose)
-        return out[0]
-
-    @staticmethod
-    def _by_map(
-        choose: Callable[[Mapping[str, str]], dict[str, str]],
-    ) -> Callable[[dict[str, str]], tuple[dict[str, str], Iterable[str]]]:
-        def pick(taken: dict[str, str]) -> tuple[dict[str, str], Iterable[str]]:
-            gpu_map = choose(taken)
-            return gpu_map, gpu_map.values()
-
-        return pick
-
-    def _resume(self, rec: JobRecord, _unavailable: Callable[[str], dict[str, str]]) -> JobRecord:
-        owner = f"the resume of job {rec.name}"
-
-        def claim(pick: Callable[[Mapping[str, str]], dict[str, str]]) -> dict[str, str]:
-            return self._claimed(owner, rec.name, self._by_map(pick))
-
+    def _resume(self, rec: JobRecord) -> JobRecord:
         self._in_flight(+1)
         try:
-            return resume_preempted(self.registry, self.criu, rec, claim, self.node, self.cuda)
+            return resume_preempted(self.registry, self.criu, rec, self.node, self.cuda)
         finally:
-            self.targets.release(owner)
             self._in_flight(-1)
 
     def _source_migration(
@@ -294,7 +267,10 @@ class AgentNode:
         owner = f"the start of job {name}"
         chip = ""
         if gpus:
-            chip = self._claimed(owner, name, lambda taken: (self._check_gpus(gpus, taken), gpus))
+            inv = self.cuda.nvml.inventory()  # before the ledger's lock: NVML may hang
+            chip = self.gpus.decide(
+                owner, name, lambda taken, _frozen: (self._check_gpus(inv, gpus, taken), gpus)
+            )
         try:
             return self.registry.launch(
                 name,
@@ -307,11 +283,10 @@ class AgentNode:
                 gpu_chip=chip,
             )
         finally:
-            self.targets.release(owner)
+            self.gpus.release(owner)
 
-    def _check_gpus(self, gpus: list[str], unavailable: dict[str, str]) -> str:
+    def _check_gpus(self, inv: Inventory, gpus: list[str], unavailable: dict[str, str]) -> str:
         """GPUs for `ferry run --gpu`: present, one chip, and free; returns the chip."""
-        inv = self.cuda.nvml.inventory()
         if not inv.available:
             raise RefusedError(f"--gpu needs this node's GPUs, but {inv.detail}", step="run", node=self.node)
         chips = set()
@@ -363,21 +338,7 @@ class AgentNode:
             raise InvalidArgumentError(f"image directory must be an absolute path, got {image!r}")
         if name:
             check_job_name(name)
-        image_dir = Path(image)
-        job = name or (read_manifest(image_dir).job.name if image_dir.is_dir() else "")
-        owner = f"the restore of job {job or image_dir}"
-        try:
-            return restore_image(
-                self.registry,
-                self.criu,
-                image_dir,
-                name,
-                self.node,
-                self.cuda,
-                claim=lambda pick: self._claimed(owner, job, self._by_map(pick)),
-            )
-        finally:
-            self.targets.release(owner)
+        return restore_image(self.registry, self.criu, Path(image), name, self.node, self.cuda)
 
     def resolve(self, name: str, action: str) -> JobRecord:
         check_job_name(name)

@@ -178,7 +178,7 @@ class AgentService(pb_grpc.AgentServicer):
     def GetHealth(self, request: pb.GetHealthRequest, context: grpc.ServicerContext) -> pb.HealthReport:
         a = self.agent
         holders = a.healing.jobs_by_gpu()
-        held = a.healing.held()
+        held = set(a.gpus.held_for())
         return pb.HealthReport(
             node_name=self.node,
             nvml_available=a.monitor.available,
@@ -206,7 +206,7 @@ class AgentService(pb_grpc.AgentServicer):
         if g is None:  # quarantined, but NVML no longer lists it
             return pb.GpuHealth(uuid=request.uuid)
         a = self.agent
-        return health_pb(g, a.healing.jobs_by_gpu().get(g.uuid, []), a.quarantine, a.healing.held())
+        return health_pb(g, a.healing.jobs_by_gpu().get(g.uuid, []), a.quarantine, set(a.gpus.held_for()))
 
     @rpc
     def Preempt(self, request: pb.PreemptRequest, context: grpc.ServicerContext) -> pb.PreemptResponse:

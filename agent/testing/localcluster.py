@@ -4,7 +4,9 @@ Each agent is a real `ferry agent` process with its own state and staging
 directories and its own local socket: two of them are two "nodes" on one host.
 Agents speak plaintext on loopback (`--insecure`) unless given a TLS directory
 holding certificates from `ferry certs`; the CLI reaches each through its
-unix socket, as an operator on the node would.
+unix socket, as an operator on the node would. An agent given `nvml_replay` (a telemetry file,
+agent/testing/nvml_replay.py) runs under agent.testing.agent, which answers NVML from that file:
+GPUs on a machine without one.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from agent.jobs import procs
 
 _LISTENING = re.compile(r"listening on ([0-9.]+:\d+)")
 _SEQ = count()
+#: CLI commands that run on their own, not through the agent's socket.
+_LOCAL_COMMANDS = ("inspect", "doctor", "certs")
 
 
 class LocalAgent:
@@ -38,9 +42,11 @@ class LocalAgent:
         host: str = "127.0.0.1",
         staging_dir: Path | None = None,
         config: Path | None = None,
+        nvml_replay: Path | None = None,
     ) -> None:
         self.root = root / node
         self.config = config  # `ferry agent --config`: health thresholds, policy, peers
+        self.nvml_replay = nvml_replay  # NVML answered from this telemetry file (None: the real one)
         self.node = node
         self.state_dir = self.root / "state"
         self.staging_dir = staging_dir or Path("/dev/shm") / f"ferry-{os.getpid()}-{node}"
@@ -59,9 +65,7 @@ class LocalAgent:
         self.root.mkdir(parents=True, exist_ok=True)
         cmd = [
             *(prefix or []),
-            sys.executable,
-            "-m",
-            "agent.cli.main",
+            *self.ferry(),
             "agent",
             "--listen",
             self.address or f"{self.host}:0",
@@ -121,9 +125,10 @@ class LocalAgent:
         self, *args: str, check: bool = True, timeout_s: float = 300.0
     ) -> subprocess.CompletedProcess[str]:
         """Run `ferry ARGS` against this agent's local socket, as root on its node would."""
-        cmd = [sys.executable, "-m", "agent.cli.main", *args]
-        if args and args[0] not in ("inspect", "doctor", "certs"):
-            cmd[4:4] = ["--agent", f"unix:{self.socket}"]
+        local = bool(args) and args[0] in _LOCAL_COMMANDS
+        if args and not local:
+            args = (args[0], "--agent", f"unix:{self.socket}", *args[1:])
+        cmd = [*self.ferry(nvml=local), *args]
         p = subprocess.run(
             [*self.cli_prefix(), *cmd],
             capture_output=True,
@@ -138,6 +143,13 @@ class LocalAgent:
                 f"`ferry {' '.join(args)}` on {self.node} failed ({p.returncode}): {p.stderr.strip()}"
             )
         return p
+
+    def ferry(self, nvml: bool = True) -> list[str]:
+        """The `ferry` command line: the CLI, or, for a command that reads NVML itself (the agent, and
+        the local commands such as `ferry doctor`), the test entry point that replays this agent's file."""
+        if self.nvml_replay is None or not nvml:
+            return [sys.executable, "-m", "agent.cli.main"]
+        return [sys.executable, "-m", "agent.testing.agent", "--nvml-replay", str(self.nvml_replay)]
 
     def cli_prefix(self) -> list[str]:
         """What the CLI runs under to be on this agent's node (nothing: this host)."""

@@ -8,7 +8,8 @@ import threading
 import pynvml
 
 from agent.gpus.inventory import Nvml
-from agent.health.monitor import HealthMonitor, State
+from agent.health.monitor import HealthMonitor
+from agent.health.verdicts import State
 
 
 def test_real_gpus_read_healthy_with_temperature_and_ecc():

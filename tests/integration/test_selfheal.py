@@ -1,6 +1,7 @@
 """Self-healing end to end: real agents, real CRIU, real PyTorch jobs; only the GPUs are replayed.
 
-Each agent answers NVML calls from its own telemetry file (FERRY_NVML_REPLAY, agent.testing.nvml_replay):
+Each agent answers NVML calls from its own telemetry file (LocalAgent's nvml_replay, which starts it
+under agent.testing.agent --nvml-replay; the double is agent.testing.nvml_replay):
 the same calls a real node answers, so the health monitor, the policy, the cluster view and the
 target's GPU choice all run as they would on GPUs. The jobs are CPU training runs given a GPU
 with `ferry run --gpu`; injecting telemetry is rewriting a file.
@@ -51,8 +52,8 @@ def node(agents, tmp_path):
         config.write_text(
             HEALTH + "".join(f'[[peers]]\naddress = "{a}"\nspare = {str(s).lower()}\n' for a, s in peers)
         )
-        env = {"FERRY_NVML_REPLAY": str(telemetry), "FERRY_HOUSEKEEPING_S": "1"}
-        return agents(name, env=env, config=config), telemetry
+        env = {"FERRY_HOUSEKEEPING_S": "1"}
+        return agents(name, env=env, config=config, nvml_replay=telemetry), telemetry
 
     return start
 

@@ -24,8 +24,10 @@ import psutil
 
 from agent.criu.runner import DumpResult, InheritFd, RestoreResult
 from agent.errors import CriuError, RefusedError
+from agent.image import StreamDigest
 from agent.jobs import procs
 from agent.jobs.registry import JobKind, JobRecord, JobState
+from agent.migration.pagestream import TargetRelay
 from agent.migration.transfer import Intake
 from agent.rpc import pb
 
@@ -243,10 +245,13 @@ class FakeCriu:
 
 
 class FakePeer:
-    """The target agent as a source sees it (agent.migration.source.Peer).
+    """The target agent as a source sees it (agent.migration.model.Peer).
 
-    `fail[method]` is an exception that method raises; `status_answers` are
-    returned (or raised) by status() in turn, the last one repeating.
+    Like every real target it grants the page stream, and takes it as a real target does
+    (agent.migration.pagestream.TargetRelay into a page server writing its staging);
+    `page_stream=False` is a target that grants only the staged push. `fail[method]` is an
+    exception that method raises; `status_answers` are returned (or raised) by status() in
+    turn, the last one repeating.
     """
 
     def __init__(
@@ -256,6 +261,7 @@ class FakePeer:
         address: str = "127.0.0.1:7071",
         node_name: str = "nodeb",
         agent_id: str = "target-agent",
+        page_stream: bool = True,
     ) -> None:
         self.address = address
         self.node_name = node_name
@@ -271,6 +277,9 @@ class FakePeer:
         self.received: dict[str, bytes] = {}
         #: Applied to each chunk before intake, to corrupt it in transit.
         self.mangle: Callable[[pb.ImageChunk], pb.ImageChunk] = lambda c: c
+        self.page_stream = page_stream
+        #: What the page stream delivered (None: no stream came).
+        self.pages: StreamDigest | None = None
 
     def _enter(self, method: str) -> None:
         self.calls.append(method)
@@ -284,7 +293,31 @@ class FakePeer:
     def prepare(self, req: pb.PrepareRequest) -> pb.Lease:
         self.prepare_req = req
         self._enter("prepare")
-        return pb.Lease(migration_id=req.migration_id, node_name=self.node_name, max_bytes=1 << 30)
+        return pb.Lease(
+            migration_id=req.migration_id,
+            node_name=self.node_name,
+            max_bytes=1 << 30,
+            page_stream=self.page_stream,
+        )
+
+    def stream_pages(self, requests: Iterable[pb.PageData]) -> LocalPageCall:
+        self._enter("stream_pages")
+        return LocalPageCall(self, requests)
+
+    def serve_pages(self, requests: Iterator[pb.PageData]) -> Iterator[pb.PageData]:
+        """What a target's StreamPages does: the migration id first, then the pages into a page
+        server writing staging, then the digest of what arrived."""
+        first = next(requests, None)
+        assert first is not None and first.migration_id, "a page stream starts with its migration id"
+        self.staging.mkdir(parents=True, exist_ok=True)
+        relay = TargetRelay(FakeCriu(self.node_name), self.staging, 1 << 30, self.node_name)
+        try:
+            digest = yield from relay.run(requests)
+        except BaseException:
+            relay.kill()
+            raise
+        self.pages = digest
+        yield pb.PageData(end=pb.PageStreamEnd(bytes=digest.bytes, check=digest.check))
 
     def push(self, chunks: Iterator[pb.ImageChunk]) -> pb.PushImageResponse:
         self._enter("push")
@@ -339,13 +372,46 @@ def launched_record(
 
 
 class LocalPageCall:
-    """agent.migration.pagestream.PageCall straight onto a TargetMigrations in this process."""
+    """agent.migration.pagestream.PageCall straight onto a TargetMigrations (or a FakePeer's
+    serve_pages) in this process."""
 
     def __init__(self, target: Any, requests: Iterable[pb.PageData]) -> None:
-        self._answers = target.stream_pages(iter(requests))
+        serve = target.serve_pages if isinstance(target, FakePeer) else target.stream_pages
+        self._answers = serve(iter(requests))
 
     def __iter__(self) -> Iterator[pb.PageData]:
         return self._answers
 
     def cancel(self) -> None:
         """Nothing to cancel: the source closing its sockets ends the request stream."""
+
+
+class LocalPeer:
+    """agent.migration.model.Peer straight onto a TargetMigrations in this process: the shared
+    in-process peer of the unit tests."""
+
+    address = "127.0.0.1:7071"
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    def info(self) -> pb.NodeInfo:
+        return pb.NodeInfo(node_name="nodeb", agent_id="target-agent")
+
+    def prepare(self, req: pb.PrepareRequest) -> pb.Lease:
+        return self.target.prepare(req)
+
+    def stream_pages(self, requests: Iterable[pb.PageData]) -> LocalPageCall:
+        return LocalPageCall(self.target, requests)
+
+    def push(self, chunks: Iterator[pb.ImageChunk]) -> pb.PushImageResponse:
+        return self.target.push(chunks)
+
+    def commit(self, req: pb.CommitRequest) -> pb.CommitResponse:
+        return self.target.commit(req)
+
+    def abort(self, migration_id: str, reason: str) -> None:
+        self.target.abort(migration_id, reason)
+
+    def status(self, migration_id: str) -> int:
+        return self.target.status(migration_id)

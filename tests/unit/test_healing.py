@@ -13,6 +13,7 @@ import pytest
 from agent.agent_config import AgentConfig, PeerSpec, PolicyConfig
 from agent.errors import NoFreeGpuError, RefusedError, TransferError
 from agent.gpus.inventory import Nvml
+from agent.gpus.ledger import GpuLedger
 from agent.gpus.quarantine import Quarantine
 from agent.health.events import EventLog
 from agent.health.healing import Hooks, SelfHealing
@@ -64,11 +65,15 @@ class Rig:
             peers=(PeerSpec("s:1", spare=True),),
         )
         self.threads: list[threading.Thread] = []
+        self.ledger = GpuLedger(
+            self.registry, self.quarantine, health=lambda: self.monitor.snapshot(), clock=self.clock
+        )
         self.healing = SelfHealing(
             node="node-a",
             registry=self.registry,
             events=self.events,
             quarantine=self.quarantine,
+            ledger=self.ledger,
             config=cfg,
             hooks=Hooks(
                 inventory=Nvml(self.nvml).inventory,
@@ -125,8 +130,8 @@ class Rig:
         if self.gate is None:
             t.join()
 
-    def _resume(self, rec: JobRecord, unavailable) -> JobRecord:
-        if not self.resumable or set(rec.gpus) & set(unavailable(rec.name)):
+    def _resume(self, rec: JobRecord) -> JobRecord:
+        if not self.resumable or set(rec.gpus) & set(self.ledger.unavailable(rec.name)):
             raise NoFreeGpuError("no free GPU")
         # As a real resume does: the restored job's new record replaces the preempted one.
         back = dataclasses.replace(rec, state=JobState.RUNNING)
@@ -251,9 +256,9 @@ def test_preempting_a_low_priority_job_keeps_its_gpu_for_the_job_moving_in(tmp_p
     assert list(resp.gpus) == ["GPU-a0"]
     rec = rig.registry.get("scav")
     assert rec.state is JobState.PREEMPTED and "preempted for job train from node-b" in rec.note
-    assert "GPU-a0" in rig.healing.unavailable_gpus("someone-else")
-    assert "GPU-a0" not in rig.healing.unavailable_gpus("train")
-    assert rig.healing.held() == {"GPU-a0"}
+    assert "GPU-a0" in rig.ledger.unavailable("someone-else")
+    assert "GPU-a0" not in rig.ledger.unavailable("train")
+    assert set(rig.ledger.held_for()) == {"GPU-a0"}
 
     # It does not come back while its GPU is kept for the incoming job, then does.
     rig.resumable = True
@@ -268,7 +273,7 @@ def test_a_resume_that_can_never_work_is_reported_not_waited_on_silently(tmp_pat
     rig.job("scav", priority="low")
     rig.healing.preempt(pb.PreemptRequest(job="scav", for_job="train", source_node="node-b"))
 
-    def wrong_chip(rec, unavailable):
+    def wrong_chip(rec):
         raise RefusedError("no NVIDIA H200 here (restore needs the same chip)")
 
     rig.healing.hooks.resume = wrong_chip

@@ -1,4 +1,5 @@
-"""agent.health.monitor judged against scripted NVML telemetry (agent.testing.nvml_replay): no GPU, no sleep.
+"""The health monitor (agent.health.monitor, reading through agent.health.signals, judging by
+agent.health.judging) against scripted NVML telemetry (agent.testing.nvml_replay): no GPU, no sleep.
 
 Each test scripts a Timeline, advances a FakeClock and polls, as the agent's loop
 would every interval_s; the monitor makes the same pynvml calls it makes on a
@@ -24,7 +25,9 @@ from fakes import wait_for
 
 from agent.errors import InvalidArgumentError
 from agent.gpus.inventory import Nvml
-from agent.health.monitor import Change, GpuHealth, HealthConfig, HealthMonitor, State
+from agent.health.monitor import HealthMonitor
+from agent.health.thresholds import HealthConfig
+from agent.health.verdicts import Change, GpuHealth, State
 from agent.testing.nvml_replay import FakeClock, ReplayNvml, Step, Timeline, ramp
 
 GPU = "GPU-a0"
@@ -648,7 +651,7 @@ def test_replay_events_come_only_for_registered_types() -> None:
         nv.nvmlDeviceRegisterEvents(h, nv.nvmlEventTypeAll, es)  # as NVML: a mask with unsupported types
 
 
-#: The calls ReplayNvml must answer: what agent.gpus.inventory and agent.health.monitor use.
+#: The calls ReplayNvml must answer: what agent.gpus.inventory and agent.health (signals, monitor) use.
 REPLAYED_CALLS = {
     "nvmlInit",
     "nvmlShutdown",

@@ -1,17 +1,23 @@
 """`ferry health`, `ferry events`, `ferry gpus --clear`, `ferry run --gpu` and the Preempt RPC
-against an in-process agent whose NVML is replayed from a file (FERRY_NVML_REPLAY)."""
+against an in-process agent whose NVML is replayed from a file (installed with inventory.use_nvml)."""
 
 from __future__ import annotations
 
+import ast
 import json
+import logging
 from pathlib import Path
 
 import grpc
+import pynvml
 import pytest
 from fakes import SLEEP, wait_for
 
 from agent.cli import main as cli
+from agent.gpus import inventory
 from agent.rpc import pb, pb_grpc
+from agent.testing import agent as entry
+from agent.testing.nvml_replay import ReplayNvml
 
 
 @pytest.fixture
@@ -28,14 +34,17 @@ def gpu_agent(make_agent, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
             }
         )
     )
-    monkeypatch.setenv("FERRY_NVML_REPLAY", str(telemetry))
-    svc, address, _ = make_agent("nodea")
-    svc.monitor.poll()
-    monkeypatch.setenv("FERRY_AGENT", address)
-    yield svc, address
-    for rec in svc.registry.list():
-        if rec.state.active:
-            svc.registry.stop(rec.name, 1)
+    previous = inventory.use_nvml(ReplayNvml.from_file(telemetry), f"the replay of {telemetry}")
+    try:
+        svc, address, _ = make_agent("nodea")
+        svc.monitor.poll()
+        monkeypatch.setenv("FERRY_AGENT", address)
+        yield svc, address
+        for rec in svc.registry.list():
+            if rec.state.active:
+                svc.registry.stop(rec.name, 1)
+    finally:
+        inventory.use_nvml(previous)  # the next test's agent reads real NVML again
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -132,13 +141,13 @@ def test_preempt_refusals_are_precise(gpu_agent):
 
 def test_a_gpu_being_taken_by_a_resume_is_not_given_to_anyone_else(gpu_agent, capsys):
     svc, _ = gpu_agent
-    svc.targets.claim("the resume of job scav", lambda taken: ["GPU-a0"])
+    svc.gpus.decide("the resume of job scav", "scav", lambda taken, frozen: (None, ["GPU-a0"]))
     code, _, err = run(capsys, "run", "--name", "j", "--gpu", "GPU-a0", "--", SLEEP, "60")
     assert code == 1 and "GPU GPU-a0 is being taken by the resume of job scav" in err
-    assert svc.targets.promised_gpus() == {"GPU-a0"}
-    svc.targets.release("the resume of job scav")
+    assert svc.gpus.promised() == {"GPU-a0"}
+    svc.gpus.release("the resume of job scav")
     assert run(capsys, "run", "--name", "j", "--gpu", "GPU-a0", "--", SLEEP, "60")[0] == 0
-    assert svc.targets.promised_gpus() == set()  # the job holds it now, not the claim
+    assert svc.gpus.promised() == set()  # the job holds it now, not the claim
 
 
 def test_events_follow_gives_the_last_n_then_each_new_one(gpu_agent):
@@ -155,3 +164,72 @@ def test_events_follow_gives_the_last_n_then_each_new_one(gpu_agent):
         wait_for(lambda: svc.events.followers == 0, what="the agent to end the cancelled follow")
     assert got == ["past 1", "past 2"]
     assert (new.kind, new.message, new.job, new.node) == ("alert", "new one", "j", "nodea")
+
+
+# --- how a test chooses the NVML double ---------------------------------------------------------
+
+
+def test_use_nvml_installs_a_stand_in_for_every_reader_until_put_back(tmp_path: Path, caplog):
+    stand_in = ReplayNvml.from_file(tmp_path / "nvml.json")
+    assert inventory.nvml_module() is pynvml
+    previous = inventory.use_nvml(stand_in, "the replay of nvml.json")
+    try:
+        with caplog.at_level(logging.WARNING, logger="agent.gpus.inventory"):
+            assert inventory.nvml_module() is stand_in
+            assert inventory.Nvml()._nvml() is stand_in  # the inventory and the monitor see one NVML
+        warned = [r.getMessage() for r in caplog.records]
+        assert warned == ["NVML answers from the replay of nvml.json: these are not real GPUs"]  # once
+    finally:
+        assert inventory.use_nvml(previous) is stand_in
+    assert previous is None and inventory.nvml_module() is pynvml
+
+
+def test_the_test_entry_point_replays_nvml_then_runs_the_usual_cli(tmp_path: Path, monkeypatch):
+    telemetry = tmp_path / "nvml.json"
+    telemetry.write_text(
+        json.dumps({"driver_version": "580.65.06", "gpus": [{"uuid": "GPU-r0", "name": "X"}]})
+    )
+    seen: list[tuple[list[str], object]] = []
+
+    def ferry_main(argv: list[str]) -> int:
+        seen.append((argv, inventory.nvml_module()))
+        return 7
+
+    monkeypatch.setattr(entry, "ferry_main", ferry_main)
+    try:
+        assert (
+            entry.main(["--nvml-replay", str(telemetry), "agent", "--listen", "127.0.0.1:0", "--help"]) == 7
+        )
+        ((argv, nv),) = seen
+        assert argv == ["agent", "--listen", "127.0.0.1:0", "--help"]  # the rest is ferry's, as it was
+        assert isinstance(nv, ReplayNvml)
+        inv = inventory.Nvml(nv).inventory()
+        assert inv.available and [g.uuid for g in inv.gpus] == ["GPU-r0"]
+        assert entry.main([f"--nvml-replay={telemetry}", "health"]) == 7 and seen[1][0] == ["health"]
+    finally:
+        inventory.use_nvml(None)
+    assert inventory.nvml_module() is pynvml
+    for bad in ([], ["health"], ["--nvml-replay"], ["--nvml-replay=", "health"]):
+        assert entry.main(bad) == 2
+    assert len(seen) == 2
+
+
+def test_production_code_never_imports_the_test_doubles():
+    root = Path(inventory.__file__).resolve().parents[1]  # agent/
+    offenders = []
+    for path in root.rglob("*.py"):
+        if root / "testing" in path.parents:
+            continue
+        source = path.read_text()
+        assert "FERRY_NVML_REPLAY" not in source, path
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            offenders += [
+                f"{path}: {n}" for n in names if n == "agent.testing" or n.startswith("agent.testing.")
+            ]
+    assert offenders == []

@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
+import time
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,7 @@ from fake_cuda import (
     R,
     fake_cuda_jobs,
 )
-from fakes import FakeCriu, LocalPageCall, is_dead, is_stopped, launched_record, wait_running
+from fakes import FakeCriu, LocalPeer, is_dead, is_stopped, launched_record, wait_running
 
 from agent.cli import main as cli
 from agent.errors import CriuError, MigrationAbortedError, RefusedError
@@ -43,36 +45,6 @@ from agent.migration.target import TargetMigrations
 from agent.rpc import pb
 
 MID = "feedc0de00000001"
-
-
-class LocalPeer:
-    """agent.migration.source.Peer straight onto a TargetMigrations in this process."""
-
-    address = "127.0.0.1:7071"
-
-    def __init__(self, target: TargetMigrations) -> None:
-        self.target = target
-
-    def info(self) -> pb.NodeInfo:
-        return pb.NodeInfo(node_name="nodeb", agent_id="target-agent")
-
-    def prepare(self, req: pb.PrepareRequest) -> pb.Lease:
-        return self.target.prepare(req)
-
-    def stream_pages(self, requests: Iterable[pb.PageData]) -> LocalPageCall:
-        return LocalPageCall(self.target, requests)
-
-    def push(self, chunks: Iterator[pb.ImageChunk]) -> pb.PushImageResponse:
-        return self.target.push(chunks)
-
-    def commit(self, req: pb.CommitRequest) -> pb.CommitResponse:
-        return self.target.commit(req)
-
-    def abort(self, migration_id: str, reason: str) -> None:
-        self.target.abort(migration_id, reason)
-
-    def status(self, migration_id: str) -> int:
-        return self.target.status(migration_id)
 
 
 class TwoNodes:
@@ -293,6 +265,39 @@ def test_a_second_incoming_job_is_not_promised_the_same_gpu(nodes: TwoNodes) -> 
         prepare("aa03")
 
 
+def test_a_hanging_nvml_never_stalls_the_fencing_query(nodes: TwoNodes) -> None:
+    """NVML is read before any lock: while a Prepare waits on it, GetMigration (the source's
+    fencing query) of another migration still answers at once."""
+    need = pb.GpuNeed(uuid="GPU-x", name="NVIDIA H200", memory_bytes=GIB)
+
+    def prepare(mid: str) -> pb.Lease:
+        return nodes.target.prepare(
+            pb.PrepareRequest(migration_id=mid, job=mid, source_node="nodea", estimated_bytes=1, gpus=[need])
+        )
+
+    first = prepare("aa01")
+    nvml = nodes.target.cuda.nvml
+    real, entered, go = nvml.inventory, threading.Event(), threading.Event()
+
+    def hanging() -> object:
+        entered.set()
+        go.wait(30)
+        return real()
+
+    nvml.inventory = hanging  # type: ignore[method-assign]
+    t = threading.Thread(target=prepare, args=("aa02",))
+    t.start()
+    try:
+        assert entered.wait(10)
+        t0 = time.monotonic()
+        assert nodes.target.status("aa01") == pb.TARGET_STATE_PREPARED
+        assert time.monotonic() - t0 < 1.0
+        assert nodes.target.ledger.promised() == {first.gpu_map[0].new_uuid}  # aa02 holds nothing yet
+    finally:
+        go.set()
+        t.join(10)
+
+
 def test_a_target_with_another_driver_version_refuses(nodes: TwoNodes) -> None:
     nodes.dst_world.driver_version = "580.99.01"
     with pytest.raises(RefusedError, match=r"checkpointed under NVIDIA driver 580\.65\.06"):
@@ -387,9 +392,7 @@ def agent_over(tmp_path: Path, cj: object) -> Iterator[str]:
     from agent.service.node import AgentNode
     from agent.service.serve import create_server
 
-    svc = AgentNode(
-        tmp_path / "state", "nodea", tmp_path / "staging", criu=FakeCriu("nodea"), cuda_jobs=cj
-    )
+    svc = AgentNode(tmp_path / "state", "nodea", tmp_path / "staging", criu=FakeCriu("nodea"), cuda_jobs=cj)
     server, port = create_server("127.0.0.1:0", svc, max_workers=4)
     server.start()
     try:

@@ -124,14 +124,29 @@ class Harness:
 
 @pytest.fixture
 def h(tmp_path, registry, fake_criu, sleeper, monkeypatch) -> Harness:
+    """A target that grants the page stream, as every real one does."""
     monkeypatch.delenv("FERRY_FAULTS", raising=False)
     return Harness(tmp_path, registry, fake_criu, sleeper, monkeypatch)
+
+
+@pytest.fixture
+def staged(h: Harness) -> Harness:
+    """A target that grants only the staged push: the memory travels as pages-1.img."""
+    h.peer.page_stream = False
+    return h
+
+
+@pytest.fixture(params=["streamed", "staged"])
+def either(request, h: Harness) -> Harness:
+    h.peer.page_stream = request.param == "streamed"
+    return h
 
 
 # -- success -------------------------------------------------------------------------
 
 
-def test_success_moves_the_job_and_kills_the_frozen_copy(h: Harness) -> None:
+def test_success_moves_the_job_and_kills_the_frozen_copy(either: Harness) -> None:
+    h = either
     m = h.migration()
     result = m.run()
 
@@ -141,7 +156,8 @@ def test_success_moves_the_job_and_kills_the_frozen_copy(h: Harness) -> None:
     assert job.moved_to == h.peer.address
     assert job.moved_to_node == "nodeb"
     # The frozen tree is killed only after commit, and it is this job's tree.
-    assert h.peer.calls == ["info", "prepare", "push", "commit"]
+    streamed = ["stream_pages"] if h.peer.page_stream else []
+    assert h.peer.calls == ["info", "prepare", *streamed, "push", "commit"]
     assert len(h.killed) == 1
     name, pids = h.killed[0]
     assert name == "train" and pids[0] == h.pid
@@ -163,13 +179,20 @@ def test_success_moves_the_job_and_kills_the_frozen_copy(h: Harness) -> None:
     assert h.phases_emitted() == ["prepare", "dump", "transfer", "restore", "done"]
 
 
-def test_success_sends_a_complete_self_describing_image(h: Harness) -> None:
+def test_success_sends_a_complete_self_describing_image(either: Harness) -> None:
+    h = either
     h.migration().run()
 
     m = h.peer.manifest
     assert m is not None
     names = {f.name for f in m.files}
-    assert {"pages-1.img", "pstree.img", STDOUT_LOG, STDERR_LOG} <= names
+    assert {"pstree.img", STDOUT_LOG, STDERR_LOG} <= names
+    if h.peer.page_stream:  # the memory came over the page stream, and the manifest says what came
+        assert "pages-1.img" not in names
+        assert m.page_stream is not None and m.page_stream == h.peer.pages
+        assert m.page_stream.bytes == PAGES_BYTES
+    else:
+        assert "pages-1.img" in names and m.page_stream is None
     assert "criu-dump.log" not in names  # local-only files never travel
     assert MANIFEST in h.peer.received
     assert h.peer.received[STDOUT_LOG] == h.out.read_bytes()
@@ -312,7 +335,9 @@ def test_transfer_failure_aborts_and_resumes(h: Harness) -> None:
     assert "while transferring" in h.job.note
 
 
-def test_image_corrupted_in_transit_is_caught_by_the_digests(h: Harness) -> None:
+def test_image_corrupted_in_transit_is_caught_by_the_digests(staged: Harness) -> None:
+    h = staged
+
     def flip(chunk: pb.ImageChunk) -> pb.ImageChunk:
         if chunk.file == "pages-1.img":
             data = bytearray(chunk.data)

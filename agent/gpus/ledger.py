@@ -1,0 +1,183 @@
+"""The one owner of every claim on this node's GPUs.
+
+A GPU may be unavailable to a job for any of these reasons, and each is recorded here and
+nowhere else:
+
+- **frozen**: a job frozen for a move or a checkpoint keeps its GPU memory (on a restore
+  beside it on the same host, that memory counts as about to be free);
+- **lease**: an incoming migration was promised the GPU, until its restore ends;
+- **claim**: a start on this node (`ferry run --gpu`, `ferry restore`, a preempted job's
+  resume) chose the GPU and holds it until its job record holds it;
+- **preemption hold**: a low-priority job was suspended so that a job moving in gets the
+  GPU, for at most `preempt_hold_s` or until that job has arrived;
+- **quarantine**: the GPU made the agent move a job (agent.gpus.quarantine, on disk);
+- **job**: an active job's record names it (`ferry run --gpu`), read from the registry;
+- **health**: the monitor does not judge it healthy (read, not claimed).
+
+Every decision (`decide`) runs its chooser under the ledger's one lock with every claim in
+view, so two starts never take the same GPU. The chooser gets an inventory its caller read
+before: NVML is never called under this lock (nor under any protocol lock that waits on it).
+Lock order: a caller's protocol lock → this lock → the registry's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+from agent.gpus.quarantine import Quarantine
+
+if TYPE_CHECKING:
+    from agent.health.monitor import GpuHealth
+    from agent.jobs.registry import JobRegistry
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Hold:
+    for_job: str
+    since: float
+    until: float
+
+
+class GpuLedger:
+    def __init__(
+        self,
+        registry: JobRegistry | None = None,
+        quarantine: Quarantine | None = None,
+        health: Callable[[], list[GpuHealth]] = list,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.registry = registry
+        self.quarantine = quarantine
+        self.health = health
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._frozen: dict[tuple[int, ...], dict[str, int]] = {}  # frozen pids → GPU → bytes kept
+        self._claims: dict[str, tuple[str, ...]] = {}  # owner (a lease, a start) → its GPUs
+        self._leases: set[str] = set()  # the owners that are incoming migrations
+        self._holds: dict[str, _Hold] = {}  # GPU → the preemption hold on it
+
+    # -- decisions ------------------------------------------------------------------------
+
+    def decide(
+        self,
+        owner: str,
+        for_job: str,
+        pick: Callable[[dict[str, str], dict[str, int]], tuple[T, Iterable[str]]],
+        *,
+        lease: bool = False,
+    ) -> T:
+        """Choose GPUs and hold them for `owner` in one step. `pick(unavailable, frozen)` gets
+        every GPU `for_job` may not take, with why, and the bytes frozen jobs keep per GPU;
+        it returns its result and the GPUs it chose (or raises: then nothing is held)."""
+        outside = self._outside(for_job)  # health and quarantine: read before the lock
+        with self._lock:
+            taken = {**outside, **self._taken_locked(owner, for_job)}
+            result, gpus = pick(taken, self._frozen_bytes_locked())
+            self._claims[owner] = tuple(gpus)
+            if lease:
+                self._leases.add(owner)
+        return result
+
+    def release(self, owner: str) -> None:
+        """The claim is over: its job holds its GPUs now (or it failed and holds none)."""
+        with self._lock:
+            self._claims.pop(owner, None)
+            self._leases.discard(owner)
+
+    def unavailable(self, for_job: str) -> dict[str, str]:
+        """Every GPU here that `for_job` may not be placed on, each with why (a snapshot)."""
+        outside = self._outside(for_job)
+        with self._lock:
+            return {**outside, **self._taken_locked("", for_job)}
+
+    def promised(self) -> set[str]:
+        """GPUs that leases in flight or starts hold now."""
+        with self._lock:
+            return {u for gpus in self._claims.values() for u in gpus}
+
+    # -- frozen jobs ----------------------------------------------------------------------
+
+    def hold_frozen(self, pids: Iterable[int], gpus: Mapping[str, int]) -> None:
+        with self._lock:
+            self._frozen[tuple(pids)] = dict(gpus)
+
+    def release_frozen(self, pids: Iterable[int]) -> None:
+        with self._lock:
+            self._frozen.pop(tuple(pids), None)
+
+    def frozen_bytes(self) -> dict[str, int]:
+        with self._lock:
+            return self._frozen_bytes_locked()
+
+    # -- preemption holds -------------------------------------------------------------------
+
+    def hold_for(self, gpus: Iterable[str], for_job: str, seconds: float) -> None:
+        """Keep GPUs for `for_job` (moving in) for `seconds` from now; a hold renewed for the
+        same job keeps when it began, which is what its arrival is judged against."""
+        now = self.clock()
+        with self._lock:
+            for u in gpus:
+                old = self._holds.get(u)
+                since = old.since if old is not None and old.for_job == for_job else now
+                self._holds[u] = _Hold(for_job, since, now + seconds)
+
+    def held_for(self) -> dict[str, str]:
+        """GPU → the job a live preemption hold keeps it for; a hold ends when it expires or that
+        job has arrived (a record of it started after the hold began)."""
+        with self._lock:
+            return self._live_holds_locked()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _outside(self, for_job: str) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for g in self.health():
+            if g.state.value != "healthy":
+                out[g.uuid] = f"is {g.state} ({'; '.join(e.detail for e in g.evidence)})"
+        if self.quarantine is not None:
+            for u, e in self.quarantine.all().items():
+                out[u] = f"is quarantined ({e.reason}; `ferry gpus --clear {u}` once fixed)"
+        return out
+
+    def _taken_locked(self, owner: str, for_job: str) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for u, for_other in self._live_holds_locked().items():
+            if for_other != for_job:
+                out[u] = f"is kept for job {for_other} (it suspended a low-priority job to get it)"
+        if self.registry is not None:
+            # GPUs given with `ferry run --gpu` are their job's alone; a GPU that NVML shows other CUDA
+            # jobs on may still be shared where its memory allows (gpus.choose prefers idle ones).
+            for rec in self.registry.list():
+                if rec.state.active and rec.name != for_job:
+                    for u in rec.gpus:
+                        out[u] = f"is held by job {rec.name}"
+        for o, gpus in self._claims.items():
+            if o == owner:
+                continue
+            why = "is promised to another incoming job" if o in self._leases else f"is being taken by {o}"
+            for u in gpus:
+                out.setdefault(u, why)
+        return out
+
+    def _frozen_bytes_locked(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for held in self._frozen.values():
+            for u, n in held.items():
+                out[u] = out.get(u, 0) + n
+        return out
+
+    def _live_holds_locked(self) -> dict[str, str]:
+        now = self.clock()
+        arrived: dict[str, float] = {}
+        if self.registry is not None:
+            arrived = {r.name: r.started_at for r in self.registry.list() if r.state.value != "preempted"}
+        self._holds = {
+            u: h for u, h in self._holds.items() if h.until > now and arrived.get(h.for_job, 0.0) < h.since
+        }
+        return {u: h.for_job for u, h in self._holds.items()}
