@@ -14,6 +14,10 @@ failed restore the driver may refuse every later restore (CUDA_ERROR_OPERATING_
 SYSTEM, 304) and unlock (ILLEGAL_STATE, 401) (cuda-checkpoint issue #44). So an
 undo reports what it tried and what state the driver reports afterwards
 (`UndoReport`), and callers say exactly that instead of "left as it was".
+
+Why one module: it is the whole adapter. Each driver action is one method, and the
+freeze, thaw and the one undo share its mapping of CUresults to errors; split, the
+driver's codes would be read in several places.
 """
 
 from __future__ import annotations

@@ -7,6 +7,11 @@ GPUs, and reports RUNNING; only then the source ends its frozen copy). Any failu
 the target runs the job aborts: the source resumes its frozen copy (agent.migration.rollback).
 Every state change goes through SOURCE_TRANSITIONS (agent.migration.states) and is journaled
 before the step it names acts.
+
+Why one module: `SourceMigration` is one migration's state machine, and the order of
+its steps (each journaled before it acts) is the thing a reader checks; split across
+files, that order would be hidden. What other moves share lives in capture, restore
+and rollback.
 """
 
 from __future__ import annotations

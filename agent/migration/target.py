@@ -5,6 +5,11 @@ node that prepared a migration (by its certificate) may push, commit, abort or
 ask about it. After a restart, `recover()` unwinds whatever was in flight: no
 lease outlives the agent that granted it, and a restore the agent did not see
 finish is killed, so the source may safely resume its frozen copy.
+
+Why one module: `TargetMigrations` is one protocol state machine under one lock;
+every RPC handler checks and changes the same table of migrations in flight, and the
+lock discipline is checked most easily in one place. Recovery after a restart
+(target_recovery) and the staging policy (staging) are outside.
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ import logging
 import os
 import shutil
 import signal
-import stat
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -47,7 +51,9 @@ from agent.migration.capture import default_cuda_jobs
 from agent.migration.journal import TARGET, Journal, MigrationRecord
 from agent.migration.pagestream import LazyTargetRelay, TargetRelay
 from agent.migration.restore import restore_tree, wait_for_output
+from agent.migration.staging import private_dir
 from agent.migration.states import TARGET_TRANSITIONS, TargetState
+from agent.migration.target_recovery import journaled, recover_incoming
 from agent.migration.transfer import Intake
 from agent.rpc import pb
 
@@ -59,8 +65,6 @@ LEASE_S = 600.0
 MAX_INCOMING = 2
 #: Staging must hold the estimate plus this share (page-aligned files, logs, the manifest).
 STAGING_SLACK = 1.2
-#: How long recovery waits for a CRIU restore that outlived its agent.
-CRIU_WAIT_S = 60.0
 
 
 @dataclass
@@ -539,58 +543,14 @@ class TargetMigrations:
 
     # -- housekeeping --------------------------------------------------------------
 
+    def recover(self) -> list[str]:
+        """After a restart (agent.migration.target_recovery); returns what was done."""
+        return recover_incoming(self.journal, self.registry)
+
     def expire(self) -> None:
         """Leases whose source went silent: free their slot and staging (run periodically)."""
         with self._lock:
             self._expire_locked()
-
-    def recover(self) -> list[str]:
-        """After a restart: unwind every migration the last run of this agent left in flight.
-
-        A lease or an image waiting for commit is dropped (its source's stream or
-        commit died with us, and the source resumes its copy on ABORTED). A restore
-        we did not see finish is killed, for the same reason. Returns what was done.
-        """
-        done = []
-        for rec in self.journal.load(TARGET, strict=True):
-            state = _journaled(rec)
-            if not state.in_flight:
-                continue
-            if state in (TargetState.RESTORING, TargetState.POSTCOPY):
-                # Post-copy: the pages still missing went with the daemon; the source has them all.
-                killed = self._kill_unfinished_restore(rec)
-                what = (
-                    f"killed its half-finished restore ({len(killed)} processes)" if killed else "nothing ran"
-                )
-            else:
-                what = f"dropped its {rec.state} image"
-            shutil.rmtree(rec.staging, ignore_errors=True)
-            TARGET_TRANSITIONS.check(state, TargetState.ABORTED, f"{rec.migration_id} (job {rec.job})")
-            rec.state, rec.note = TargetState.ABORTED.value, f"agent restarted while {rec.state}: {what}"
-            self.journal.save(rec)
-            log.warning("migration %s (job %s): %s", rec.migration_id, rec.job, rec.note)
-            done.append(f"{rec.migration_id}: {rec.note}")
-        return done
-
-    def _kill_unfinished_restore(self, rec: MigrationRecord) -> list[int]:
-        if rec.criu_pid and procs.alive(rec.criu_pid, rec.criu_started):
-            log.warning(
-                "migration %s: waiting for its CRIU restore (pid %d) to end", rec.migration_id, rec.criu_pid
-            )
-            procs.end_within(rec.criu_pid, rec.criu_started, CRIU_WAIT_S)
-        victims = restored_processes(self.registry.job_dir(rec.job), rec.pids, rec.updated_at)
-        procs.signal_all(victims, signal.SIGKILL)
-        try:
-            job = self.registry.get(rec.job)
-        except NotFoundError:
-            return victims
-        if job.state.active and job.pid in victims:
-            self.registry.update(
-                rec.job,
-                state=JobState.LOST,
-                note="its restore was cut short by an agent restart; killed here",
-            )
-        return victims
 
     # -- internals -------------------------------------------------------------------
 
@@ -617,7 +577,7 @@ class TargetMigrations:
             rec.max_bytes,
             rec.expires_at,
             peer_name=rec.peer_name,
-            state=_journaled(rec),
+            state=journaled(rec),
         )
 
     def _check_caller(self, inc: Incoming, caller: str) -> None:
@@ -664,66 +624,10 @@ class TargetMigrations:
                 self._drop(inc, "lease expired")
 
 
-def private_dir(path: Path, node: str) -> Path:
-    """The staging root: created 0700 if missing, else it must be a real directory of ours that
-    no one else can write, and so must every directory above it unless sticky (like /dev/shm):
-    otherwise another user could swap in files or links where images land."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(path)
-    me = os.geteuid()
-    problem = ""
-    if not stat.S_ISDIR(st.st_mode):
-        problem = "is not a directory (a symlink?)"
-    elif st.st_uid != me:
-        problem = f"belongs to uid {st.st_uid}, not to this agent (uid {me})"
-    elif st.st_mode & 0o022:
-        problem = f"is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
-    for parent in path.absolute().parents:
-        if problem:
-            break
-        pst = os.stat(parent)
-        if pst.st_uid not in (0, me):
-            problem = f"lies in {parent}, which belongs to uid {pst.st_uid}"
-        elif pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX:
-            problem = f"lies in {parent}, which others can write (mode {stat.S_IMODE(pst.st_mode):o})"
-    if problem:
-        raise RefusedError(
-            f"staging directory {path} {problem}",
-            step="staging",
-            node=node,
-            hint="remove it, or point --staging-dir at a directory only root can write",
-        )
-    return path
-
-
-def restored_processes(job_dir: Path, adopted_pids: list[int], since: float) -> list[int]:
-    """A restore's processes, found without CRIU's answer: a launched job's hold its log here
-    open (no other process does: the job directory is this agent's); an adopted job's are its
-    own PIDs, created after the restore began."""
-    found = set(procs.holders([job_dir / "stdout.log", job_dir / "stderr.log"]))
-    for p in psutil.process_iter(["pid", "create_time"]):
-        if p.info["pid"] in adopted_pids and p.info["create_time"] >= since - 1:
-            found.add(p.info["pid"])
-    return sorted(found)
-
-
 def _safe_id(mid: str) -> str:
     if not mid or not mid.isascii() or not mid.replace("-", "").isalnum() or len(mid) > 64:
         raise InvalidArgumentError(f"invalid migration id {mid!r}: 1-64 letters, digits and '-'")
     return mid
-
-
-def _journaled(rec: MigrationRecord) -> TargetState:
-    """A target record's state. One this agent cannot read is refused, not guessed: it may be
-    a restore that must be killed (Journal.load reports such files)."""
-    try:
-        return TargetState(rec.state)
-    except ValueError as e:
-        raise FerryError(
-            f"migration record {rec.migration_id} has the unknown target state {rec.state!r}",
-            step="journal",
-            hint="settle it by hand: see docs/architecture.md, recovery",
-        ) from e
 
 
 def _lease(mid: str) -> str:

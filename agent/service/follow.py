@@ -4,6 +4,7 @@ A gRPC sync server runs each call on a thread of its one pool until the call end
 follower holds a thread for as long as someone watches. The pool is sized as the control
 calls' threads plus FOLLOW_SLOTS, and a follower must hold a slot: however many watch, the
 control calls (Commit, GetMigration, the source's fencing query) keep their threads.
+(`health --watch` follows the Events stream, so it is a follower too.)
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class FollowSlots:
                 f"{self.slots} follow streams are open on this agent already; {what} is refused",
                 step="follow",
                 node=node,
-                hint="close a `logs -f`, `events -f` or `health --watch`, or ask without following",
+                hint="close a `ferry logs -f`, `events -f` or `health --watch`, or ask without following",
             )
         try:
             yield

@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from agent import __version__, client, tls
 from agent.agent_config import AgentConfig
 from agent.errors import InvalidArgumentError
-from agent.migration.target import private_dir
+from agent.migration.staging import private_dir
 from agent.rpc import pb, pb_grpc
 from agent.service.follow import CONTROL_WORKERS, FOLLOW_SLOTS, FollowSlots
 from agent.service.node import AgentNode

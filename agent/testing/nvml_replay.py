@@ -31,6 +31,9 @@ World format (per-GPU keys other than uuid and name are optional)::
 Events: XIDs already in the list when a handle registers are delivered too (a
 replay file may start with a GPU that has already failed); ECC events fire on
 an increase of the count after registration.
+
+Why one module: it answers every pynvml call ferry makes, in one place, so that its
+signatures can be held against pynvml's (tests/unit/test_health.py).
 """
 
 from __future__ import annotations

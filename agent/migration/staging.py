@@ -1,0 +1,41 @@
+"""The staging root: where incoming images land, so it must be this agent's alone."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from agent.errors import RefusedError
+
+
+def private_dir(path: Path, node: str) -> Path:
+    """The staging root: created 0700 if missing, else it must be a real directory of ours that
+    no one else can write, and so must every directory above it unless sticky (like /dev/shm):
+    otherwise another user could swap in files or links where images land."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    me = os.geteuid()
+    problem = ""
+    if not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory (a symlink?)"
+    elif st.st_uid != me:
+        problem = f"belongs to uid {st.st_uid}, not to this agent (uid {me})"
+    elif st.st_mode & 0o022:
+        problem = f"is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    for parent in path.absolute().parents:
+        if problem:
+            break
+        pst = os.stat(parent)
+        if pst.st_uid not in (0, me):
+            problem = f"lies in {parent}, which belongs to uid {pst.st_uid}"
+        elif pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX:
+            problem = f"lies in {parent}, which others can write (mode {stat.S_IMODE(pst.st_mode):o})"
+    if problem:
+        raise RefusedError(
+            f"staging directory {path} {problem}",
+            step="staging",
+            node=node,
+            hint="remove it, or point --staging-dir at a directory only root can write",
+        )
+    return path

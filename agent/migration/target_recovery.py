@@ -1,0 +1,98 @@
+"""A target's recovery after a restart: unwind every incoming migration the last run left in flight.
+
+A lease or an image waiting for commit is dropped (its source's stream or commit died with
+the agent, and the source resumes its copy on ABORTED). A restore the agent did not see
+finish is killed, for the same reason: no copy runs that its node has not recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+from pathlib import Path
+
+import psutil
+
+from agent.errors import FerryError, NotFoundError
+from agent.jobs import procs
+from agent.jobs.registry import JobRegistry, JobState
+from agent.migration.journal import TARGET, Journal, MigrationRecord
+from agent.migration.states import TARGET_TRANSITIONS, TargetState
+
+log = logging.getLogger(__name__)
+
+#: How long recovery waits for a CRIU restore that outlived its agent.
+CRIU_WAIT_S = 60.0
+
+
+def recover_incoming(journal: Journal, registry: JobRegistry) -> list[str]:
+    """After a restart: unwind every migration the last run of this agent left in flight.
+
+    A lease or an image waiting for commit is dropped (its source's stream or
+    commit died with us, and the source resumes its copy on ABORTED). A restore
+    we did not see finish is killed, for the same reason. Returns what was done.
+    """
+    done = []
+    for rec in journal.load(TARGET, strict=True):
+        state = journaled(rec)
+        if not state.in_flight:
+            continue
+        if state in (TargetState.RESTORING, TargetState.POSTCOPY):
+            # Post-copy: the pages still missing went with the daemon; the source has them all.
+            killed = _kill_unfinished_restore(registry, rec)
+            what = f"killed its half-finished restore ({len(killed)} processes)" if killed else "nothing ran"
+        else:
+            what = f"dropped its {rec.state} image"
+        shutil.rmtree(rec.staging, ignore_errors=True)
+        TARGET_TRANSITIONS.check(state, TargetState.ABORTED, f"{rec.migration_id} (job {rec.job})")
+        rec.state, rec.note = TargetState.ABORTED.value, f"agent restarted while {rec.state}: {what}"
+        journal.save(rec)
+        log.warning("migration %s (job %s): %s", rec.migration_id, rec.job, rec.note)
+        done.append(f"{rec.migration_id}: {rec.note}")
+    return done
+
+
+def _kill_unfinished_restore(registry: JobRegistry, rec: MigrationRecord) -> list[int]:
+    if rec.criu_pid and procs.alive(rec.criu_pid, rec.criu_started):
+        log.warning(
+            "migration %s: waiting for its CRIU restore (pid %d) to end", rec.migration_id, rec.criu_pid
+        )
+        procs.end_within(rec.criu_pid, rec.criu_started, CRIU_WAIT_S)
+    victims = restored_processes(registry.job_dir(rec.job), rec.pids, rec.updated_at)
+    procs.signal_all(victims, signal.SIGKILL)
+    try:
+        job = registry.get(rec.job)
+    except NotFoundError:
+        return victims
+    if job.state.active and job.pid in victims:
+        registry.update(
+            rec.job,
+            state=JobState.LOST,
+            note="its restore was cut short by an agent restart; killed here",
+        )
+    return victims
+
+
+def restored_processes(job_dir: Path, adopted_pids: list[int], since: float) -> list[int]:
+    """A restore's processes, found without CRIU's answer: a launched job's hold its log here
+    open (no other process does: the job directory is this agent's); an adopted job's are its
+    own PIDs, created after the restore began."""
+    found = set(procs.holders([job_dir / "stdout.log", job_dir / "stderr.log"]))
+    for p in psutil.process_iter(["pid", "create_time"]):
+        if p.info["pid"] in adopted_pids and p.info["create_time"] >= since - 1:
+            found.add(p.info["pid"])
+    return sorted(found)
+
+
+def journaled(rec: MigrationRecord) -> TargetState:
+    """A target record's state. One this agent cannot read is refused, not guessed: it may be
+    a restore that must be killed (Journal.load reports such files)."""
+    try:
+        return TargetState(rec.state)
+    except ValueError as e:
+        raise FerryError(
+            f"migration record {rec.migration_id} has the unknown target state {rec.state!r}",
+            step="journal",
+            hint="settle it by hand: see docs/architecture.md, recovery",
+        ) from e
