@@ -1,6 +1,6 @@
 """State machines written down: a table of allowed transitions that every change goes through.
 
-ferry's machines (agent.migration.states for both sides of a migration, agent.jobs.registry
+ferry's machines (agent.migration.states for both sides of a migration, agent.jobs.record
 for a job) are each one `str` Enum, its transitions in its docstring and in a Transitions
 table. A change not in the table raises IllegalTransitionError: a bug, never a user's mistake.
 """

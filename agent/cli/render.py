@@ -1,4 +1,5 @@
-"""Text renderings for the CLI: tables, migration summaries, a live progress line."""
+"""Text renderings for the CLI: tables, migration summaries, a live progress line, and the words
+users see for the API's enums (the same words as the agent's own values, which --json keeps)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,60 @@ import sys
 import time
 from typing import Any, TextIO
 
+from agent.errors import InvalidArgumentError
 from agent.rpc import pb
 
 _STATE = {v: k.removeprefix("JOB_STATE_").lower() for k, v in pb.JobState.items()}
 _PHASE = {v: k.removeprefix("PHASE_").lower() for k, v in pb.Phase.items()}
+
+
+def _words(enum: Any, prefix: str) -> dict[int, str]:
+    """Each value's word: its name without the prefix, lower case (PRIORITY_LOW: low)."""
+    return {v: k.removeprefix(prefix).lower() for k, v in enum.items() if v}
+
+
+PRIORITY_WORDS = _words(pb.Priority, "PRIORITY_")
+DEGRADED_POLICY_WORDS = _words(pb.OnDegraded, "ON_DEGRADED_")
+HEALTH_WORDS = _words(pb.HealthState, "HEALTH_STATE_")
+EVENT_KIND_WORDS = _words(pb.EventKind, "EVENT_KIND_")
+
+
+def _word(words: dict[int, str], number: int) -> str:
+    # Unspecified is "" (nothing said, as the empty word was); a number from a newer agent is "?".
+    return words.get(number, "?") if number else ""
+
+
+def priority_word(n: int) -> str:
+    return _word(PRIORITY_WORDS, n)
+
+
+def degraded_policy_word(n: int) -> str:
+    return _word(DEGRADED_POLICY_WORDS, n)
+
+
+def health_word(n: int) -> str:
+    return _word(HEALTH_WORDS, n)
+
+
+def event_kind_word(n: int) -> str:
+    return _word(EVENT_KIND_WORDS, n)
+
+
+def _number(words: dict[int, str], what: str, word: str) -> int:
+    for n, w in words.items():
+        if w == word:
+            return n
+    raise InvalidArgumentError(f"unknown {what} {word!r}: expected {' or '.join(words.values())}")
+
+
+def priority_pb(word: str) -> int:
+    """`--priority normal|low` as the request's enum."""
+    return _number(PRIORITY_WORDS, "priority", word)
+
+
+def degraded_policy_pb(word: str) -> int:
+    """`--on-degraded migrate|alert` as the request's enum."""
+    return _number(DEGRADED_POLICY_WORDS, "on-degraded policy", word)
 
 
 def human_bytes(n: float) -> str:
@@ -72,8 +123,8 @@ def job_dict(job: pb.Job) -> dict[str, Any]:
         "node": job.node_name,
         "note": job.note,
         "migrations": job.migrations,
-        "priority": job.priority,
-        "on_degraded": job.on_degraded,
+        "priority": priority_word(job.priority_class),
+        "on_degraded": degraded_policy_word(job.degraded_policy),
         "gpus": list(job.gpus),
         "address": job.address,
     }
@@ -215,11 +266,16 @@ def health_dict(r: pb.HealthReport) -> dict[str, Any]:
                 "index": g.index,
                 "uuid": g.uuid,
                 "name": g.name,
-                "state": g.state,
+                "state": health_word(g.health_state),
                 "since": g.since,
                 "sampled_at": g.sampled_at,
                 "evidence": [
-                    {"signal": e.signal, "severity": e.severity, "detail": e.detail, "since": e.since}
+                    {
+                        "signal": e.signal,
+                        "severity": health_word(e.severity_level),
+                        "detail": e.detail,
+                        "since": e.since,
+                    }
                     for e in g.evidence
                 ],
                 "readings": dict(sorted(g.readings.items())),
@@ -230,7 +286,8 @@ def health_dict(r: pb.HealthReport) -> dict[str, Any]:
                 "memory_total": g.memory_total,
                 "memory_free": g.memory_free,
                 "jobs": [
-                    {"name": h.job, "priority": h.priority, "used_bytes": h.used_bytes} for h in g.holders
+                    {"name": h.job, "priority": priority_word(h.priority_class), "used_bytes": h.used_bytes}
+                    for h in g.holders
                 ],
             }
             for g in r.gpus
@@ -247,7 +304,8 @@ def health_text(r: pb.HealthReport) -> str:
     rows, why = [], []
     for g in r.gpus:
         temp = g.readings.get("temperature_c")
-        state = g.state.upper() if g.state != "healthy" else g.state
+        word = health_word(g.health_state)
+        state = word.upper() if g.health_state != pb.HEALTH_STATE_HEALTHY else word
         rows.append(
             [
                 str(g.index),
@@ -255,10 +313,16 @@ def health_text(r: pb.HealthReport) -> str:
                 g.name,
                 state + (" (quarantined)" if g.quarantined else ""),
                 f"{temp:.0f} C" if temp is not None else "-",
-                ", ".join(f"{h.job}" + (" (low)" if h.priority == "low" else "") for h in g.holders) or "-",
+                ", ".join(
+                    h.job + (" (low)" if h.priority_class == pb.PRIORITY_LOW else "") for h in g.holders
+                )
+                or "-",
             ]
         )
-        why += [f"  {g.uuid}: {e.severity}: {e.detail} (since {_clock(e.since)})" for e in g.evidence]
+        why += [
+            f"  {g.uuid}: {health_word(e.severity_level)}: {e.detail} (since {_clock(e.since)})"
+            for e in g.evidence
+        ]
         if g.quarantined:
             why.append(
                 f"  {g.uuid}: quarantined since {_clock(g.quarantined_at)}: {g.quarantine_reason}; "
@@ -271,11 +335,12 @@ def health_text(r: pb.HealthReport) -> str:
 
 
 def event_dict(e: pb.Event) -> dict[str, Any]:
-    return {"time": e.time, "kind": e.kind, "node": e.node, "gpu": e.gpu, "job": e.job, "message": e.message}
+    kind = event_kind_word(e.event_kind)
+    return {"time": e.time, "kind": kind, "node": e.node, "gpu": e.gpu, "job": e.job, "message": e.message}
 
 
 def event_line(e: pb.Event) -> str:
-    return f"{_clock(e.time, date=True)}  {e.node:<10} {e.kind:<10} {e.message}"
+    return f"{_clock(e.time, date=True)}  {e.node:<10} {event_kind_word(e.event_kind):<10} {e.message}"
 
 
 def _clock(t: float, date: bool = False) -> str:

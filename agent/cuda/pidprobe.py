@@ -128,7 +128,10 @@ def _ready_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
     line = proc.stdout.readline().strip()
     if line:
         return line
-    proc.wait(5)
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        return "it closed its output without an answer and did not exit within 5 s"
     err = proc.stderr.read().strip().splitlines()
     return f"it exited {proc.returncode}: {err[-1] if err else 'no message'}"
 

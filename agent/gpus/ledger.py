@@ -17,7 +17,8 @@ nowhere else:
 Every decision (`decide`) runs its chooser under the ledger's one lock with every claim in
 view, so two starts never take the same GPU. The chooser gets an inventory its caller read
 before: NVML is never called under this lock (nor under any protocol lock that waits on it).
-Lock order: a caller's protocol lock → this lock → the registry's.
+Lock order: a caller's protocol lock → this lock → the registry's and the quarantine's (leaf
+locks). The health verdicts are read just before the lock: a snapshot, not a claim.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from agent.gpus.quarantine import Quarantine
+from agent.gpus.quarantine import Entry, Quarantine
 
 if TYPE_CHECKING:
     from agent.health.monitor import GpuHealth
@@ -75,9 +76,9 @@ class GpuLedger:
         """Choose GPUs and hold them for `owner` in one step. `pick(unavailable, frozen)` gets
         every GPU `for_job` may not take, with why, and the bytes frozen jobs keep per GPU;
         it returns its result and the GPUs it chose (or raises: then nothing is held)."""
-        outside = self._outside(for_job)  # health and quarantine: read before the lock
+        health = self.health()  # the monitor's last verdicts (a snapshot: no NVML call)
         with self._lock:
-            taken = {**outside, **self._taken_locked(owner, for_job)}
+            taken = {**self._not_fit(health), **self._taken_locked(owner, for_job)}
             result, gpus = pick(taken, self._frozen_bytes_locked())
             self._claims[owner] = tuple(gpus)
             if lease:
@@ -92,9 +93,9 @@ class GpuLedger:
 
     def unavailable(self, for_job: str) -> dict[str, str]:
         """Every GPU here that `for_job` may not be placed on, each with why (a snapshot)."""
-        outside = self._outside(for_job)
+        health = self.health()
         with self._lock:
-            return {**outside, **self._taken_locked("", for_job)}
+            return {**self._not_fit(health), **self._taken_locked("", for_job)}
 
     def promised(self) -> set[str]:
         """GPUs that leases in flight or starts hold now."""
@@ -114,6 +115,19 @@ class GpuLedger:
     def frozen_bytes(self) -> dict[str, int]:
         with self._lock:
             return self._frozen_bytes_locked()
+
+    # -- quarantine -----------------------------------------------------------------------
+
+    def quarantine_gpu(self, uuid: str, reason: str) -> bool:
+        """Keep jobs off a GPU that made the agent move one; False if it already was (the first
+        reason stays). On disk, so it survives restarts."""
+        assert self.quarantine is not None
+        return self.quarantine.add(uuid, reason)
+
+    def clear_quarantine(self, uuid: str) -> Entry | None:
+        """`ferry gpus --clear`: the GPU may take jobs again; returns what it was quarantined for."""
+        assert self.quarantine is not None
+        return self.quarantine.clear(uuid)
 
     # -- preemption holds -------------------------------------------------------------------
 
@@ -135,9 +149,9 @@ class GpuLedger:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _outside(self, for_job: str) -> dict[str, str]:
+    def _not_fit(self, health: list[GpuHealth]) -> dict[str, str]:
         out: dict[str, str] = {}
-        for g in self.health():
+        for g in health:
             if g.state.value != "healthy":
                 out[g.uuid] = f"is {g.state} ({'; '.join(e.detail for e in g.evidence)})"
         if self.quarantine is not None:

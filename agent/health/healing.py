@@ -35,12 +35,12 @@ from agent.agent_config import AgentConfig, PeerSpec
 from agent.errors import FerryError, NoFreeGpuError, RefusedError
 from agent.gpus.inventory import GpuNeed, Inventory
 from agent.gpus.ledger import GpuLedger
-from agent.gpus.quarantine import Quarantine
 from agent.health.events import EventLog
 from agent.health.monitor import Change, GpuHealth, State
 from agent.health.placement import Placement, choose_target
 from agent.jobs import procs
-from agent.jobs.registry import JobRecord, JobRegistry, JobState, OnDegraded, Priority
+from agent.jobs.record import JobRecord, JobState, OnDegraded, Priority
+from agent.jobs.registry import JobRegistry
 from agent.rpc import pb
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,6 @@ class SelfHealing:
         node: str,
         registry: JobRegistry,
         events: EventLog,
-        quarantine: Quarantine,
         ledger: GpuLedger,
         config: AgentConfig,
         hooks: Hooks,
@@ -104,7 +103,6 @@ class SelfHealing:
         self.node = node
         self.registry = registry
         self.events = events
-        self.quarantine = quarantine
         self.ledger = ledger  # the preemption holds are kept there, with every other GPU claim
         self.config = config
         self.hooks = hooks
@@ -236,7 +234,7 @@ class SelfHealing:
                 "decision", f"target for job {name}: {placement.describe()}", gpu=g.uuid, job=name
             )
             # Quarantined once a move off it is on its way; a GPU nobody could take a job off stays open.
-            if self.quarantine.add(g.uuid, why):
+            if self.ledger.quarantine_gpu(g.uuid, why):
                 self.events.record("quarantine", f"GPU {g.uuid} quarantined: {why}", gpu=g.uuid, job=name)
             peer = self.hooks.peer(placement.peer.address)
             if self.registry.get(name).state is not JobState.RUNNING:

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from agent.agent_config import PeerSpec
 from agent.errors import FerryError, RefusedError
 from agent.gpus.inventory import GpuNeed, gib
-from agent.jobs.registry import Priority
+from agent.health.verdicts import State
+from agent.jobs.record import Priority
 from agent.rpc import pb
+from agent.service.convert import HEALTH_STATES, PRIORITIES
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ def _fit(
                 else:
                     refused.append(f"{g.uuid} has {gib(g.memory_free)} free, {gib(need.memory_bytes)} needed")
                 continue
-            normal = [h.job for h in g.holders if h.priority != Priority.LOW.value]
+            normal = [h.job for h in g.holders if _priority(h) is not Priority.LOW]
             room = g.memory_free + sum(h.used_bytes for h in g.holders)
             if normal or not may_preempt:
                 refused.append(f"{g.uuid} is held by {_jobs(normal or holders)}")
@@ -123,11 +125,23 @@ def _fit(
 def _unusable(g: pb.GpuHealth) -> str:
     if g.quarantined:
         return f"is quarantined ({g.quarantine_reason})"
-    if g.state != "healthy":
-        return f"is {g.state}"
+    try:
+        state = HEALTH_STATES.py(g.health_state)
+    except FerryError as e:  # a peer of another version: not a GPU to move a job onto
+        return f"has a state this agent cannot read ({e.cause})"
+    if state is not State.HEALTHY:
+        return f"is {state}"
     if g.held:
         return "is held for another incoming job"
     return ""
+
+
+def _priority(h: pb.GpuHolder) -> Priority:
+    """A holder's priority as the peer reports it; one this agent cannot read is never preempted."""
+    try:
+        return PRIORITIES.py(h.priority_class)
+    except FerryError:
+        return Priority.NORMAL
 
 
 def _jobs(names: Sequence[str]) -> str:

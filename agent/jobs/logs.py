@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 from agent.errors import InvalidArgumentError, NotFoundError
-from agent.jobs.registry import JobRecord
+from agent.jobs.record import JobRecord
 
 STDOUT, STDERR = "stdout", "stderr"
 CHUNK = 1 << 16

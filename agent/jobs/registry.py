@@ -8,173 +8,39 @@ it survives an agent restart.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import threading
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
 
 from agent import config
-from agent.compat import StrEnum
 from agent.errors import AlreadyExistsError, FerryError, InvalidArgumentError, NotFoundError, RefusedError
 from agent.image import JobSpec
 from agent.jobs import procs
+from agent.jobs.launch import end_unstarted, fd_path, refuse_hidden, tail, tmp_keeps, wait_for_child, which
 from agent.jobs.network import JobNetwork, veth_name
-from agent.statemachine import Transitions
+from agent.jobs.record import (
+    JOB_TRANSITIONS,
+    JobKind,
+    JobRecord,
+    JobState,
+    OnDegraded,
+    Priority,
+    check_job_name,
+)
 
 log = logging.getLogger(__name__)
 
 #: How long ferry-init may take to set up the job's namespaces.
 START_TIMEOUT_S = 10.0
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-class JobState(StrEnum):
-    """One job's record on this node; every change goes through JOB_TRANSITIONS.
-
-    RUNNING → MIGRATING (a move or a checkpoint began: single flight) → RUNNING (aborted,
-    refused, or saved and left running) | MOVED (the target runs it) | CHECKPOINTED (saved,
-    ended here) | EXITED (it ended during an aborted move) | LOST (a settlement found it gone).
-    RUNNING → EXITED (it ended) | STOPPED (`ferry stop`) | LOST (its process vanished while
-    the agent was down, or its restore here was cut short / its post-copy failed).
-    MIGRATING → LOST: the agent restarted and the process was gone.
-    CHECKPOINTED → PREEMPTED: the checkpoint was a preemption's suspend; PREEMPTED →
-    STOPPED (`ferry stop` discards it, keeping the image). A preempted job comes back as a
-    new RUNNING record that replaces this one (as does any restore of a final job's name).
-
-    Every state but RUNNING, MIGRATING and PREEMPTED is final for this node; a final job's
-    name may be reused.
-    """
-
-    RUNNING = "running"
-    MIGRATING = "migrating"
-    EXITED = "exited"
-    STOPPED = "stopped"
-    MOVED = "moved"
-    CHECKPOINTED = "checkpointed"
-    LOST = "lost"
-    PREEMPTED = "preempted"
-
-    @property
-    def active(self) -> bool:
-        """A process of the job exists on this node."""
-        return self in (JobState.RUNNING, JobState.MIGRATING)
-
-    @property
-    def holds_name(self) -> bool:
-        return self.active or self is JobState.PREEMPTED
-
-
-_J = JobState
-JOB_TRANSITIONS: Transitions[JobState] = Transitions(
-    "job",
-    {
-        _J.RUNNING: frozenset({_J.MIGRATING, _J.EXITED, _J.STOPPED, _J.LOST}),
-        _J.MIGRATING: frozenset({_J.RUNNING, _J.MOVED, _J.CHECKPOINTED, _J.EXITED, _J.LOST}),
-        _J.CHECKPOINTED: frozenset({_J.PREEMPTED}),
-        _J.PREEMPTED: frozenset({_J.STOPPED}),
-        _J.EXITED: frozenset(),
-        _J.STOPPED: frozenset(),
-        _J.MOVED: frozenset(),
-        _J.LOST: frozenset(),
-    },
-)
-
-
-class Priority(StrEnum):
-    NORMAL = "normal"
-    LOW = "low"  # preemptible: suspended to storage when a normal job needs its GPU
-
-
-class OnDegraded(StrEnum):
-    MIGRATE = "migrate"  # move the job off a degrading GPU by itself
-    ALERT = "alert"  # only record it (`ferry events`) and leave the job where it is
-
-
-class JobKind(StrEnum):
-    LAUNCHED = "launched"
-    ADOPTED = "adopted"
-
-
-@dataclass
-class JobRecord:
-    name: str
-    kind: JobKind
-    state: JobState
-    pid: int
-    command: list[str]
-    cwd: str
-    env: list[str] = field(default_factory=list)
-    stdout_path: str = ""
-    stderr_path: str = ""
-    started_at: float = field(default_factory=time.time)
-    updated_at: float = field(default_factory=time.time)
-    pid_started: float = 0.0  # create time of pid, to tell it from a reused PID
-    exit_code: int | None = None
-    moved_to: str = ""
-    moved_to_node: str = ""
-    migration_id: str = ""
-    checkpoint_dir: str = ""
-    note: str = ""
-    migrations: int = 0
-    priority: str = Priority.NORMAL.value
-    on_degraded: str = OnDegraded.MIGRATE.value
-    gpus: list[str] = field(default_factory=list)  # given by `ferry run --gpu`: UUIDs on this node
-    gpu_chip: str = ""  # their chip, which a target must match
-    #: Launched into namespaces of its own (mount, and network with an address): see ferry-init.
-    private: bool = False
-    address: str = ""  # the job's address on the job network ("" without one)
-    veth: str = ""  # the node's end of the job's link, on this node
-
-    def spec(self) -> JobSpec:
-        return JobSpec(
-            name=self.name,
-            kind=self.kind.value,
-            command=list(self.command),
-            cwd=self.cwd,
-            env=list(self.env),
-            stdout_path=self.stdout_path,
-            stderr_path=self.stderr_path,
-            pid=self.pid,
-            migrations=self.migrations,
-            priority=self.priority,
-            on_degraded=self.on_degraded,
-            gpus=list(self.gpus),
-            gpu_chip=self.gpu_chip,
-            private=self.private,
-            address=self.address,
-        )
-
-    def to_json(self) -> str:
-        d = asdict(self)
-        d["kind"], d["state"] = self.kind.value, self.state.value
-        return json.dumps(d, indent=2)
-
-    @classmethod
-    def from_json(cls, raw: str) -> JobRecord:
-        d = json.loads(raw)
-        d["kind"], d["state"] = JobKind(d["kind"]), JobState(d["state"])
-        return cls(**d)
-
-
-def check_job_name(name: str) -> str:
-    if not _NAME.match(name or ""):
-        raise InvalidArgumentError(
-            f"invalid job name {name!r}: use 1-63 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
-        )
-    return name
 
 
 class JobRegistry:
@@ -291,7 +157,7 @@ class JobRegistry:
         if gpus:
             job_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         init = self._init_binary or config.init_binary()
-        _refuse_hidden(cwd, "working directory", self.node)
+        refuse_hidden(cwd, "working directory", self.node)
         with self._lock:
             self.reserve_name(name)
             d = self.job_dir(name)
@@ -300,7 +166,7 @@ class JobRegistry:
             out_path.write_bytes(b"")
             err_path.write_bytes(b"")
             ours, theirs = socket.socketpair()
-            keep = tmp_keeps([cwd, init, _which(command[0], job_env), *command[1:]])
+            keep = tmp_keeps([cwd, init, which(command[0], job_env), *command[1:]])
             args = [init, "--private", *(["--netns"] if self.network else [])]
             args += [a for k in keep for a in ("--keep", k)]
             args += ["--logs", str(d)]
@@ -362,11 +228,11 @@ class JobRegistry:
             said = sync.makefile("r").readline().strip()
         except OSError:
             said = ""
-        pid1 = _wait_for_child(outer) if said.startswith("ready") else None
+        pid1 = wait_for_child(outer) if said.startswith("ready") else None
         if pid1 is None:
-            _end(outer)
+            end_unstarted(outer)
             raise RefusedError(
-                f"job {name!r} failed to start (exit {outer.returncode}): {_tail(err_path)}",
+                f"job {name!r} failed to start (exit {outer.returncode}): {tail(err_path)}",
                 step="run",
                 node=self.node,
             )
@@ -378,10 +244,10 @@ class JobRegistry:
                 self.network.plumb(pid1, veth, address)
             sync.sendall(b"go\n")
         except FerryError as e:
-            _end(outer)
+            end_unstarted(outer)
             raise e.at(step="run", node=self.node) from None
         except OSError as e:
-            _end(outer)
+            end_unstarted(outer)
             raise RefusedError(f"job {name!r} could not be released: {e}", step="run", node=self.node) from e
         return pid1, address, veth
 
@@ -417,8 +283,8 @@ class JobRegistry:
                 pid_started=proc.create_time(),
                 command=cmdline,
                 cwd=cwd,
-                stdout_path=_fd_path(pid, 1),
-                stderr_path=_fd_path(pid, 2),
+                stdout_path=fd_path(pid, 1),
+                stderr_path=fd_path(pid, 2),
             )
             self.save(rec)
         log.info("job %s: adopted pid %d", name, pid)
@@ -550,79 +416,3 @@ class JobRegistry:
                     rec.note = f"exited with status {code}"
                 log.info("job %s: exited (%s)", name, code)
             self.save(rec)
-
-
-def _wait_for_child(outer: subprocess.Popen[bytes], timeout_s: float = 5.0) -> int | None:
-    """PID 1 of the new namespace is ferry-init's only child."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            kids = psutil.Process(outer.pid).children()
-        except psutil.NoSuchProcess:
-            return None
-        if kids:
-            return kids[0].pid
-        if outer.poll() is not None:
-            return None
-        time.sleep(0.005)
-    return None
-
-
-def _end(outer: subprocess.Popen[bytes]) -> None:
-    """A job that never ran: its init and everything under it."""
-    for pid in reversed(procs.tree_pids(outer.pid)):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        outer.wait(10)
-
-
-#: Where a private job sees its log directory: an external mount for CRIU, which each node binds
-#: to its own copy of the job's logs (ferry-init --logs).
-LOG_MOUNT = "/run/ferry-job"
-LOG_MOUNT_KEY = "ferry-job"
-
-
-def tmp_keeps(paths: list[str]) -> list[str]:
-    """The top directories under /tmp that these paths need (symlink and target alike): ferry-init
-    binds them into the job's fresh /tmp, so code, cwd and logs there stay visible."""
-    keep: set[str] = set()
-    for p in paths:
-        if not p or not p.startswith("/"):
-            continue
-        for path in {os.path.abspath(p), os.path.realpath(p)}:
-            parts = Path(path).parts
-            if len(parts) > 2 and parts[1] == "tmp" and os.path.exists(path):
-                keep.add(f"/tmp/{parts[2]}")
-    return sorted(keep)
-
-
-def _refuse_hidden(path: str, what: str, node: str) -> None:
-    real = os.path.realpath(path)
-    for fresh in procs.FRESH[1:]:  # /tmp keeps what the job needs (tmp_keeps)
-        if real == fresh or real.startswith(fresh + "/"):
-            raise InvalidArgumentError(
-                f"the job's {what} {path} lies under {fresh}, which every job gets fresh",
-                node=node,
-                hint="use a directory on the node's disk or on shared storage",
-            )
-
-
-def _which(cmd: str, env: dict[str, str]) -> str:
-    return cmd if "/" in cmd else (shutil.which(cmd, path=env.get("PATH")) or "")
-
-
-def _fd_path(pid: int, fd: int) -> str:
-    try:
-        target = os.readlink(f"/proc/{pid}/fd/{fd}")
-    except OSError:
-        return ""
-    return target if target.startswith("/") and os.path.isfile(target) else ""
-
-
-def _tail(path: Path, limit: int = 300) -> str:
-    try:
-        text = path.read_text(errors="replace").strip()
-    except OSError:
-        return "no output"
-    return text[-limit:].replace("\n", " | ") or "no output"

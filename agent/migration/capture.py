@@ -18,7 +18,7 @@ from agent.gpus.inventory import Nvml, gib
 from agent.image import STDERR_LOG, STDOUT_LOG
 from agent.jobs import procs
 from agent.jobs.network import LinkLock
-from agent.jobs.registry import LOG_MOUNT, LOG_MOUNT_KEY, JobKind, JobRecord
+from agent.jobs.record import LOG_MOUNT, LOG_MOUNT_KEY, JobKind, JobRecord
 
 
 class Phases:

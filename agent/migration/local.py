@@ -18,7 +18,8 @@ from agent.gpus.inventory import GpuNeed
 from agent.image import JobSpec, Manifest, build_manifest, read_manifest, verify
 from agent.jobs import procs
 from agent.jobs.network import LinkLock
-from agent.jobs.registry import JobRecord, JobRegistry, JobState
+from agent.jobs.record import JobRecord, JobState
+from agent.jobs.registry import JobRegistry
 from agent.migration import rollback
 from agent.migration.capture import (
     Phases,

@@ -25,11 +25,13 @@ import shutil
 import threading
 from collections.abc import Callable
 
+from agent.compat import StrEnum
 from agent.cuda import driver as cuda
 from agent.errors import FerryError, InvalidArgumentError, NotFoundError, RefusedError
 from agent.jobs import procs
 from agent.jobs.network import LinkLock
-from agent.jobs.registry import JobRegistry, JobState
+from agent.jobs.record import JobState
+from agent.jobs.registry import JobRegistry
 from agent.migration import rollback
 from agent.migration.journal import SOURCE, Journal, MigrationRecord
 from agent.migration.model import Peer, unresolved_note
@@ -41,6 +43,14 @@ log = logging.getLogger(__name__)
 CRIU_WAIT_S = 120.0
 _NOT_SENT = {s.value for s in NOT_SENT}
 _MAYBE_SENT = {s.value for s in MAYBE_SENT}
+
+
+class Resolution(StrEnum):
+    """How `ferry resolve` settles an unresolved migration."""
+
+    ASK = "ask"  # ask the target again and act only on a definite answer
+    RESUME = "resume"  # the operator's word: the target does not run the job
+    FINISH = "finish"  # the operator's word: the target runs it
 
 
 class SourceRecovery:
@@ -81,7 +91,7 @@ class SourceRecovery:
                 with contextlib.suppress(FerryError):
                     self.settle(rec)
 
-    def resolve(self, job: str, action: str) -> str:
+    def resolve(self, job: str, action: Resolution) -> str:
         """`ferry resolve JOB [--resume|--finish]`: ask the target, or take the operator's word."""
         rec = next((r for r in self.open_records() if r.job == job), None)
         if rec is None:
@@ -93,15 +103,15 @@ class SourceRecovery:
                 node=self.node,
                 hint="wait for it; only an unresolved migration can be settled by hand",
             )
-        if action not in ("", "resume", "finish"):
-            raise InvalidArgumentError(f"unknown resolve action {action!r}: expected resume or finish")
-        if not action:
+        if action not in set(Resolution):  # a caller inside the agent passing a plain word
+            raise InvalidArgumentError(f"unknown resolve action {action!r}: expected ask, resume or finish")
+        if action == Resolution.ASK:
             return self.settle(rec)
         with self._lock:
             current = self.journal.get(SOURCE, rec.migration_id)
             if current is None or current.state != MigrationState.UNRESOLVED.value:
                 return "already settled meanwhile"
-            if action == "resume":
+            if action == Resolution.RESUME:
                 return self._resume(
                     current, "the operator said the target does not run it (`ferry resolve --resume`)"
                 )

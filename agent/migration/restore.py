@@ -17,7 +17,8 @@ from agent.cuda.jobs import CudaJobs, restore_plan
 from agent.image import STDERR_LOG, STDOUT_LOG, JobSpec, Manifest
 from agent.jobs import procs
 from agent.jobs.network import carrying, veth_name
-from agent.jobs.registry import LOG_MOUNT_KEY, JobKind, JobRecord, JobRegistry
+from agent.jobs.record import LOG_MOUNT_KEY, JobKind, JobRecord
+from agent.jobs.registry import JobRegistry
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ from agent.cuda import driver as cuda
 from agent.errors import FerryError
 from agent.jobs import procs
 from agent.jobs.network import LinkLock
-from agent.jobs.registry import JobRecord, JobRegistry, JobState
+from agent.jobs.record import JobRecord, JobState
+from agent.jobs.registry import JobRegistry
 from agent.migration.states import CudaLeft
 
 log = logging.getLogger(__name__)

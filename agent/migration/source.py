@@ -51,7 +51,8 @@ from agent.image import (
 )
 from agent.jobs import procs
 from agent.jobs.network import LinkLock
-from agent.jobs.registry import JobKind, JobRecord, JobRegistry, JobState
+from agent.jobs.record import JobKind, JobRecord, JobState
+from agent.jobs.registry import JobRegistry
 from agent.migration import rollback
 from agent.migration.capture import (
     Phases,

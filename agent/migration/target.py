@@ -46,7 +46,8 @@ from agent.gpus.ledger import GpuLedger
 from agent.image import Manifest, StreamDigest
 from agent.jobs import procs
 from agent.jobs.network import carrying
-from agent.jobs.registry import JobRegistry, JobState
+from agent.jobs.record import JobState
+from agent.jobs.registry import JobRegistry
 from agent.migration.capture import default_cuda_jobs
 from agent.migration.journal import TARGET, Journal, MigrationRecord
 from agent.migration.pagestream import LazyTargetRelay, TargetRelay

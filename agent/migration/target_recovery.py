@@ -16,7 +16,8 @@ import psutil
 
 from agent.errors import FerryError, NotFoundError
 from agent.jobs import procs
-from agent.jobs.registry import JobRegistry, JobState
+from agent.jobs.record import JobState
+from agent.jobs.registry import JobRegistry
 from agent.migration.journal import TARGET, Journal, MigrationRecord
 from agent.migration.states import TARGET_TRANSITIONS, TargetState
 

@@ -1,16 +1,120 @@
-"""Between the product's types and the wire: records, results and reports as protobuf messages."""
+"""Between the product's types and the wire: records, results and reports as protobuf messages.
+
+Closed sets keep their Python enums inside the agent and travel as proto enums; each has one
+`EnumMap` here, both ways. UNSPECIFIED (0) on input means the set's documented default, where
+it has one; any number this agent does not know is INVALID_ARGUMENT, quoting it.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
 from agent.cuda.driver import DriverInfo
+from agent.errors import FerryError, InvalidArgumentError
 from agent.gpus.inventory import Inventory
 from agent.gpus.quarantine import Quarantine
 from agent.health.events import Event
-from agent.health.healing import Holder
-from agent.health.monitor import GpuHealth
-from agent.jobs.registry import JobRecord, JobState
+from agent.health.monitor import GpuHealth, State
+from agent.jobs.record import JobRecord, JobState, OnDegraded, Priority
 from agent.migration.model import MigrationResult, Progress
+from agent.migration.recovery import Resolution
 from agent.rpc import pb
+
+if TYPE_CHECKING:  # healing reads peers' reports through placement, which converts with this module
+    from agent.health.healing import Holder
+
+E = TypeVar("E", bound=str)
+
+
+@dataclass(frozen=True)
+class EnumMap(Generic[E]):
+    """One closed set both ways: the product's value <-> the proto enum's number."""
+
+    what: str  # the set, as a message names it: "priority"
+    enum: Any  # the generated enum wrapper (pb.Priority): its names for messages
+    to_pb: Mapping[E, int]
+    #: What UNSPECIFIED means on input; None: the set has no default and 0 is refused.
+    default: E | None = None
+    from_pb_table: Mapping[int, E] = field(init=False)
+
+    def __post_init__(self) -> None:
+        back = {n: v for v, n in self.to_pb.items()}
+        assert len(back) == len(self.to_pb) and 0 not in back, f"{self.what}: not one-to-one"
+        object.__setattr__(self, "from_pb_table", back)
+
+    def pb(self, value: E | str) -> int:
+        """The number for a value; records keep the words, which equal the enum's values."""
+        try:
+            return self.to_pb[value]  # type: ignore[index]
+        except KeyError:
+            words = ", ".join(repr(str(v)) for v in self.to_pb)
+            raise FerryError(
+                f"{self.what} {value!r} has no wire value: expected one of {words}",
+                hint="a record written by another ferry version, or edited by hand",
+            ) from None
+
+    def py(self, number: int) -> E:
+        if number == 0 and self.default is not None:
+            return self.default
+        if (value := self.from_pb_table.get(number)) is not None:
+            return value
+        known = ", ".join(f"{self.enum.Name(n)} ({n})" for n in sorted(self.from_pb_table))
+        got = f"no {self.what} (0, unspecified)" if number == 0 else f"unknown {self.what} {number}"
+        raise InvalidArgumentError(
+            f"{got}: expected one of {known}",
+            hint="the sender and this agent may be different ferry versions",
+        )
+
+
+PRIORITIES: EnumMap[Priority] = EnumMap(
+    "priority",
+    pb.Priority,
+    {Priority.NORMAL: pb.PRIORITY_NORMAL, Priority.LOW: pb.PRIORITY_LOW},
+    default=Priority.NORMAL,
+)
+DEGRADED_POLICIES: EnumMap[OnDegraded] = EnumMap(
+    "on-degraded policy",
+    pb.OnDegraded,
+    {OnDegraded.MIGRATE: pb.ON_DEGRADED_MIGRATE, OnDegraded.ALERT: pb.ON_DEGRADED_ALERT},
+    default=OnDegraded.MIGRATE,
+)
+RESOLUTIONS: EnumMap[Resolution] = EnumMap(
+    "resolve action",
+    pb.ResolveAction,
+    {
+        Resolution.ASK: pb.RESOLVE_ACTION_ASK,
+        Resolution.RESUME: pb.RESOLVE_ACTION_RESUME,
+        Resolution.FINISH: pb.RESOLVE_ACTION_FINISH,
+    },
+    default=Resolution.ASK,
+)
+#: A GPU's state and an evidence's severity: a report always says which, so 0 has no meaning.
+HEALTH_STATES: EnumMap[State] = EnumMap(
+    "health state",
+    pb.HealthState,
+    {
+        State.HEALTHY: pb.HEALTH_STATE_HEALTHY,
+        State.DEGRADED: pb.HEALTH_STATE_DEGRADED,
+        State.FAILING: pb.HEALTH_STATE_FAILING,
+    },
+)
+#: Event kinds are the words agent.health.events records (a test holds every recorded kind here).
+EVENT_KINDS: EnumMap[str] = EnumMap(
+    "event kind",
+    pb.EventKind,
+    {
+        "health": pb.EVENT_KIND_HEALTH,
+        "decision": pb.EVENT_KIND_DECISION,
+        "migration": pb.EVENT_KIND_MIGRATION,
+        "preempt": pb.EVENT_KIND_PREEMPT,
+        "resume": pb.EVENT_KIND_RESUME,
+        "quarantine": pb.EVENT_KIND_QUARANTINE,
+        "alert": pb.EVENT_KIND_ALERT,
+    },
+)
+ENUM_MAPS: tuple[EnumMap[Any], ...] = (PRIORITIES, DEGRADED_POLICIES, RESOLUTIONS, HEALTH_STATES, EVENT_KINDS)
 
 PHASES = {
     "prepare": pb.PHASE_PREPARE,
@@ -47,10 +151,10 @@ def job_pb(rec: JobRecord, node: str) -> pb.Job:
         note=rec.note,
         env=rec.env,
         migrations=rec.migrations,
-        priority=rec.priority,
-        on_degraded=rec.on_degraded,
         gpus=rec.gpus,
         address=rec.address,
+        priority_class=PRIORITIES.pb(rec.priority),
+        degraded_policy=DEGRADED_POLICIES.pb(rec.on_degraded),
     )
 
 
@@ -105,9 +209,11 @@ def health_pb(g: GpuHealth, holders: list[Holder], quarantine: Quarantine, held:
         uuid=g.uuid,
         index=g.index,
         name=g.name,
-        state=g.state.value,
+        health_state=HEALTH_STATES.pb(g.state),
         evidence=[
-            pb.Evidence(signal=e.signal, severity=e.severity.value, detail=e.detail, since=e.since)
+            pb.Evidence(
+                signal=e.signal, severity_level=HEALTH_STATES.pb(e.severity), detail=e.detail, since=e.since
+            )
             for e in g.evidence
         ],
         since=g.since,
@@ -120,14 +226,19 @@ def health_pb(g: GpuHealth, holders: list[Holder], quarantine: Quarantine, held:
         memory_used=g.memory_used,
         memory_free=g.memory_free,
         holders=[
-            pb.GpuHolder(job=h.job.name, priority=h.job.priority, used_bytes=h.used_bytes) for h in holders
+            pb.GpuHolder(
+                job=h.job.name, priority_class=PRIORITIES.pb(h.job.priority), used_bytes=h.used_bytes
+            )
+            for h in holders
         ],
         held=g.uuid in held,
     )
 
 
 def event_pb(e: Event) -> pb.Event:
-    return pb.Event(time=e.time, kind=e.kind, node=e.node, gpu=e.gpu, job=e.job, message=e.message)
+    # A kind no table knows (a line from another version) still reaches the operator, kind unspecified.
+    kind = EVENT_KINDS.to_pb.get(e.kind, pb.EVENT_KIND_UNSPECIFIED)
+    return pb.Event(time=e.time, event_kind=kind, node=e.node, gpu=e.gpu, job=e.job, message=e.message)
 
 
 def progress_pb(p: Progress, elapsed_s: float) -> pb.ProgressEvent:

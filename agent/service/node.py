@@ -30,12 +30,13 @@ from agent.health.events import EventLog
 from agent.health.healing import Hooks, SelfHealing
 from agent.health.monitor import GpuHealth, HealthMonitor
 from agent.jobs.network import JobNetwork
-from agent.jobs.registry import JobRecord, JobRegistry, OnDegraded, Priority, check_job_name
+from agent.jobs.record import JobRecord, OnDegraded, Priority, check_job_name
+from agent.jobs.registry import JobRegistry
 from agent.migration.capture import default_cuda_jobs
 from agent.migration.journal import SOURCE, Journal
 from agent.migration.local import checkpoint, restore_image, resume_preempted
 from agent.migration.model import MigrationResult, MigrationSpec, Progress
-from agent.migration.recovery import SourceRecovery
+from agent.migration.recovery import Resolution, SourceRecovery
 from agent.migration.source import SourceMigration
 from agent.migration.target import TargetMigrations
 
@@ -83,9 +84,10 @@ class AgentNode:
         self.cuda = cuda_jobs or default_cuda_jobs(node, self.config.cuda)
         self.registry = JobRegistry(state_dir, node, network=JobNetwork(self.config.network, node))
         self.journal = Journal(state_dir)
-        self.quarantine = Quarantine(state_dir)
         #: The one owner of every claim on this node's GPUs; the CUDA side keeps frozen jobs there.
-        self.gpus = GpuLedger(self.registry, self.quarantine, health=lambda: self.monitor.snapshot())
+        self.gpus = GpuLedger(self.registry, Quarantine(state_dir), health=lambda: self.monitor.snapshot())
+        #: Read-only here (`ferry health` shows it); changed only through the ledger.
+        self.quarantine = self.gpus.quarantine
         self.cuda.ledger = self.gpus
         self.targets = TargetMigrations(
             self.registry, self.criu, staging_root, node, self.cuda, self.journal, ledger=self.gpus
@@ -101,7 +103,6 @@ class AgentNode:
             node=node,
             registry=self.registry,
             events=self.events,
-            quarantine=self.quarantine,
             ledger=self.gpus,
             config=self.config,
             hooks=Hooks(
@@ -248,20 +249,13 @@ class AgentNode:
         command: list[str],
         cwd: str,
         env: list[str],
-        priority: str,
-        on_degraded: str,
+        priority: Priority,
+        on_degraded: OnDegraded,
         gpus: list[str],
     ) -> JobRecord:
-        """`ferry run`: the job's GPUs (if it names any) claimed before it starts."""
+        """`ferry run`: the job's GPUs (if it names any) claimed before it starts. The servicer has
+        turned the request's enums into these (agent.service.convert), defaults included."""
         check_job_name(name)
-        priority = priority or Priority.NORMAL.value
-        on_degraded = on_degraded or OnDegraded.MIGRATE.value
-        if priority not in {p.value for p in Priority}:
-            raise InvalidArgumentError(f"invalid priority {priority!r}: expected normal or low")
-        if on_degraded not in {p.value for p in OnDegraded}:
-            raise InvalidArgumentError(
-                f"invalid on-degraded policy {on_degraded!r}: expected migrate or alert"
-            )
         if len(set(gpus)) != len(gpus):
             raise InvalidArgumentError(f"--gpu lists a GPU twice: {', '.join(gpus)}")
         owner = f"the start of job {name}"
@@ -277,8 +271,8 @@ class AgentNode:
                 command,
                 cwd or "/",
                 env,
-                priority=priority,
-                on_degraded=on_degraded,
+                priority=priority.value,
+                on_degraded=on_degraded.value,
                 gpus=gpus,
                 gpu_chip=chip,
             )
@@ -340,17 +334,15 @@ class AgentNode:
             check_job_name(name)
         return restore_image(self.registry, self.criu, Path(image), name, self.node, self.cuda)
 
-    def resolve(self, name: str, action: str) -> JobRecord:
+    def resolve(self, name: str, action: Resolution) -> JobRecord:
         check_job_name(name)
-        if action not in ("", "resume", "finish"):
-            raise InvalidArgumentError(f"unknown action {action!r}: expected resume or finish")
         self.recovery.resolve(name, action)
         return self.registry.get(name)
 
     def clear_gpu(self, gpu: str) -> tuple[GpuHealth | None, Entry | None]:
         """`ferry gpus --clear`: the GPU as read after the clear, and the quarantine it left."""
         g = self.monitor.get(gpu)
-        entry = self.quarantine.clear(gpu)
+        entry = self.gpus.clear_quarantine(gpu)
         if g is None and entry is None:
             known = ", ".join(x.uuid for x in self.monitor.snapshot()) or "none"
             raise NotFoundError(f"no GPU {gpu!r} here; its GPUs: {known}", hint="see `ferry health`")

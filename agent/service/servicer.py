@@ -10,11 +10,21 @@ import grpc
 
 from agent.errors import InvalidArgumentError, PermissionDeniedError
 from agent.jobs.logs import STDERR, STDOUT, read_logs
-from agent.jobs.registry import check_job_name
+from agent.jobs.record import check_job_name
 from agent.migration.model import MigrationResult, Progress
 from agent.rpc import pb, pb_grpc
 from agent.service import access
-from agent.service.convert import event_pb, health_pb, inventory_pb, job_pb, progress_pb, result_pb
+from agent.service.convert import (
+    DEGRADED_POLICIES,
+    PRIORITIES,
+    RESOLUTIONS,
+    event_pb,
+    health_pb,
+    inventory_pb,
+    job_pb,
+    progress_pb,
+    result_pb,
+)
 from agent.service.follow import FollowSlots
 from agent.service.node import AgentNode
 from agent.service.status import rpc, stream_rpc
@@ -73,8 +83,8 @@ class AgentService(pb_grpc.AgentServicer):
             list(request.command),
             request.cwd,
             list(request.env),
-            request.priority,
-            request.on_degraded,
+            PRIORITIES.py(request.priority_class),
+            DEGRADED_POLICIES.py(request.degraded_policy),
             list(request.gpus),
         )
         return job_pb(rec, self.node)
@@ -136,7 +146,7 @@ class AgentService(pb_grpc.AgentServicer):
 
     @rpc
     def Resolve(self, request: pb.ResolveRequest, context: grpc.ServicerContext) -> pb.Job:
-        return job_pb(self.agent.resolve(request.name, request.action), self.node)
+        return job_pb(self.agent.resolve(request.name, RESOLUTIONS.py(request.resolution)), self.node)
 
     # -- peer protocol -----------------------------------------------------------------
 

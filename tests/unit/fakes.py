@@ -26,7 +26,7 @@ from agent.criu.runner import DumpResult, InheritFd, RestoreResult
 from agent.errors import CriuError, RefusedError
 from agent.image import StreamDigest
 from agent.jobs import procs
-from agent.jobs.registry import JobKind, JobRecord, JobState
+from agent.jobs.record import JobKind, JobRecord, JobState
 from agent.migration.pagestream import TargetRelay
 from agent.migration.transfer import Intake
 from agent.rpc import pb

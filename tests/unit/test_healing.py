@@ -18,7 +18,8 @@ from agent.gpus.quarantine import Quarantine
 from agent.health.events import EventLog
 from agent.health.healing import Hooks, SelfHealing
 from agent.health.monitor import HealthConfig, HealthMonitor
-from agent.jobs.registry import JobKind, JobRecord, JobRegistry, JobState
+from agent.jobs.record import JobKind, JobRecord, JobState
+from agent.jobs.registry import JobRegistry
 from agent.rpc import pb
 from agent.testing.nvml_replay import FakeClock, ReplayNvml, Timeline
 
@@ -55,7 +56,8 @@ class Rig:
         self.registry = JobRegistry(tmp / "state", "node-a")
         self.events = EventLog(tmp / "state", "node-a")
         self.quarantine = Quarantine(tmp / "state")
-        self.peers = {"s:1": FakePeer("node-s", pb.GpuHealth(uuid="GPU-s0", name=H200, state="healthy"))}
+        idle = pb.GpuHealth(uuid="GPU-s0", name=H200, health_state=pb.HEALTH_STATE_HEALTHY)
+        self.peers = {"s:1": FakePeer("node-s", idle)}
         self.moves: list[tuple[str, str, str, float | None]] = []
         self.fail_with: Exception | None = None
         self.gate: threading.Event | None = None
@@ -72,7 +74,6 @@ class Rig:
             node="node-a",
             registry=self.registry,
             events=self.events,
-            quarantine=self.quarantine,
             ledger=self.ledger,
             config=cfg,
             hooks=Hooks(
@@ -234,7 +235,10 @@ def test_no_target_is_reported_with_every_reason(tmp_path):
     rig.peers["s:1"] = FakePeer(
         "node-s",
         pb.GpuHealth(
-            uuid="GPU-s0", name=H200, state="healthy", holders=[pb.GpuHolder(job="prod", priority="normal")]
+            uuid="GPU-s0",
+            name=H200,
+            health_state=pb.HEALTH_STATE_HEALTHY,
+            holders=[pb.GpuHolder(job="prod", priority_class=pb.PRIORITY_NORMAL)],
         ),
     )
     rig.job("train")

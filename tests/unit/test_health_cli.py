@@ -163,7 +163,7 @@ def test_events_follow_gives_the_last_n_then_each_new_one(gpu_agent):
         # The agent notices within one wait slice; its call must be over before the next test counts fds.
         wait_for(lambda: svc.events.followers == 0, what="the agent to end the cancelled follow")
     assert got == ["past 1", "past 2"]
-    assert (new.kind, new.message, new.job, new.node) == ("alert", "new one", "j", "nodea")
+    assert (new.event_kind, new.message, new.job, new.node) == (pb.EVENT_KIND_ALERT, "new one", "j", "nodea")
 
 
 # --- how a test chooses the NVML double ---------------------------------------------------------

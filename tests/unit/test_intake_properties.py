@@ -39,7 +39,8 @@ from test_migrate_target import MID, chunks_for, make_image, prepare_req
 
 from agent.errors import FerryError, TransferError
 from agent.image import MANIFEST, Manifest
-from agent.jobs.registry import JobRegistry, JobState
+from agent.jobs.record import JobState
+from agent.jobs.registry import JobRegistry
 from agent.migration import target as incoming
 from agent.migration import transfer
 from agent.migration.target import TargetMigrations

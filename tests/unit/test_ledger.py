@@ -10,7 +10,8 @@ import pytest
 from agent.errors import NoFreeGpuError
 from agent.gpus.ledger import GpuLedger
 from agent.gpus.quarantine import Quarantine
-from agent.jobs.registry import JobKind, JobRecord, JobRegistry, JobState
+from agent.jobs.record import JobKind, JobRecord, JobState
+from agent.jobs.registry import JobRegistry
 
 
 class Clock:

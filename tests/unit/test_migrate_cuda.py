@@ -35,7 +35,8 @@ from fakes import FakeCriu, LocalPeer, is_dead, is_stopped, launched_record, wai
 
 from agent.cli import main as cli
 from agent.errors import CriuError, MigrationAbortedError, RefusedError
-from agent.jobs.registry import JobRegistry, JobState
+from agent.jobs.record import JobState
+from agent.jobs.registry import JobRegistry
 from agent.migration import capture
 from agent.migration import target as incoming
 from agent.migration.local import checkpoint, restore_image

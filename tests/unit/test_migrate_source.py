@@ -27,7 +27,8 @@ from agent.errors import (
 from agent.faults import InjectedFault
 from agent.image import MANIFEST, STDERR_LOG, STDOUT_LOG
 from agent.jobs import procs
-from agent.jobs.registry import JobRecord, JobRegistry, JobState
+from agent.jobs.record import JobRecord, JobState
+from agent.jobs.registry import JobRegistry
 from agent.migration import source as migrate
 from agent.migration.model import MigrationSpec, Progress
 from agent.migration.source import SourceMigration

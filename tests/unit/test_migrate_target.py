@@ -42,7 +42,8 @@ from agent.image import (
     verify,
 )
 from agent.jobs import procs
-from agent.jobs.registry import JobKind, JobRecord, JobRegistry, JobState
+from agent.jobs.record import JobKind, JobRecord, JobState
+from agent.jobs.registry import JobRegistry
 from agent.migration import source as migrate
 from agent.migration import target as incoming
 from agent.migration.states import TargetState

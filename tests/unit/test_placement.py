@@ -9,17 +9,33 @@ from agent.errors import InvalidArgumentError, RefusedError, UnavailableError
 from agent.gpus.inventory import GpuNeed
 from agent.health.placement import choose_target
 from agent.rpc import pb
+from agent.service.convert import HEALTH_STATES, PRIORITIES
 
 H200, A100 = "NVIDIA H200", "NVIDIA A100"
 GIB = 1 << 30
 NEED = [GpuNeed("GPU-src", H200, 10 * GIB)]
 
 
+def _num(table, value: str | int) -> int:
+    """A word as the wire carries it; a number is sent as it is (what a peer of another version says)."""
+    return value if isinstance(value, int) else table.pb(value)
+
+
 def gpu(
-    uuid: str, *, name: str = H200, free: int = 100 * GIB, state: str = "healthy", **kw: object
+    uuid: str, *, name: str = H200, free: int = 100 * GIB, state: str | int = "healthy", **kw: object
 ) -> pb.GpuHealth:
-    holders = [pb.GpuHolder(job=j, priority=p, used_bytes=u) for j, p, u in kw.pop("holders", [])]  # type: ignore[attr-defined]
-    return pb.GpuHealth(uuid=uuid, name=name, state=state, memory_free=free, holders=holders, **kw)  # type: ignore[arg-type]
+    holders = [
+        pb.GpuHolder(job=j, priority_class=_num(PRIORITIES, p), used_bytes=u)
+        for j, p, u in kw.pop("holders", [])  # type: ignore[attr-defined]
+    ]
+    return pb.GpuHealth(
+        uuid=uuid,
+        name=name,
+        health_state=_num(HEALTH_STATES, state),
+        memory_free=free,
+        holders=holders,
+        **kw,  # type: ignore[arg-type]
+    )
 
 
 def report(node: str, *gpus: pb.GpuHealth) -> pb.HealthReport:
@@ -83,6 +99,25 @@ def test_refusal_names_every_peer_and_why():
     ):
         assert part in msg
     assert msg.startswith("placement on a:")
+
+
+def test_a_peer_state_this_agent_cannot_read_is_no_target():
+    views = [
+        (PeerSpec("u:1"), report("u", gpu("GPU-u0", state=9))),
+        (PeerSpec("o:1"), report("o", gpu("GPU-o0", state=pb.HEALTH_STATE_UNSPECIFIED))),
+    ]
+    with pytest.raises(RefusedError) as e:
+        choose_target(NEED, "normal", views)
+    msg = str(e.value)
+    assert "u: GPU-u0 has a state this agent cannot read (unknown health state 9: expected one of" in msg
+    assert "o: GPU-o0 has a state this agent cannot read (no health state (0, unspecified)" in msg
+
+
+def test_a_holder_whose_priority_cannot_be_read_is_never_preempted():
+    for prio in (7, pb.PRIORITY_UNSPECIFIED):  # unknown, and unspecified (normal on input)
+        views = [(PeerSpec("s:1"), report("s", gpu("GPU-s0", free=0, holders=[("who", prio, GIB)])))]
+        with pytest.raises(RefusedError, match="GPU-s0 is held by job who"):
+            choose_target(NEED, "normal", views)
 
 
 def test_no_peers_configured_says_where_to_add_them():

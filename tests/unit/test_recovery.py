@@ -16,7 +16,8 @@ from fake_cuda import CHECKPOINTED, GPU0, RUNNING, CudaWorld, fake_cuda_jobs
 from fakes import SLEEP, FakeCriu, is_dead, is_stopped, launched_record, wait_stopped
 
 from agent.errors import FerryError, NotFoundError, RefusedError, UnavailableError
-from agent.jobs.registry import JobRegistry, JobState
+from agent.jobs.record import JobState
+from agent.jobs.registry import JobRegistry
 from agent.migration.journal import KEEP_FINISHED_S, SOURCE, TARGET, Journal, MigrationRecord
 from agent.migration.recovery import SourceRecovery
 from agent.migration.target import TargetMigrations

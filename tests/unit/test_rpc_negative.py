@@ -23,7 +23,7 @@ from fakes import SLEEP, launched_record, wait_for
 from test_migrate_target import chunks_for, make_image
 
 from agent.image import MANIFEST
-from agent.jobs.registry import JobKind, JobRecord, JobState
+from agent.jobs.record import JobKind, JobRecord, JobState
 from agent.migration import target as incoming
 from agent.rpc import pb
 
@@ -185,6 +185,22 @@ STATELESS = [
         )
         for e in ["NOEQUALS", "1X=y", "=y", "A B=c"]
     ],
+    # Enum numbers this agent does not know (a newer client): refused, quoting the number.
+    *[
+        (
+            "Run",
+            pb.RunRequest(name="ok", command=["/bin/true"], cwd="/", priority_class=n),
+            S.INVALID_ARGUMENT,
+            f"unknown priority {n}: expected one of PRIORITY_NORMAL (1), PRIORITY_LOW (2)",
+        )
+        for n in [3, 99, -1]
+    ],
+    (
+        "Run",
+        pb.RunRequest(name="ok", command=["/bin/true"], cwd="/", degraded_policy=7),
+        S.INVALID_ARGUMENT,
+        "unknown on-degraded policy 7: expected one of ON_DEGRADED_MIGRATE (1), ON_DEGRADED_ALERT (2)",
+    ),
     *[
         ("Adopt", pb.AdoptRequest(name=n, pid=12345), S.INVALID_ARGUMENT, f"invalid job name {n!r}")
         for n in BAD_NAMES
@@ -251,11 +267,16 @@ STATELESS = [
         for n in BAD_NAMES
     ],
     *[
-        ("Resolve", pb.ResolveRequest(name="train", action=a), S.INVALID_ARGUMENT, f"unknown action {a!r}")
-        for a in ["explode", "RESUME", " resume", "finish\n"]
+        (
+            "Resolve",
+            pb.ResolveRequest(name="train", resolution=n),
+            S.INVALID_ARGUMENT,
+            f"unknown resolve action {n}: expected one of RESOLVE_ACTION_ASK (1)",
+        )
+        for n in [4, 99, -1]
     ],
     ("Resolve", pb.ResolveRequest(name="nope"), S.NOT_FOUND, "'nope'"),
-    ("Resolve", pb.ResolveRequest(name="nope", action="resume"), S.NOT_FOUND, "'nope'"),
+    ("Resolve", pb.ResolveRequest(name="nope", resolution=pb.RESOLVE_ACTION_RESUME), S.NOT_FOUND, "'nope'"),
     (
         "Prepare",
         pb.PrepareRequest(),
@@ -511,8 +532,8 @@ def test_restore_refuses_a_malformed_manifest(stub, agent, tmp_path: Path, what:
 
 
 def test_resolve_of_a_job_without_an_unsettled_migration(stub, job) -> None:
-    for action in ("", "resume", "finish"):
-        req = pb.ResolveRequest(name="train", action=action)
+    for how in pb.ResolveAction.values():  # UNSPECIFIED asks, as ASK does
+        req = pb.ResolveRequest(name="train", resolution=how)
         refused(stub.Resolve, req, S.FAILED_PRECONDITION, "'train'", "no unsettled migration")
 
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from fakes import PAGES_BYTES, is_dead, is_stopped, launched_record
+from fakes import PAGES_BYTES, SLEEP, is_dead, is_stopped, launched_record
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent import __version__
-from agent.jobs.registry import JobState
+from agent.jobs.record import JobState
 from agent.migration import target as incoming
 from agent.rpc import pb, pb_grpc
 
@@ -87,6 +87,25 @@ def test_list_jobs(stub, agent, sleeper) -> None:
     assert j.node_name == "nodea"
     assert j.stdout_path == str(out)
     assert not j.has_exit_code
+
+
+def test_run_carries_priority_and_policy_as_enums_with_their_defaults(stub, agent) -> None:
+    def run(name: str, **kw: int) -> pb.Job:
+        return stub.Run(pb.RunRequest(name=name, command=[SLEEP, "60"], cwd="/", **kw), timeout=30)
+
+    try:
+        plain = run("plain")  # UNSPECIFIED: normal priority, migrate off a degrading GPU
+        assert (plain.priority_class, plain.degraded_policy) == (pb.PRIORITY_NORMAL, pb.ON_DEGRADED_MIGRATE)
+        low = run("low", priority_class=pb.PRIORITY_LOW, degraded_policy=pb.ON_DEGRADED_ALERT)
+        assert (low.priority_class, low.degraded_policy) == (pb.PRIORITY_LOW, pb.ON_DEGRADED_ALERT)
+        rec = agent[0].registry.get("low")  # the record keeps the product's words
+        assert (rec.priority, rec.on_degraded) == ("low", "alert")
+        listed = {j.name: j for j in stub.ListJobs(pb.ListJobsRequest(), timeout=10).jobs}
+        assert listed["low"].priority_class == pb.PRIORITY_LOW
+    finally:
+        for rec in agent[0].registry.list():
+            if rec.state.active:
+                agent[0].registry.stop(rec.name, 1)
 
 
 def test_logs(stub, agent, sleeper) -> None:

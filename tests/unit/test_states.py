@@ -8,7 +8,8 @@ import itertools
 import pytest
 
 from agent.compat import StrEnum
-from agent.jobs.registry import JOB_TRANSITIONS, JobKind, JobRecord, JobRegistry, JobState
+from agent.jobs.record import JOB_TRANSITIONS, JobKind, JobRecord, JobState
+from agent.jobs.registry import JobRegistry
 from agent.migration.states import (
     MAYBE_SENT,
     NOT_SENT,

@@ -1,0 +1,69 @@
+"""Job commands: `ferry run`, `ps`, `logs`, `stop` and `adopt`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from agent.cli.calls import call, stream
+from agent.cli.output import job_out, print_json
+from agent.cli.parser import EXIT_OK, Usage
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from agent.cli.render import degraded_policy_pb, priority_pb
+    from agent.rpc import pb
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise Usage("ferry run: no command given (usage: ferry run --name NAME -- CMD [ARGS...])")
+    cwd = os.path.abspath(args.cwd or os.getcwd())
+    req = pb.RunRequest(
+        name=args.name,
+        command=command,
+        cwd=cwd,
+        env=args.env,
+        priority_class=priority_pb(args.priority),
+        degraded_policy=degraded_policy_pb(args.on_degraded),
+        gpus=args.gpu,
+    )
+    job = call(args, "Run", req, 30)
+    job_out(job, args.json, f"job {job.name} running as pid {job.pid} on {job.node_name}")
+    return EXIT_OK
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    from agent.cli.render import job_dict, jobs_table
+    from agent.rpc import pb
+
+    jobs = list(call(args, "ListJobs", pb.ListJobsRequest(), 10).jobs)
+    print_json([job_dict(j) for j in jobs]) if args.json else print(jobs_table(jobs))
+    return EXIT_OK
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from agent.rpc import pb
+
+    req = pb.LogsRequest(name=args.name, follow=args.follow)
+    for chunk in stream(args, "Logs", req, None if args.follow else 60):
+        out = sys.stdout if chunk.stream == pb.LOG_STREAM_STDOUT else sys.stderr
+        out.buffer.write(chunk.data)
+        out.flush()
+    return EXIT_OK
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from agent.rpc import pb
+
+    job = call(args, "StopJob", pb.StopJobRequest(name=args.name, timeout_s=args.timeout), args.timeout + 30)
+    job_out(job, args.json, f"job {job.name} stopped")
+    return EXIT_OK
+
+
+def cmd_adopt(args: argparse.Namespace) -> int:
+    from agent.rpc import pb
+
+    job = call(args, "Adopt", pb.AdoptRequest(name=args.name, pid=args.pid), 30)
+    job_out(job, args.json, f"job {job.name} adopted (pid {job.pid})")
+    return EXIT_OK

@@ -1,0 +1,318 @@
+"""The `ferry` argument tree: every command, option and `--help` text, and how bad input is reported."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from agent import __version__, config
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+
+
+class Usage(Exception):
+    """Bad command-line input: printed as one line, exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors raise Usage instead of exiting, so main() prints them in one line."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise Usage(f"{self.prog}: {message} (see `{self.prog} --help`)")
+
+
+def _agent_arg(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("reaching the agent")
+    g.add_argument(
+        "--agent",
+        default=config.default_agent(),
+        metavar="ADDRESS",
+        help="HOST:PORT (mutual TLS) or unix:PATH (the local socket; root only). "
+        f"Default: $FERRY_AGENT, else {config.DEFAULT_AGENT}",
+    )
+    g.add_argument(
+        "--tls-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="directory with ca.pem and your certificate (default: $FERRY_TLS_DIR, else /etc/ferry/tls)",
+    )
+    g.add_argument(
+        "--tls-name",
+        default=os.environ.get("FERRY_TLS_NAME", ""),
+        metavar="NAME",
+        help="use DIR/NAME.pem and DIR/NAME-key.pem (default: $FERRY_TLS_NAME, else the only one in DIR)",
+    )
+    g.add_argument(
+        "--insecure",
+        action="store_true",
+        default=os.environ.get("FERRY_INSECURE") == "1",
+        help="plaintext to a loopback agent started with --insecure (default: $FERRY_INSECURE=1)",
+    )
+
+
+def _json_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def build_parser() -> Parser:
+    p = Parser(
+        prog="ferry",
+        description="Live-migrate unmodified training processes between nodes. Every node runs "
+        "`ferry agent`; the other commands talk to an agent over gRPC.",
+    )
+    p.add_argument("--version", action="version", version=f"ferry {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=Parser)
+
+    a = sub.add_parser("agent", help="run the node agent (as root)", description="Run the node agent.")
+    a.add_argument("--listen", required=True, metavar="HOST:PORT", help="address to serve on (port 0: any)")
+    a.add_argument("--state-dir", required=True, type=Path, help="where job records and logs live")
+    a.add_argument(
+        "--node-name", default=config.default_node_name(), help="this node's name (default: hostname)"
+    )
+    a.add_argument("--staging-dir", type=Path, help="where images are staged (default: /dev/shm/ferry/NODE)")
+    a.add_argument(
+        "--tls-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="ca.pem and this node's NODE.pem / NODE-key.pem from `ferry certs node` "
+        "(default: $FERRY_TLS_DIR, else /etc/ferry/tls)",
+    )
+    a.add_argument(
+        "--socket",
+        default=str(config.DEFAULT_SOCKET),
+        metavar="PATH",
+        help=f"root-only unix socket for the local CLI (default {config.DEFAULT_SOCKET}; 'none': no socket)",
+    )
+    a.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve plaintext instead of TLS; allowed only on a loopback --listen address (tests, demos)",
+    )
+    a.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="TOML file with the health thresholds ([health]), the self-healing policy ([policy]) and "
+        'the peers jobs may move to ([[peers]] address = "HOST:PORT", spare = true); see docs/health.md',
+    )
+    a.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    r = sub.add_parser(
+        "run",
+        help="start a job under the agent",
+        description="Start CMD in its own PID namespace under a small init; stdin is /dev/null, "
+        "stdout/stderr go to files the agent owns (see `ferry logs`).",
+    )
+    _agent_arg(r)
+    r.add_argument("--name", required=True, help="the job's name, unique on the node")
+    r.add_argument("--cwd", default=None, help="working directory (default: the current one)")
+    r.add_argument("--env", action="append", default=[], metavar="K=V", help="set an environment variable")
+    r.add_argument(
+        "--gpu",
+        action="append",
+        default=[],
+        metavar="UUID",
+        help="give the job this GPU to itself (repeatable; see `ferry gpus`); it becomes the job's "
+        "CUDA_VISIBLE_DEVICES, and its health is the job's: see --on-degraded",
+    )
+    r.add_argument(
+        "--priority",
+        choices=["normal", "low"],
+        default="normal",
+        help="low: preemptible. When a normal job must leave a degrading or failing GPU and no idle GPU "
+        "is left, a low job is suspended to storage to make room, and resumes on its node once a GPU is "
+        "free again",
+    )
+    r.add_argument(
+        "--on-degraded",
+        choices=["migrate", "alert"],
+        default="migrate",
+        help="what the agent does when the job's GPU degrades or fails: migrate it to a peer by itself "
+        "(default), or only record an alert (`ferry events`)",
+    )
+    _json_arg(r)
+    r.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
+
+    ps = sub.add_parser("ps", help="list jobs", description="List this agent's jobs and their states.")
+    _agent_arg(ps)
+    _json_arg(ps)
+
+    lg = sub.add_parser("logs", help="print a job's output", description="Print a job's stdout and stderr.")
+    _agent_arg(lg)
+    lg.add_argument("name")
+    lg.add_argument("-f", "--follow", action="store_true", help="keep printing while the job runs")
+
+    st = sub.add_parser("stop", help="stop a job", description="SIGTERM the job, SIGKILL after --timeout.")
+    _agent_arg(st)
+    st.add_argument("name")
+    st.add_argument("--timeout", type=float, default=10.0, help="seconds before SIGKILL (default 10)")
+    _json_arg(st)
+
+    ad = sub.add_parser(
+        "adopt",
+        help="take over a running process",
+        description="Track a process ferry did not start. It keeps its host PIDs: a migration "
+        "target must have them free (checked before anything is frozen).",
+    )
+    _agent_arg(ad)
+    ad.add_argument("--pid", type=int, required=True)
+    ad.add_argument("--name", required=True)
+    _json_arg(ad)
+
+    mg = sub.add_parser(
+        "migrate",
+        help="move a running job to another agent",
+        description="Prepare on the target, freeze and dump the job while its memory streams "
+        "into the target's staging, send the rest of the image, restore on the target, then end "
+        "the source copy. Any failure before the target runs the job resumes it on the source.",
+    )
+    _agent_arg(mg)
+    mg.add_argument("name")
+    mg.add_argument("--to", required=True, metavar="HOST:PORT", help="the target agent")
+    mg.add_argument(
+        "--staged",
+        action="store_true",
+        help="dump the whole image into staging on this node first, then copy it (slower: the "
+        "pipeline before memory streaming, kept for comparison)",
+    )
+    mg.add_argument(
+        "--lazy",
+        action="store_true",
+        help="post-copy: resume the job on the target before its memory has arrived; each page "
+        "follows when the job first touches it. Until its last page is in, the job needs both "
+        "nodes: if either fails, the target's copy is killed and the job resumes here from where "
+        "it froze. A job that touches all its memory at once (a training step) waits on every "
+        "page, which is slower than the default (docs/performance.md). Needs userfaultfd on the "
+        "target",
+    )
+    _json_arg(mg)
+
+    ck = sub.add_parser(
+        "checkpoint",
+        help="save a job to a directory",
+        description="Dump a job into DIR (on the agent's node). "
+        "The job ends afterwards unless --leave-running.",
+    )
+    _agent_arg(ck)
+    ck.add_argument("name")
+    ck.add_argument("--out", required=True, type=Path, metavar="DIR", help="a new or empty directory")
+    ck.add_argument("--leave-running", action="store_true", help="keep the job running after the dump")
+    _json_arg(ck)
+
+    rs = sub.add_parser(
+        "restore", help="resume a saved job", description="Resume a job saved by `checkpoint`."
+    )
+    _agent_arg(rs)
+    rs.add_argument("dir", type=Path, metavar="DIR")
+    rs.add_argument("--name", default="", help="run it under another name")
+    _json_arg(rs)
+
+    rv = sub.add_parser(
+        "resolve",
+        help="settle a migration left unresolved",
+        description="A migration is UNRESOLVED when the target stopped answering while it restored "
+        "the job: the source keeps its copy frozen so that two never run, and keeps asking. This asks "
+        "the target once more and acts only on a definite answer. If the target node is gone for good "
+        "or you checked it yourself, say what you know: --resume (the job does not run there) resumes "
+        "the frozen copy here; --finish (it does) ends it.",
+    )
+    _agent_arg(rv)
+    rv.add_argument("name", help="the job (on the source agent)")
+    how = rv.add_mutually_exclusive_group()
+    how.add_argument("--resume", action="store_true", help="the target does not run the job: resume it here")
+    how.add_argument("--finish", action="store_true", help="the target runs the job: end the copy here")
+    _json_arg(rv)
+
+    ins = sub.add_parser(
+        "inspect",
+        help="describe a saved image",
+        description="Show an image's manifest and check its digests.",
+    )
+    ins.add_argument("dir", type=Path, metavar="DIR")
+    ins.add_argument("--no-verify", action="store_true", help="skip the digest check")
+    _json_arg(ins)
+
+    gp = sub.add_parser(
+        "gpus",
+        help="list an agent's GPUs",
+        description="Show the GPUs of the agent's node (NVML): chip, memory, processes, and whether "
+        "its NVIDIA driver can checkpoint CUDA processes (needed to migrate GPU jobs).",
+    )
+    _agent_arg(gp)
+    gp.add_argument(
+        "--clear",
+        metavar="UUID",
+        help="an operator's word that this GPU is fixed: lift its quarantine and forget the faults it "
+        "latched (XIDs, uncorrectable ECC), so ferry places jobs on it again",
+    )
+    _json_arg(gp)
+
+    he = sub.add_parser(
+        "health",
+        help="show the GPUs' health",
+        description="Each GPU's state as the agent's health monitor sees it through NVML: healthy, "
+        "degraded (a precursor crossed its threshold: heat, corrected-ECC bursts, pending row remaps, "
+        "throttling, PCIe replays, NVLink errors) or failing (a hard fault: XID 79, uncorrectable ECC, "
+        "remap failure), with the evidence, the jobs on it and whether it is quarantined.",
+    )
+    _agent_arg(he)
+    he.add_argument("--watch", action="store_true", help="then keep printing health changes as they happen")
+    _json_arg(he)
+
+    ev = sub.add_parser(
+        "events",
+        help="what the agent did by itself, and why",
+        description="GPU state changes and every automatic decision with its reason: migrations, "
+        "alerts, moves held back by the cooldown or storm guard, preemptions, resumes, quarantines.",
+    )
+    _agent_arg(ev)
+    ev.add_argument("-f", "--follow", action="store_true", help="keep printing new events")
+    ev.add_argument("-n", "--limit", type=int, default=50, metavar="N", help="the last N events (default 50)")
+    _json_arg(ev)
+
+    ce = sub.add_parser(
+        "certs",
+        help="make a cluster CA and node/client certificates",
+        description="Create a cluster CA, then certificates it signs: one per node (an agent: serves "
+        "and calls peers) and one per client (drives agents). Keys are written 0600 and never "
+        "overwritten. Meant for a test or small cluster.",
+    )
+    ce_sub = ce.add_subparsers(dest="certs_cmd", required=True, metavar="WHAT", parser_class=Parser)
+    c_ca = ce_sub.add_parser("ca", help="create the CA (ca.pem, ca-key.pem)")
+    c_node = ce_sub.add_parser("node", help="issue a node certificate (NAME.pem, NAME-key.pem)")
+    c_node.add_argument("name", help="the node's name (its certificate's common name)")
+    c_node.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        required=True,
+        metavar="HOST",
+        help="a DNS name or IP address peers dial to reach this node (repeatable)",
+    )
+    c_client = ce_sub.add_parser("client", help="issue a client certificate (NAME.pem, NAME-key.pem)")
+    c_client.add_argument("name", help="who the client is (its certificate's common name)")
+    for c in (c_ca, c_node, c_client):
+        c.add_argument("--dir", type=Path, required=True, help="the directory holding the CA")
+        _json_arg(c)
+
+    dr = sub.add_parser(
+        "doctor", help="check this host", description="Check whether this host can migrate jobs."
+    )
+    dr.add_argument(
+        "--staging-dir",
+        type=Path,
+        default=config.DEFAULT_STAGING_ROOT,
+        help="where the agent stages incoming images (default: %(default)s)",
+    )
+    dr.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="the agent's config file, to check its [network] too (the job network's bridge)",
+    )
+    _json_arg(dr)
+    return p

@@ -1,0 +1,162 @@
+"""A job's record on this node: its state machine (JobState and its table), kind, policies,
+and what persists in ``<state>/jobs/<name>/job.json``."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+
+from agent.compat import StrEnum
+from agent.errors import InvalidArgumentError
+from agent.image import JobSpec
+from agent.statemachine import Transitions
+
+
+class JobState(StrEnum):
+    """One job's record on this node; every change goes through JOB_TRANSITIONS.
+
+    RUNNING → MIGRATING (a move or a checkpoint began: single flight) → RUNNING (aborted,
+    refused, or saved and left running) | MOVED (the target runs it) | CHECKPOINTED (saved,
+    ended here) | EXITED (it ended during an aborted move) | LOST (a settlement found it gone).
+    RUNNING → EXITED (it ended) | STOPPED (`ferry stop`) | LOST (its process vanished while
+    the agent was down, or its restore here was cut short / its post-copy failed).
+    MIGRATING → LOST: the agent restarted and the process was gone.
+    CHECKPOINTED → PREEMPTED: the checkpoint was a preemption's suspend; PREEMPTED →
+    STOPPED (`ferry stop` discards it, keeping the image). A preempted job comes back as a
+    new RUNNING record that replaces this one (as does any restore of a final job's name).
+
+    Every state but RUNNING, MIGRATING and PREEMPTED is final for this node; a final job's
+    name may be reused.
+    """
+
+    RUNNING = "running"
+    MIGRATING = "migrating"
+    EXITED = "exited"
+    STOPPED = "stopped"
+    MOVED = "moved"
+    CHECKPOINTED = "checkpointed"
+    LOST = "lost"
+    PREEMPTED = "preempted"
+
+    @property
+    def active(self) -> bool:
+        """A process of the job exists on this node."""
+        return self in (JobState.RUNNING, JobState.MIGRATING)
+
+    @property
+    def holds_name(self) -> bool:
+        return self.active or self is JobState.PREEMPTED
+
+
+_J = JobState
+
+JOB_TRANSITIONS: Transitions[JobState] = Transitions(
+    "job",
+    {
+        _J.RUNNING: frozenset({_J.MIGRATING, _J.EXITED, _J.STOPPED, _J.LOST}),
+        _J.MIGRATING: frozenset({_J.RUNNING, _J.MOVED, _J.CHECKPOINTED, _J.EXITED, _J.LOST}),
+        _J.CHECKPOINTED: frozenset({_J.PREEMPTED}),
+        _J.PREEMPTED: frozenset({_J.STOPPED}),
+        _J.EXITED: frozenset(),
+        _J.STOPPED: frozenset(),
+        _J.MOVED: frozenset(),
+        _J.LOST: frozenset(),
+    },
+)
+
+
+class Priority(StrEnum):
+    NORMAL = "normal"
+    LOW = "low"  # preemptible: suspended to storage when a normal job needs its GPU
+
+
+class OnDegraded(StrEnum):
+    MIGRATE = "migrate"  # move the job off a degrading GPU by itself
+    ALERT = "alert"  # only record it (`ferry events`) and leave the job where it is
+
+
+class JobKind(StrEnum):
+    LAUNCHED = "launched"
+    ADOPTED = "adopted"
+
+
+@dataclass
+class JobRecord:
+    name: str
+    kind: JobKind
+    state: JobState
+    pid: int
+    command: list[str]
+    cwd: str
+    env: list[str] = field(default_factory=list)
+    stdout_path: str = ""
+    stderr_path: str = ""
+    started_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+    pid_started: float = 0.0  # create time of pid, to tell it from a reused PID
+    exit_code: int | None = None
+    moved_to: str = ""
+    moved_to_node: str = ""
+    migration_id: str = ""
+    checkpoint_dir: str = ""
+    note: str = ""
+    migrations: int = 0
+    priority: str = Priority.NORMAL.value
+    on_degraded: str = OnDegraded.MIGRATE.value
+    gpus: list[str] = field(default_factory=list)  # given by `ferry run --gpu`: UUIDs on this node
+    gpu_chip: str = ""  # their chip, which a target must match
+    #: Launched into namespaces of its own (mount, and network with an address): see ferry-init.
+    private: bool = False
+    address: str = ""  # the job's address on the job network ("" without one)
+    veth: str = ""  # the node's end of the job's link, on this node
+
+    def spec(self) -> JobSpec:
+        return JobSpec(
+            name=self.name,
+            kind=self.kind.value,
+            command=list(self.command),
+            cwd=self.cwd,
+            env=list(self.env),
+            stdout_path=self.stdout_path,
+            stderr_path=self.stderr_path,
+            pid=self.pid,
+            migrations=self.migrations,
+            priority=self.priority,
+            on_degraded=self.on_degraded,
+            gpus=list(self.gpus),
+            gpu_chip=self.gpu_chip,
+            private=self.private,
+            address=self.address,
+        )
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["kind"], d["state"] = self.kind.value, self.state.value
+        return json.dumps(d, indent=2)
+
+    @classmethod
+    def from_json(cls, raw: str) -> JobRecord:
+        d = json.loads(raw)
+        d["kind"], d["state"] = JobKind(d["kind"]), JobState(d["state"])
+        return cls(**d)
+
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+def check_job_name(name: str) -> str:
+    if not _NAME.match(name or ""):
+        raise InvalidArgumentError(
+            f"invalid job name {name!r}: use 1-63 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+#: Where a private job sees its log directory: an external mount for CRIU, which each node binds
+#: to its own copy of the job's logs (ferry-init --logs).
+LOG_MOUNT = "/run/ferry-job"
+
+LOG_MOUNT_KEY = "ferry-job"
