@@ -418,12 +418,6 @@ def unlock_all(driver: CudaDriver, pids: list[int], times: dict[str, float]) -> 
     times["cuda unlock"] = time.monotonic() - t
 
 
-def unfreeze(driver: CudaDriver, pids: Iterable[int]) -> UndoReport:
-    """After an abort: the job's processes run again on their own GPUs, whatever part of the
-    freeze had happened. Returns what could not be undone (falsy when all is well); never raises."""
-    return undo(driver, list(pids), {pid: ProcessState.CHECKPOINTED for pid in pids})
-
-
 def undo(driver: CudaDriver, pids: list[int], known: Mapping[int, ProcessState] | None = None) -> UndoReport:
     """The one CUDA undo: each process is restored if CHECKPOINTED and unlocked if LOCKED. Its
     state comes from `known` where the caller knows it, else from get-state (slow: seconds a

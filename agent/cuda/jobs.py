@@ -209,30 +209,6 @@ class CudaJobs:
                 "nothing was frozen; the job keeps running here",
             )
 
-    def choose_gpus(
-        self,
-        needs: list[GpuNeed],
-        *,
-        driver_version: str = "",
-        reserved: Mapping[str, str] | Iterable[str] = (),
-        releasing: Mapping[str, int] | None = None,
-        cuda_state: bool = True,
-    ) -> dict[str, str]:
-        """Old → new UUID for a job coming here, reading NVML now (never call it under a lock:
-        there, read the inventory first and use check_restorable and pick_gpus)."""
-        if not needs:
-            return {}
-        inv = self.nvml.inventory()
-        self.check_restorable(inv, driver_version, cuda_state)
-        return self.pick_gpus(
-            needs,
-            inv,
-            reserved=reserved,
-            releasing=releasing,
-            frozen=self.ledger.frozen_bytes(),
-            cuda_state=cuda_state,
-        )
-
     def check_restorable(self, inv: Inventory, driver_version: str, cuda_state: bool) -> None:
         """Refuses unless this node's driver can restore a job checkpointed under `driver_version`.
         cuda_state=False: the job holds GPUs (`ferry run --gpu`) but no CUDA context to restore,
@@ -303,13 +279,6 @@ class CudaJobs:
     def unlock(self, pids: list[int], times: dict[str, float]) -> None:
         if pids:
             cuda.unlock_all(self.driver, pids, times)
-
-    def unfreeze(self, fp: Footprint) -> cuda.UndoReport:
-        """After an abort: back onto its own GPUs; returns what failed (then the GPUs stay held)."""
-        report = cuda.unfreeze(self.driver, fp.pids)
-        if not report:
-            self.release(fp)
-        return report
 
     def nvml_pids(self) -> pidprobe.PidProbe:
         """Whether NVML reports PIDs as this agent sees them (probed once, then remembered)."""

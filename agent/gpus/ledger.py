@@ -17,8 +17,9 @@ nowhere else:
 Every decision (`decide`) runs its chooser under the ledger's one lock with every claim in
 view, so two starts never take the same GPU. The chooser gets an inventory its caller read
 before: NVML is never called under this lock (nor under any protocol lock that waits on it).
-Lock order: a caller's protocol lock → this lock → the registry's and the quarantine's (leaf
-locks). The health verdicts are read just before the lock: a snapshot, not a claim.
+This lock is a leaf: nothing under it waits on anything but the quarantine's own leaf lock.
+Job records and the health verdicts are read just before it (a record is current unless a
+claim was released meanwhile, and then the decision reads again).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+from agent.errors import AlreadyExistsError
 from agent.gpus.quarantine import Entry, Quarantine
 
 if TYPE_CHECKING:
@@ -62,6 +64,9 @@ class GpuLedger:
         self._claims: dict[str, tuple[str, ...]] = {}  # owner (a lease, a start) → its GPUs
         self._leases: set[str] = set()  # the owners that are incoming migrations
         self._holds: dict[str, _Hold] = {}  # GPU → the preemption hold on it
+        #: Bumped by every release: a job record read before the lock is current if this did not move
+        #: (a start's claim is released only after its record holds the GPUs).
+        self._releases = 0
 
     # -- decisions ------------------------------------------------------------------------
 
@@ -77,25 +82,38 @@ class GpuLedger:
         every GPU `for_job` may not take, with why, and the bytes frozen jobs keep per GPU;
         it returns its result and the GPUs it chose (or raises: then nothing is held)."""
         health = self.health()  # the monitor's last verdicts (a snapshot: no NVML call)
-        with self._lock:
-            taken = {**self._not_fit(health), **self._taken_locked(owner, for_job)}
-            result, gpus = pick(taken, self._frozen_bytes_locked())
-            self._claims[owner] = tuple(gpus)
-            if lease:
-                self._leases.add(owner)
-        return result
+        while True:
+            # Job records are read before the lock (a launch holds the registry's lock while its
+            # init starts): valid unless a claim was released meanwhile, which may mean a new record.
+            with self._lock:
+                seen = self._releases
+            jobs, arrived = self._jobs_holding(for_job), self._arrivals()
+            with self._lock:
+                if self._releases != seen:
+                    continue
+                if owner in self._claims:  # one claim per owner: a second would replace the first
+                    raise AlreadyExistsError(
+                        f"{owner} is already choosing or holding GPUs here", hint="wait for it to finish"
+                    )
+                taken = {**self._not_fit(health), **jobs, **self._taken_locked(owner, for_job, arrived)}
+                result, gpus = pick(taken, self._frozen_bytes_locked())
+                self._claims[owner] = tuple(gpus)
+                if lease:
+                    self._leases.add(owner)
+                return result
 
     def release(self, owner: str) -> None:
         """The claim is over: its job holds its GPUs now (or it failed and holds none)."""
         with self._lock:
             self._claims.pop(owner, None)
             self._leases.discard(owner)
+            self._releases += 1
 
     def unavailable(self, for_job: str) -> dict[str, str]:
         """Every GPU here that `for_job` may not be placed on, each with why (a snapshot)."""
-        health = self.health()
+        health, jobs, arrived = self.health(), self._jobs_holding(for_job), self._arrivals()
         with self._lock:
-            return {**self._not_fit(health), **self._taken_locked("", for_job)}
+            return {**self._not_fit(health), **jobs, **self._taken_locked("", for_job, arrived)}
 
     def promised(self) -> set[str]:
         """GPUs that leases in flight or starts hold now."""
@@ -144,8 +162,9 @@ class GpuLedger:
     def held_for(self) -> dict[str, str]:
         """GPU → the job a live preemption hold keeps it for; a hold ends when it expires or that
         job has arrived (a record of it started after the hold began)."""
+        arrived = self._arrivals()
         with self._lock:
-            return self._live_holds_locked()
+            return self._live_holds_locked(arrived)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -159,24 +178,28 @@ class GpuLedger:
                 out[u] = f"is quarantined ({e.reason}; `ferry gpus --clear {u}` once fixed)"
         return out
 
-    def _taken_locked(self, owner: str, for_job: str) -> dict[str, str]:
+    def _taken_locked(self, owner: str, for_job: str, arrived: dict[str, float]) -> dict[str, str]:
         out: dict[str, str] = {}
-        for u, for_other in self._live_holds_locked().items():
+        for u, for_other in self._live_holds_locked(arrived).items():
             if for_other != for_job:
                 out[u] = f"is kept for job {for_other} (it suspended a low-priority job to get it)"
-        if self.registry is not None:
-            # GPUs given with `ferry run --gpu` are their job's alone; a GPU that NVML shows other CUDA
-            # jobs on may still be shared where its memory allows (gpus.choose prefers idle ones).
-            for rec in self.registry.list():
-                if rec.state.active and rec.name != for_job:
-                    for u in rec.gpus:
-                        out[u] = f"is held by job {rec.name}"
         for o, gpus in self._claims.items():
             if o == owner:
                 continue
             why = "is promised to another incoming job" if o in self._leases else f"is being taken by {o}"
             for u in gpus:
                 out.setdefault(u, why)
+        return out
+
+    def _jobs_holding(self, for_job: str) -> dict[str, str]:
+        """GPUs given with `ferry run --gpu` are their job's alone; a GPU that NVML shows other CUDA
+        jobs on may still be shared where its memory allows (gpus.choose prefers idle ones)."""
+        out: dict[str, str] = {}
+        if self.registry is not None:
+            for rec in self.registry.list():
+                if rec.state.active and rec.name != for_job:
+                    for u in rec.gpus:
+                        out[u] = f"is held by job {rec.name}"
         return out
 
     def _frozen_bytes_locked(self) -> dict[str, int]:
@@ -186,11 +209,14 @@ class GpuLedger:
                 out[u] = out.get(u, 0) + n
         return out
 
-    def _live_holds_locked(self) -> dict[str, str]:
+    def _arrivals(self) -> dict[str, float]:
+        """Job → when its record started, for the jobs not waiting preempted (read before the lock)."""
+        if self.registry is None:
+            return {}
+        return {r.name: r.started_at for r in self.registry.list() if r.state.value != "preempted"}
+
+    def _live_holds_locked(self, arrived: dict[str, float]) -> dict[str, str]:
         now = self.clock()
-        arrived: dict[str, float] = {}
-        if self.registry is not None:
-            arrived = {r.name: r.started_at for r in self.registry.list() if r.state.value != "preempted"}
         self._holds = {
             u: h for u, h in self._holds.items() if h.until > now and arrived.get(h.for_job, 0.0) < h.since
         }

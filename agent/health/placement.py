@@ -18,7 +18,7 @@ from agent.gpus.inventory import GpuNeed, gib
 from agent.health.verdicts import State
 from agent.jobs.record import Priority
 from agent.rpc import pb
-from agent.service.convert import HEALTH_STATES, PRIORITIES
+from agent.wire import HEALTH_STATES, PRIORITIES
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,14 @@ class JobState(StrEnum):
     ended here) | EXITED (it ended during an aborted move) | LOST (a settlement found it gone).
     RUNNING → EXITED (it ended) | STOPPED (`ferry stop`) | LOST (its process vanished while
     the agent was down, or its restore here was cut short / its post-copy failed).
-    MIGRATING → LOST: the agent restarted and the process was gone.
+    MIGRATING → LOST: the agent restarted and the process was gone. LOST → MOVED: that copy was
+    a migration's frozen source, and the target turned out to run the job.
     CHECKPOINTED → PREEMPTED: the checkpoint was a preemption's suspend; PREEMPTED →
     STOPPED (`ferry stop` discards it, keeping the image). A preempted job comes back as a
     new RUNNING record that replaces this one (as does any restore of a final job's name).
 
-    Every state but RUNNING, MIGRATING and PREEMPTED is final for this node; a final job's
-    name may be reused.
+    Every state but RUNNING, MIGRATING and PREEMPTED is final for this node (LOST can still be
+    corrected to MOVED); a final job's name may be reused.
     """
 
     RUNNING = "running"
@@ -62,7 +63,7 @@ JOB_TRANSITIONS: Transitions[JobState] = Transitions(
         _J.EXITED: frozenset(),
         _J.STOPPED: frozenset(),
         _J.MOVED: frozenset(),
-        _J.LOST: frozenset(),
+        _J.LOST: frozenset({_J.MOVED}),
     },
 )
 

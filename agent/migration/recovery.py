@@ -28,6 +28,7 @@ from collections.abc import Callable
 from agent.compat import StrEnum
 from agent.cuda import driver as cuda
 from agent.errors import FerryError, InvalidArgumentError, NotFoundError, RefusedError
+from agent.gpus.ledger import GpuLedger
 from agent.jobs import procs
 from agent.jobs.network import LinkLock
 from agent.jobs.record import JobState
@@ -61,14 +62,19 @@ class SourceRecovery:
         driver: cuda.CudaDriver,
         node: str,
         peer_for: Callable[[str], Peer],
+        ledger: GpuLedger | None = None,
     ) -> None:
         self.registry = registry
+        #: Where a frozen job's GPU memory is held (an in-process UNRESOLVED one); none after a restart.
+        self.ledger = ledger or GpuLedger()
         self.journal = journal
         self.driver = driver
         self.node = node
         self.peer_for = peer_for
         #: One settlement at a time: the housekeeping loop and `ferry resolve` may race.
         self._lock = threading.Lock()
+        #: Migrations whose settlement at start failed: housekeeping tries them again.
+        self._retry: set[str] = set()
 
     def open_records(self) -> list[MigrationRecord]:
         return [r for r in self.journal.load(SOURCE) if r.state in _NOT_SENT | _MAYBE_SENT]
@@ -81,15 +87,22 @@ class SourceRecovery:
                 done.append(f"{rec.migration_id}: {self.settle(rec, restarted=True)}")
             except Exception as e:
                 log.exception("migration %s (job %s): recovery failed", rec.migration_id, rec.job)
-                done.append(f"{rec.migration_id}: recovery failed: {e}")
+                done.append(f"{rec.migration_id}: recovery failed ({e}); tried again every few seconds")
+                self._retry.add(rec.migration_id)
         return done
 
     def poll(self) -> None:
-        """Ask again about unresolved migrations; a definite answer settles them."""
+        """Ask again about unresolved migrations, and settle those whose recovery at start failed
+        (never one this run of the agent is moving: those are neither)."""
         for rec in self.open_records():
-            if rec.state == MigrationState.UNRESOLVED.value:
-                with contextlib.suppress(FerryError):
-                    self.settle(rec)
+            retry = rec.migration_id in self._retry
+            if rec.state == MigrationState.UNRESOLVED.value or retry:
+                try:
+                    self.settle(rec, restarted=retry)
+                    self._retry.discard(rec.migration_id)
+                except Exception as e:  # asked again at the next pass
+                    mid, job = rec.migration_id, rec.job
+                    log.warning("migration %s (job %s): not settled yet: %s", mid, job, e)
 
     def resolve(self, job: str, action: Resolution) -> str:
         """`ferry resolve JOB [--resume|--finish]`: ask the target, or take the operator's word."""
@@ -169,7 +182,14 @@ class SourceRecovery:
             note = f"migration to {rec.peer} settled: {why}; the job resumed here"
             return f"{note}, but {r.summary()}; {cuda.UNDO_HINT}" if r.summary() else note
 
-        done = rollback.resume(self.registry, self.driver, copy, say, gone=JobState.LOST)
+        done = rollback.resume(
+            self.registry,
+            self.driver,
+            copy,
+            say,
+            gone=JobState.LOST,
+            cuda_back=lambda: self.ledger.release_frozen(rec.cuda_pids),
+        )
         shutil.rmtree(rec.staging, ignore_errors=True)
         self._settled(rec, MigrationState.ABORTED, say(done))
         return say(done)
@@ -179,7 +199,8 @@ class SourceRecovery:
         pids = procs.tree_pids(job.pid) if procs.alive(job.pid, job.pid_started) else []
         note = f"moved to {rec.peer}: {why}"
         copy = rollback.FrozenCopy(job, pids, LinkLock(self.registry.network, job.veth))
-        rollback.finish(self.registry, copy, JobState.MOVED, note, moved_to=rec.peer)
+        gone = lambda: self.ledger.release_frozen(rec.cuda_pids)  # noqa: E731
+        rollback.finish(self.registry, copy, JobState.MOVED, note, cuda_gone=gone, moved_to=rec.peer)
         shutil.rmtree(rec.staging, ignore_errors=True)
         self._settled(rec, MigrationState.COMMITTED, note)
         return note

@@ -50,13 +50,16 @@ class Resumed:
 
 
 def undo_cuda(driver: cuda.CudaDriver, pids: list[int], left: CudaLeft) -> cuda.UndoReport:
-    """The CUDA part of a resume, from what the journal says the freeze did."""
+    """The CUDA part of a resume, from what the journal says the freeze did. Where that undo
+    fails (an earlier resume got part-way: a process already restored, say), each process's
+    state is read from the driver and the undo tried once more from there."""
     if left is CudaLeft.NONE or not pids:
         return cuda.UndoReport()
     if left is CudaLeft.PARTLY:  # a call was under way: only get-state knows each process's state
         return cuda.undo(driver, pids)
     state = cuda.ProcessState.LOCKED if left is CudaLeft.LOCKED else cuda.ProcessState.CHECKPOINTED
-    return cuda.undo(driver, pids, dict.fromkeys(pids, state))
+    report = cuda.undo(driver, pids, dict.fromkeys(pids, state))
+    return cuda.undo(driver, pids) if report else report
 
 
 def resume(
@@ -84,9 +87,10 @@ def resume(
     if not undone:
         cuda_back()
     out = Resumed(procs.alive(copy.rec.pid, copy.rec.pid_started), undone, tuple(problems))
-    registry.update(
-        copy.rec.name, state=JobState.RUNNING if out.running else gone, migration_id="", note=note(out)
-    )
+    current = registry.get(copy.rec.name).state
+    # Its process gone, a record that already says how the job ended keeps that.
+    state = JobState.RUNNING if out.running else gone if current.active else current
+    registry.update(copy.rec.name, state=state, migration_id="", note=note(out))
     return out
 
 
@@ -101,7 +105,7 @@ def finish(
 ) -> None:
     """Another copy runs (MOVED) or the image holds the job (CHECKPOINTED): the frozen tree
     is killed, its link deleted, and the GPUs its freeze kept are nobody's any more."""
-    if copy.pids and procs.alive(copy.rec.pid, copy.rec.pid_started):
+    if copy.pids:  # the stopped tree as dumped; a launched job's PID 1 takes its namespace along
         registry.kill_tree(copy.rec, copy.pids)
     if copy.link.network is not None:
         copy.link.network.delete(copy.link.veth)

@@ -134,8 +134,8 @@ class SourceMigration:
         self.state = SOURCE_TRANSITIONS.check(self.state, state, subject)
         self._journal(state=state.value, **changes)
 
-    def _set(self, state: MigrationState, phase: str, message: str) -> None:
-        self._to(state)
+    def _set(self, state: MigrationState, phase: str, message: str, **changes: object) -> None:
+        self._to(state, **changes)
         log.info("migration %s (job %s): %s", self.spec.migration_id, self.spec.job, message)
         self.emit(Progress(phase, message))
 
@@ -167,16 +167,18 @@ class SourceMigration:
         pids: list[int] = []
         frozen_at = 0.0
         try:
+            # The first freezing step, journaled before it acts: the CUDA lock (a crash mid-freeze
+            # must be undone), or for a job without CUDA processes the dump itself.
+            first = MigrationState.LOCKING if self.footprint.processes else MigrationState.DUMPING
+            self._set(first, "dump", "freezing and dumping the job", cuda_pids=self.footprint.pids)
             faults.check("dump", self.node)
             self.staging.mkdir(mode=0o700, parents=True)
             frozen_at = time.monotonic()
             if self.footprint.processes:
-                # Journaled before the first lock: a crash mid-freeze must be undone.
-                self._to(MigrationState.LOCKING, cuda_pids=self.footprint.pids)
                 self.emit(Progress("dump", f"copying {gib(self.footprint.gpu_bytes)} of GPU memory to host"))
                 self.cuda.freeze(self.footprint, self.phases.times, self.spec.lock_timeout_s, self._cuda_step)
                 self._to(MigrationState.CHECKPOINTED)
-            self._set(MigrationState.DUMPING, "dump", "freezing and dumping the job")
+                self._to(MigrationState.DUMPING)
             shell_job = needs_shell_job(rec, procs.tree_pids(rec.pid))
             if self.lease.page_stream and not self.spec.staged:
                 # Post-copy sends the memory after the commit, as the target asks for it.

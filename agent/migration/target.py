@@ -20,6 +20,7 @@ import shutil
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +90,7 @@ class Incoming:
     lazy: bool = False  # post-copy: the memory comes after the restore, on demand
     postcopy_failed: str = ""  # why the post-copy transfer broke; the job must not run on
     reason: str = ""  # why the source moves it (automatic moves say which GPU and what it showed)
+    lease_owner: str = ""  # its GPUs' claim in the ledger ("" once released, or when it holds none)
 
     def record(self) -> MigrationRecord:
         return MigrationRecord(
@@ -214,22 +216,25 @@ class TargetMigrations:
             )
             return gpu_map, gpu_map.values()
 
-        with self._lock:
-            self._expire_locked()
-            if req.migration_id in self._incoming or self.journal.get(TARGET, req.migration_id):
-                raise self._refuse(
-                    f"migration {req.migration_id} is already known here; ids are never reused"
+        if needs:  # held from here on, in the ledger, so two leases never share a GPU
+            # Unique per attempt: two Prepares of one id must not share (and release) one claim.
+            inc.lease_owner = f"the lease of migration {req.migration_id} ({uuid.uuid4().hex[:8]})"
+            inc.gpu_map = self.ledger.decide(inc.lease_owner, req.job, pick, lease=True)
+        try:
+            with self._lock:
+                self._expire_locked()
+                if req.migration_id in self._incoming or self.journal.get(TARGET, req.migration_id):
+                    raise self._refuse(
+                        f"migration {req.migration_id} is already known here; ids are never reused"
+                    )
+                self._admit_locked(
+                    req, [i for i in self._incoming.values() if i.state.in_flight], need, staging
                 )
-            busy = [i for i in self._incoming.values() if i.state.in_flight]
-            if needs:  # held from here on, in the ledger, so two leases never share a GPU
-                inc.gpu_map = self.ledger.decide(_lease(req.migration_id), req.job, pick, lease=True)
-            try:
-                self._admit_locked(req, busy, need, staging)
                 self.journal.save(inc.record())
-            except BaseException:
-                self.ledger.release(_lease(req.migration_id))
-                raise
-            self._incoming[req.migration_id] = inc
+                self._incoming[req.migration_id] = inc
+        except BaseException:
+            self.ledger.release(inc.lease_owner)
+            raise
         log.info(
             "migration %s: lease granted for job %s from %s (%s)",
             req.migration_id,
@@ -359,17 +364,19 @@ class TargetMigrations:
                     job = self.registry.get(inc.job)
                 except NotFoundError:
                     job = None
-                if job is not None:
-                    # Recorded first, so the job's end reads as this loss, not as an exit.
-                    self.registry.update(
-                        inc.job,
-                        state=JobState.LOST,
-                        note=f"post-copy from {inc.source_node} failed ({why}); killed here, "
-                        "the source resumes its frozen copy",
-                    )
-                    if procs.alive(job.pid, job.pid_started):
-                        procs.signal_all(procs.tree_pids(job.pid), signal.SIGKILL)
-                self._drop(inc, f"post-copy failed: {why}")
+                try:
+                    if job is not None and job.state.active:
+                        # Recorded first, so the job's end reads as this loss, not as an exit.
+                        self.registry.update(
+                            inc.job,
+                            state=JobState.LOST,
+                            note=f"post-copy from {inc.source_node} failed ({why}); killed here, "
+                            "the source resumes its frozen copy",
+                        )
+                        if procs.alive(job.pid, job.pid_started):
+                            procs.signal_all(procs.tree_pids(job.pid), signal.SIGKILL)
+                finally:  # the source resumes its copy only on our ABORTED: say it whatever happened
+                    self._drop(inc, f"post-copy failed: {why}")
             elif inc.state in (TargetState.PREPARED, TargetState.VERIFIED):
                 self._drop(inc, f"page stream failed: {why}")
             # RESTORING: the commit sees postcopy_failed at its commit point and kills the restore.
@@ -427,9 +434,11 @@ class TargetMigrations:
                     step="transfer",
                     node=self.node,
                 )
-                self._drop(inc, e.cause)
+                with self._lock:
+                    self._drop(inc, e.cause)
                 raise e from None
-            self._drop(inc, f"intake failed: {e}")
+            with self._lock:  # an Abort may have dropped it meanwhile: then this is a no-op
+                self._drop(inc, f"intake failed: {e}")
             if isinstance(e, OSError):  # a full staging tmpfs, say: a transfer failure, not a crash
                 raise TransferError(
                     f"cannot write the image into {inc.staging}: {e.strerror}", node=self.node
@@ -483,8 +492,17 @@ class TargetMigrations:
                 log_dir=work_dir,
             )
         except BaseException as e:
-            self._drop(inc, f"restore failed: {e}")
-            raise
+            with self._lock:
+                if inc.state in (TargetState.RUNNING, TargetState.POSTCOPY):
+                    # Past the commit point the job is this node's one copy: the commit succeeded,
+                    # whatever failed after it, or the source would resume a second copy.
+                    log.error(
+                        "migration %s: the job runs here, but after its release: %s", inc.migration_id, e
+                    )
+                else:
+                    self._drop(inc, f"restore failed: {e}")
+                    raise
+            rec = self.registry.get(inc.job)
         if not inc.lazy:  # post-copy: the daemon reads the page maps there until it is done
             shutil.rmtree(inc.staging, ignore_errors=True)
             self.criu_logs.done(inc.migration_id)
@@ -600,17 +618,22 @@ class TargetMigrations:
         acts on it."""
         inc.state = TARGET_TRANSITIONS.check(inc.state, state, f"{inc.migration_id} (job {inc.job})")
         if not state.in_flight:  # RUNNING: the job's record holds its GPUs now
-            self.ledger.release(_lease(inc.migration_id))
+            self.ledger.release(inc.lease_owner)
         self.journal.save(inc.record())
 
     def _drop(self, inc: Incoming, why: str) -> None:
+        """Under the lock: end the migration here (ABORTED) with nothing left of it. Dropping
+        one already dropped (an Abort racing a failing transfer) changes nothing."""
+        if inc.state is TargetState.ABORTED:
+            log.info("migration %s: already dropped; also %s", inc.migration_id, why)
+            return
         if inc.relay is not None:
             inc.relay.kill()  # a page server still writing into staging
         # Staging first: "aborted" on disk then also means nothing is left (recovery cleans both ways).
         shutil.rmtree(inc.staging, ignore_errors=True)
         subject = f"{inc.migration_id} (job {inc.job})"
         inc.state = TARGET_TRANSITIONS.check(inc.state, TargetState.ABORTED, subject)
-        self.ledger.release(_lease(inc.migration_id))
+        self.ledger.release(inc.lease_owner)
         rec = inc.record()
         rec.note = why
         self.journal.save(rec)
@@ -629,8 +652,3 @@ def _safe_id(mid: str) -> str:
     if not mid or not mid.isascii() or not mid.replace("-", "").isalnum() or len(mid) > 64:
         raise InvalidArgumentError(f"invalid migration id {mid!r}: 1-64 letters, digits and '-'")
     return mid
-
-
-def _lease(mid: str) -> str:
-    """A lease's owner name in the GPU ledger."""
-    return f"the lease of migration {mid}"

@@ -93,7 +93,12 @@ class AgentNode:
             self.registry, self.criu, staging_root, node, self.cuda, self.journal, ledger=self.gpus
         )
         self.recovery = SourceRecovery(
-            self.registry, self.journal, self.cuda.driver, node, lambda a: client.PeerClient(a, self.dial)
+            self.registry,
+            self.journal,
+            self.cuda.driver,
+            node,
+            lambda a: client.PeerClient(a, self.dial),
+            ledger=self.gpus,
         )
         self._moves = 0
         self._moves_lock = threading.Condition()

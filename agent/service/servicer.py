@@ -15,9 +15,6 @@ from agent.migration.model import MigrationResult, Progress
 from agent.rpc import pb, pb_grpc
 from agent.service import access
 from agent.service.convert import (
-    DEGRADED_POLICIES,
-    PRIORITIES,
-    RESOLUTIONS,
     event_pb,
     health_pb,
     inventory_pb,
@@ -28,6 +25,7 @@ from agent.service.convert import (
 from agent.service.follow import FollowSlots
 from agent.service.node import AgentNode
 from agent.service.status import rpc, stream_rpc
+from agent.wire import DEGRADED_POLICIES, PRIORITIES, RESOLUTIONS
 
 _STREAMS = {pb.LOG_STREAM_STDOUT: STDOUT, pb.LOG_STREAM_STDERR: STDERR}
 _STREAM_PB = {v: k for k, v in _STREAMS.items()}

@@ -13,11 +13,12 @@ import pytest
 from agent.cli import render
 from agent.errors import FerryError, InvalidArgumentError
 from agent.health.verdicts import Evidence, GpuHealth, State
-from agent.jobs.registry import JobKind, JobRecord, JobState, OnDegraded, Priority
+from agent.jobs.record import JobKind, JobRecord, JobState, OnDegraded, Priority
 from agent.migration.recovery import Resolution
 from agent.rpc import pb
 from agent.service import convert
-from agent.service.convert import (
+from agent.service.status import status_for
+from agent.wire import (
     DEGRADED_POLICIES,
     ENUM_MAPS,
     EVENT_KINDS,
@@ -26,7 +27,6 @@ from agent.service.convert import (
     RESOLUTIONS,
     EnumMap,
 )
-from agent.service.status import status_for
 
 #: Each map with every value the product has for it.
 PRODUCT_VALUES: list[tuple[EnumMap, list[str]]] = [

@@ -24,6 +24,8 @@ from fake_cuda import (
 from agent.cuda import driver as cuda
 from agent.cuda.driver import CudaDriver, ProcessState, uuid_bytes, uuid_text
 from agent.errors import CudaCheckpointError, RefusedError
+from agent.migration.rollback import undo_cuda
+from agent.migration.states import CudaLeft
 
 PID = 4100
 
@@ -255,14 +257,25 @@ def test_freeze_failure_that_cannot_be_undone_says_so() -> None:
 def test_unfreeze_resumes_in_place_and_reports_what_failed() -> None:
     drv, fake, w = two_procs()
     cuda.freeze(drv, [1, 2], 1.0, {})
-    assert not cuda.unfreeze(drv, [1, 2])
+    assert not undo_cuda(drv, [1, 2], CudaLeft.CHECKPOINTED)
     assert (w.state(1), w.state(2)) == (RUNNING, RUNNING)
     cuda.freeze(drv, [1, 2], 1.0, {})
     fake.fail[("restore", 2)] = R.CUDA_ERROR_OUT_OF_MEMORY
-    report = cuda.unfreeze(drv, [1, 2])
+    report = undo_cuda(drv, [1, 2], CudaLeft.CHECKPOINTED)
     assert len(report.failures) == 1 and report.failures[0].startswith("pid 2:")
     assert report.states == ((2, "checkpointed"),)
     assert w.state(1) == RUNNING
+
+
+def test_an_undo_from_the_journal_that_finds_a_process_further_on_reads_the_driver() -> None:
+    """The journal says checkpointed, but an earlier resume that was cut short already restored
+    pid 1 (LOCKED now): restoring it again fails, so the undo reads each state and unlocks it."""
+    drv, _, w = two_procs()
+    cuda.freeze(drv, [1, 2], 1.0, {})
+    drv.restore(1, None)
+    assert w.state(1) == LOCKED
+    assert not undo_cuda(drv, [1, 2], CudaLeft.CHECKPOINTED)
+    assert (w.state(1), w.state(2)) == (RUNNING, RUNNING)
 
 
 def test_not_supported_on_a_capable_driver_points_at_managed_memory() -> None:

@@ -34,6 +34,8 @@ from agent.cuda import pidprobe
 from agent.cuda.driver import CudaDriver, ProcessState
 from agent.errors import CudaCheckpointError, InvalidArgumentError, RefusedError
 from agent.gpus.inventory import Nvml
+from agent.migration.rollback import undo_cuda
+from agent.migration.states import CudaLeft
 
 JOB = 6100
 
@@ -145,7 +147,7 @@ def test_an_undo_that_meets_304_reports_the_state_and_what_to_do() -> None:
     drv = CudaDriver(fake, "nodea")
     cuda.freeze(drv, [JOB], 1.0, {})
     fake.broken.add(JOB)  # an earlier restore failed
-    report = cuda.unfreeze(drv, [JOB])
+    report = undo_cuda(drv, [JOB], CudaLeft.CHECKPOINTED)
     assert report and "CUDA_ERROR_OPERATING_SYSTEM (304)" in report.summary()
     assert report.states == ((JOB, "checkpointed"),)
     assert f"the driver now reports pid {JOB} checkpointed" in report.summary()

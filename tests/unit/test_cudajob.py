@@ -10,11 +10,21 @@ from __future__ import annotations
 import pytest
 from fake_cuda import A100, GIB, GPU0, GPU1, H200, CudaWorld, FakeGpu, R, fake_cuda_jobs
 
-from agent.cuda.jobs import ProcView, host_pids
+from agent.cuda.jobs import CudaJobs, ProcView, host_pids
 from agent.errors import RefusedError
 from agent.gpus.inventory import GpuNeed, Inventory, Nvml, choose
+from agent.migration.rollback import undo_cuda
+from agent.migration.states import CudaLeft
 
 JOB = 5000
+
+
+def decide(jobs: CudaJobs, needs: list[GpuNeed], driver_version: str = "") -> dict[str, str]:
+    """What a GPU decision does with this CUDA side: read NVML, check the driver, then choose with
+    the frozen jobs' memory counted (agent.migration.local.claim_gpus)."""
+    inv = jobs.nvml.inventory()
+    jobs.check_restorable(inv, driver_version, True)
+    return jobs.pick_gpus(needs, inv, frozen=jobs.ledger.frozen_bytes())
 
 
 def world(*gpus: FakeGpu, driver: str = "580.65.06") -> CudaWorld:
@@ -202,9 +212,9 @@ def test_memory_the_job_itself_holds_here_counts_as_free() -> None:
 def test_remapping_needs_r580_but_the_same_gpu_does_not() -> None:
     w = world(FakeGpu(GPU0), driver="570.86.10")
     jobs, _ = fake_cuda_jobs(w)
-    assert jobs.choose_gpus([GpuNeed(GPU0, H200, GIB)]) == {GPU0: GPU0}
+    assert decide(jobs, [GpuNeed(GPU0, H200, GIB)]) == {GPU0: GPU0}
     with pytest.raises(RefusedError, match="restoring onto other GPUs needs driver r580, this node has 570"):
-        jobs.choose_gpus([GpuNeed("GPU-elsewhere", H200, GIB)])
+        decide(jobs, [GpuNeed("GPU-elsewhere", H200, GIB)])
 
 
 # -- after restore -----------------------------------------------------------------------
@@ -252,8 +262,8 @@ def test_a_different_driver_version_is_refused() -> None:
     with pytest.raises(
         RefusedError, match=r"checkpointed under NVIDIA driver 570\.1, this node runs 580\.65\.06"
     ):
-        jobs.choose_gpus([GpuNeed(GPU0, H200, GIB)], driver_version="570.1")
-    assert jobs.choose_gpus([GpuNeed(GPU0, H200, GIB)], driver_version="580.65.06")
+        decide(jobs, [GpuNeed(GPU0, H200, GIB)], driver_version="570.1")
+    assert decide(jobs, [GpuNeed(GPU0, H200, GIB)], driver_version="580.65.06")
 
 
 def test_a_frozen_jobs_gpu_memory_is_held_until_released() -> None:
@@ -264,7 +274,8 @@ def test_a_frozen_jobs_gpu_memory_is_held_until_released() -> None:
     jobs.freeze(fp, {})
     assert w.used(GPU0) == 0  # NVML: free...
     with pytest.raises(RefusedError, match=r"has 2\.0 GiB free"):  # ...but promised to the frozen job
-        jobs.choose_gpus([GpuNeed("GPU-other", H200, 4 * GIB)])
-    assert not jobs.unfreeze(fp)
+        decide(jobs, [GpuNeed("GPU-other", H200, 4 * GIB)])
+    assert not undo_cuda(jobs.driver, fp.pids, CudaLeft.CHECKPOINTED)
+    jobs.release(fp)
     w.procs.pop(JOB)  # the job moved away: its memory is really free
-    assert jobs.choose_gpus([GpuNeed("GPU-other", H200, 4 * GIB)]) == {"GPU-other": GPU0}
+    assert decide(jobs, [GpuNeed("GPU-other", H200, 4 * GIB)]) == {"GPU-other": GPU0}

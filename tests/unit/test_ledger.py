@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.errors import NoFreeGpuError
+from agent.errors import AlreadyExistsError, NoFreeGpuError
 from agent.gpus.ledger import GpuLedger
 from agent.gpus.quarantine import Quarantine
 from agent.jobs.record import JobKind, JobRecord, JobState
@@ -124,3 +124,36 @@ def test_two_racing_starts_never_get_the_same_gpu(ledger: GpuLedger) -> None:
     for t in threads:
         t.join()
     assert len(won) == 1 and ledger.promised() == {"G0"}
+
+
+def test_one_claim_per_owner(ledger: GpuLedger) -> None:
+    """Two restores of one name at once: the second is refused, and the first keeps its claim."""
+    ledger.decide("the restore of job x", "x", take(["G0"]))
+    with pytest.raises(AlreadyExistsError, match="the restore of job x is already choosing or holding GPUs"):
+        ledger.decide("the restore of job x", "x", take(["G1"]))
+    assert ledger.promised() == {"G0"}
+
+
+def test_a_record_saved_while_deciding_is_seen(ledger: GpuLedger) -> None:
+    """Job records are read before the lock; a claim released meanwhile (its job's record now holds
+    the GPU) makes the decision read them again, so the GPU is never given twice."""
+    assert ledger.registry is not None
+    ledger.decide("the start of job a", "a", take(["G0"]))
+    calls = 0
+    real = ledger._jobs_holding
+
+    def racing(for_job: str) -> dict[str, str]:
+        nonlocal calls
+        calls += 1
+        seen = real(for_job)
+        if calls == 1:  # job a's start finishes between our read and our lock
+            ledger.registry.save(  # type: ignore[union-attr]
+                JobRecord("a", JobKind.LAUNCHED, JobState.RUNNING, 1, ["x"], "/", gpus=["G0"])
+            )
+            ledger.release("the start of job a")
+        return seen
+
+    ledger._jobs_holding = racing  # type: ignore[method-assign]
+    with pytest.raises(NoFreeGpuError, match="G0 is held by job a"):
+        ledger.decide("the start of job b", "b", take(["G0"]))
+    assert calls == 2

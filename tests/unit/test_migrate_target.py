@@ -683,6 +683,49 @@ def test_memory_that_stops_coming_kills_the_running_copy_first(target: TargetMig
     assert staged(target) == []
 
 
+def test_memory_that_stops_coming_after_the_job_ended_still_drops_the_migration(
+    target: TargetMigrations, sleeper
+) -> None:
+    """The job ended here before the pages stopped (it read a zero page and crashed, say): its
+    record keeps how it ended, and the migration still ends ABORTED so the source resumes."""
+    target.prepare(prepare_req(lazy=True))
+    proc, _, _ = sleeper()
+    rec = JobRecord(
+        name="train", kind=JobKind.LAUNCHED, state=JobState.RUNNING, pid=proc.pid, command=["x"], cwd="/"
+    )
+    target.registry.save(rec)
+    proc.kill()
+    proc.wait(10)
+    target.registry.update("train", state=JobState.EXITED, note="exited with status -9")
+
+    def restored_and_released() -> None:
+        target._incoming[MID].state = TargetState.POSTCOPY
+
+    with pytest.raises(FerryError, match="broke off"):
+        list(target.stream_pages(broken_stream(MID, restored_and_released)))
+    assert target.registry.get("train").state is JobState.EXITED
+    assert state(target) == pb.TARGET_STATE_ABORTED
+    assert target.ledger.promised() == set()
+
+
+def test_an_abort_racing_the_push_is_a_transfer_failure_not_an_internal_error(
+    target: TargetMigrations,
+) -> None:
+    """The source aborts while its push is still coming in (its own failure elsewhere): the push
+    ends as a refused or failed transfer, never as "a bug in ferry"."""
+    target.prepare(prepare_req())
+
+    def chunks() -> Iterator[pb.ImageChunk]:
+        yield pb.ImageChunk(migration_id=MID, file="core-1.img", data=b"x" * 10)
+        target.abort(MID, "the source gave up")  # drops it: staging goes
+        yield pb.ImageChunk(migration_id=MID, file="core-1.img", data=b"y" * 10, last=True)
+
+    with pytest.raises(FerryError) as err:
+        target.push(chunks())
+    assert err.value.kind != "internal", err.value
+    assert state(target) == pb.TARGET_STATE_ABORTED
+
+
 def test_a_stream_broken_before_the_restore_drops_the_lease(target: TargetMigrations) -> None:
     target.prepare(prepare_req(lazy=True))
     with pytest.raises(FerryError, match="broke off"):

@@ -9,7 +9,7 @@ from agent.errors import InvalidArgumentError, RefusedError, UnavailableError
 from agent.gpus.inventory import GpuNeed
 from agent.health.placement import choose_target
 from agent.rpc import pb
-from agent.service.convert import HEALTH_STATES, PRIORITIES
+from agent.wire import HEALTH_STATES, PRIORITIES
 
 H200, A100 = "NVIDIA H200", "NVIDIA A100"
 GIB = 1 << 30

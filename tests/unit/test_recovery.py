@@ -141,6 +141,38 @@ def test_a_source_after_commit_ends_its_copy_when_the_target_runs_the_job(frozen
     assert journal.get(SOURCE, "m1").state == "committed"
 
 
+def test_a_rebooted_source_whose_copy_is_gone_records_the_move(frozen, registry, tmp_path) -> None:
+    """After a reboot the frozen copy is gone (the registry says LOST); the target runs the job:
+    the record says MOVED, and the migration is settled."""
+    proc = frozen()
+    journal = Journal(tmp_path / "state")
+    journal.save(source_record("restoring", proc, tmp_path))
+    proc.kill()
+    proc.wait(10)
+    registry.update("train", state=JobState.LOST, note="its process ended while the agent was down")
+    recovery(registry, journal, ScriptedTarget(pb.TARGET_STATE_RUNNING)).recover()
+    job = registry.get("train")
+    assert job.state is JobState.MOVED and job.moved_to == "127.0.0.1:1"
+    assert journal.get(SOURCE, "m1").state == "committed"
+
+
+def test_a_recovery_that_failed_at_start_is_tried_again(frozen, registry, tmp_path) -> None:
+    proc = frozen()
+    journal = Journal(tmp_path / "state")
+    journal.save(source_record("restoring", proc, tmp_path))
+    target = ScriptedTarget(pb.TARGET_STATE_RUNNING)
+    rec = recovery(registry, journal, target)
+    real = rec._finish
+    rec._finish = lambda r, why: (_ for _ in ()).throw(OSError("disk hiccup"))  # type: ignore[method-assign]
+    [line] = rec.recover()
+    assert "recovery failed (disk hiccup); tried again" in line
+    assert journal.get(SOURCE, "m1").state == "restoring"
+    rec._finish = real  # type: ignore[method-assign]
+    rec.poll()
+    assert journal.get(SOURCE, "m1").state == "committed"
+    assert registry.get("train").state is JobState.MOVED
+
+
 @pytest.mark.parametrize("answer", [pb.TARGET_STATE_ABORTED, pb.TARGET_STATE_UNKNOWN])
 def test_a_source_after_commit_resumes_when_the_target_does_not_run_it(answer, frozen, registry, tmp_path):
     proc = frozen()
