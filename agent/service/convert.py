@@ -18,8 +18,9 @@ from agent.migration.model import MigrationResult, Progress
 from agent.rpc import pb
 from agent.wire import DEGRADED_POLICIES, EVENT_KINDS, HEALTH_STATES, PRIORITIES
 
-if TYPE_CHECKING:  # healing reads peers' reports through placement, which converts with this module
+if TYPE_CHECKING:  # annotations only: these modules need none of this one at import
     from agent.health.healing import Holder
+    from agent.service.node import NodeInfo
 
 PHASES = {
     "prepare": pb.PHASE_PREPARE,
@@ -60,6 +61,17 @@ def job_pb(rec: JobRecord, node: str) -> pb.Job:
         address=rec.address,
         priority_class=PRIORITIES.shown(rec.priority),
         degraded_policy=DEGRADED_POLICIES.shown(rec.on_degraded),
+    )
+
+
+def info_pb(i: NodeInfo) -> pb.NodeInfo:
+    return pb.NodeInfo(
+        node_name=i.node,
+        version=i.version,
+        criu_version=i.criu_version,
+        staging_dir=i.staging_dir,
+        staging_free_bytes=i.staging_free_bytes,
+        agent_id=i.agent_id,
     )
 
 

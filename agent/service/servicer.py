@@ -17,6 +17,7 @@ from agent.service import access
 from agent.service.convert import (
     event_pb,
     health_pb,
+    info_pb,
     inventory_pb,
     job_pb,
     progress_pb,
@@ -57,15 +58,7 @@ class AgentService(pb_grpc.AgentServicer):
 
     @rpc
     def GetInfo(self, request: pb.GetInfoRequest, context: grpc.ServicerContext) -> pb.NodeInfo:
-        i = self.agent.info()
-        return pb.NodeInfo(
-            node_name=i.node,
-            version=i.version,
-            criu_version=i.criu_version,
-            staging_dir=i.staging_dir,
-            staging_free_bytes=i.staging_free_bytes,
-            agent_id=i.agent_id,
-        )
+        return info_pb(self.agent.info())
 
     @rpc
     def ListGpus(self, request: pb.ListGpusRequest, context: grpc.ServicerContext) -> pb.GpuInventory:

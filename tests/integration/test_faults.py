@@ -356,7 +356,7 @@ def test_source_killed_during_dump_resumes_after_restart(agents):
     kill(a)
     rc, _, _ = finish(migrating)  # dies with its agent
     assert rc != 0
-    assert wait_record(b, "target", ("prepared",))  # a lease, nothing more
+    assert wait_record(b, "target", ("streamed",))  # a lease and the streamed memory, nothing more
 
     restart(a)
     assert_resumed(a, "skd", "settled", "restarted while dumping", "commit was never sent", "resumed here")
