@@ -16,7 +16,6 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 from agent import __version__, client
 from agent.agent_config import AgentConfig
@@ -42,7 +41,6 @@ from agent.migration.target import TargetMigrations
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 #: How often an agent expires leases and asks about unresolved migrations.
 HOUSEKEEPING_S = float(os.environ.get("FERRY_HOUSEKEEPING_S", "5"))
 
