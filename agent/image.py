@@ -73,6 +73,7 @@ class JobSpec:
     gpu_chip: str = ""
     private: bool = False  # in namespaces of its own: restore with CRIU's --root /, a new link
     address: str = ""  # its address on the job network, which it keeps wherever it runs
+    group: str = ""  # the training job it is one member of (`ferry run --group`)
 
 
 @dataclass(frozen=True)

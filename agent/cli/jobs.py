@@ -27,6 +27,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         priority_class=priority_pb(args.priority),
         degraded_policy=degraded_policy_pb(args.on_degraded),
         gpus=args.gpu,
+        group=args.group,
     )
     job = call(args, "Run", req, 30)
     job_out(job, args.json, f"job {job.name} running as pid {job.pid} on {job.node_name}")
@@ -37,8 +38,45 @@ def cmd_ps(args: argparse.Namespace) -> int:
     from agent.cli.render import job_dict, jobs_table
     from agent.rpc import pb
 
+    if args.peer and not args.group:
+        raise Usage("ferry ps: --peer lists a group's members on other agents; give --group NAME too")
+    if args.group:
+        return _ps_group(args)
     jobs = list(call(args, "ListJobs", pb.ListJobsRequest(), 10).jobs)
     print_json([job_dict(j) for j in jobs]) if args.json else print(jobs_table(jobs))
+    return EXIT_OK
+
+
+def _ps_group(args: argparse.Namespace) -> int:
+    """The members of one training job on this agent, the given peers and the peers it knows; an
+    agent that does not answer is named on stderr, and the others still listed."""
+    from agent.cli.render import job_dict, jobs_table
+    from agent.errors import FerryError
+    from agent.rpc import pb
+
+    info = call(args, "GetInfo", pb.GetInfoRequest(), 10)
+    agents = [args.agent, *dict.fromkeys(a for a in [*args.peer, *info.peers] if a != args.agent)]
+    members: list[pb.Job] = []
+    silent = 0
+    for address in agents:
+        try:
+            jobs = call(
+                argparse.Namespace(**{**vars(args), "agent": address}), "ListJobs", pb.ListJobsRequest(), 10
+            )
+        except FerryError as e:
+            print(f"ferry ps: {e}", file=sys.stderr)
+            silent += 1
+            continue
+        members += [j for j in jobs.jobs if j.group == args.group]
+    members.sort(key=lambda j: (j.rank if j.has_rank else 1 << 30, j.node_name, j.started_at))
+    if args.json:
+        print_json([job_dict(j) for j in members])
+    else:
+        print(
+            jobs_table(members)
+            if members
+            else f"no members of group {args.group!r} on {len(agents) - silent} agent(s)"
+        )
     return EXIT_OK
 
 

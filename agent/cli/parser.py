@@ -112,6 +112,13 @@ def build_parser() -> Parser:
     r.add_argument("--cwd", default=None, help="working directory (default: the current one)")
     r.add_argument("--env", action="append", default=[], metavar="K=V", help="set an environment variable")
     r.add_argument(
+        "--group",
+        default="",
+        metavar="NAME",
+        help="label the job as one member of the training job NAME (one per node, e.g. each node's "
+        "torchrun agent or each RANK of an env:// launch); `ferry ps --group NAME` lists the members",
+    )
+    r.add_argument(
         "--gpu",
         action="append",
         default=[],
@@ -137,8 +144,23 @@ def build_parser() -> Parser:
     _json_arg(r)
     r.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
 
-    ps = sub.add_parser("ps", help="list jobs", description="List this agent's jobs and their states.")
+    ps = sub.add_parser(
+        "ps",
+        help="list jobs",
+        description="List this agent's jobs and their states; with --group, the members of one training "
+        "job on this agent, on each --peer, and on the peers this agent's config names.",
+    )
     _agent_arg(ps)
+    ps.add_argument(
+        "--group", default="", metavar="NAME", help="only the members of training job NAME, on every agent"
+    )
+    ps.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="with --group: also ask this agent (repeatable; the local agent's [[peers]] are asked anyway)",
+    )
     _json_arg(ps)
 
     lg = sub.add_parser("logs", help="print a job's output", description="Print a job's stdout and stderr.")

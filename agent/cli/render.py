@@ -82,15 +82,19 @@ def job_state(job: pb.Job) -> str:
 
 
 def jobs_table(jobs: list[pb.Job]) -> str:
+    """One row a job; GROUP, RANK and NODE columns only where a job belongs to a training job."""
+    grouped = any(j.group for j in jobs)
     rows = []
     for j in jobs:
         state = job_state(j)
         if j.state == pb.JOB_STATE_EXITED and j.has_exit_code:
             state += f" ({j.exit_code})"
         where = f"-> {j.moved_to_node} ({j.moved_to})" if j.state == pb.JOB_STATE_MOVED else j.note
+        member = [j.group or "-", str(j.rank) if j.has_rank else "-", j.node_name] if grouped else []
         rows.append(
             [
                 j.name,
+                *member,
                 state,
                 str(j.pid or "-"),
                 "-" if not j.kind else pb.JobKind.Name(j.kind).removeprefix("JOB_KIND_").lower(),
@@ -99,8 +103,8 @@ def jobs_table(jobs: list[pb.Job]) -> str:
                 where,
             ]
         )
-    head = ["NAME", "STATE", "PID", "KIND", "ADDRESS", "COMMAND", "NOTE"]
-    return table(head, rows) if rows else "no jobs"
+    head = ["NAME", *(["GROUP", "RANK", "NODE"] if grouped else []), "STATE", "PID", "KIND", "ADDRESS"]
+    return table([*head, "COMMAND", "NOTE"], rows) if rows else "no jobs"
 
 
 def job_dict(job: pb.Job) -> dict[str, Any]:
@@ -127,6 +131,8 @@ def job_dict(job: pb.Job) -> dict[str, Any]:
         "on_degraded": degraded_policy_word(job.degraded_policy),
         "gpus": list(job.gpus),
         "address": job.address,
+        "group": job.group,
+        "rank": job.rank if job.has_rank else None,
     }
 
 

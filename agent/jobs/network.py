@@ -24,6 +24,7 @@ that moved away is not given out again while that job runs elsewhere.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import ipaddress
@@ -120,6 +121,9 @@ def veth_name(key: str) -> str:
 class JobNetwork:
     """This node's side of the job network: addresses, links, the lock, the announcement."""
 
+    #: Where the node's interfaces are seen (tests point it elsewhere).
+    sysfs = "/sys/class/net"
+
     def __init__(self, config: NetworkConfig, node: str = "", ip: str = "ip") -> None:
         self.config = config.check()
         self.node = node
@@ -163,13 +167,34 @@ class JobNetwork:
     # -- links ----------------------------------------------------------------------------
 
     def require_bridge(self) -> None:
-        if not os.path.isdir(f"/sys/class/net/{self.config.bridge}/bridge"):
+        """The bridge exists, and its MAC no longer follows its ports (pinned once)."""
+        sysfs = f"{self.sysfs}/{self.config.bridge}"
+        if not os.path.isdir(f"{sysfs}/bridge"):
             raise RefusedError(
                 f"the job network's bridge {self.config.bridge} does not exist on this node",
                 step="network",
                 node=self.node,
                 hint="create it and join it to the job network's segment (docs/networking.md)",
             )
+        self._pin_bridge_address(sysfs)
+
+    def _pin_bridge_address(self, sysfs: str) -> None:
+        """A Linux bridge takes the lowest MAC among its ports unless one was set: a job's link
+        joining or leaving would change it, and the node's own address on the bridge (if it has
+        one) would then answer with a MAC its neighbours' ARP entries no longer match, cutting
+        the node off for as long as those entries live. Setting the current MAC explicitly stops
+        that (addr_assign_type 3: set by the user)."""
+        try:
+            with open(f"{sysfs}/addr_assign_type") as f:
+                if f.read().strip() == "3":
+                    return
+            with open(f"{sysfs}/address") as f:
+                mac = f.read().strip()
+        except OSError as e:
+            log.warning("job network: cannot read the address of bridge %s: %s", self.config.bridge, e)
+            return
+        self._ip("link", "set", "dev", self.config.bridge, "address", mac)
+        log.info("job network: pinned bridge %s to its address %s", self.config.bridge, mac)
 
     def plumb(self, pid: int, veth: str, address: str) -> None:
         """The job's link: `veth` on the bridge, eth0 with `address` in the namespace of pid."""
@@ -282,9 +307,15 @@ _ETH_P_ARP = 0x0806
 _BROADCAST = b"\xff" * 6
 
 
+_SIOCGIFHWADDR = 0x8927
+
+
 def _mac(ifname: str) -> bytes:
-    with open(f"/sys/class/net/{ifname}/address") as f:
-        return bytes.fromhex(f.read().strip().replace(":", ""))
+    """ifname's MAC in this thread's network namespace. Not from /sys: sysfs shows the namespace
+    it was mounted in, so after setns(2) into a job's namespace it would not have the job's eth0."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        ifreq = fcntl.ioctl(s.fileno(), _SIOCGIFHWADDR, struct.pack("256s", ifname.encode()[:15]))
+    return ifreq[18:24]  # struct ifreq: the name (16 bytes), then sockaddr: family (2), data
 
 
 def _arp(op: int, sender_mac: bytes, sender_ip: bytes, target_mac: bytes, target_ip: bytes) -> bytes:

@@ -111,6 +111,7 @@ class JobRecord:
     #: Launched into namespaces of its own (mount, and network with an address): see ferry-init.
     private: bool = False
     address: str = ""  # the job's address on the job network ("" without one)
+    group: str = ""  # the training job it is one member of (`ferry run --group`), or ""
     veth: str = ""  # the node's end of the job's link, on this node
 
     def spec(self) -> JobSpec:
@@ -130,7 +131,14 @@ class JobRecord:
             gpu_chip=self.gpu_chip,
             private=self.private,
             address=self.address,
+            group=self.group,
         )
+
+    @property
+    def rank(self) -> int | None:
+        """Its rank in its training job, from how it was started: RANK in its environment (a plain
+        `env://` launch), else a torchrun agent's --node-rank (its node's share of the job)."""
+        return job_rank(self.env, self.command)
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -161,3 +169,30 @@ def check_job_name(name: str) -> str:
 LOG_MOUNT = "/run/ferry-job"
 
 LOG_MOUNT_KEY = "ferry-job"
+
+
+_NODE_RANK = re.compile(r"^--node[-_]rank(?:=(\d+))?$")
+
+
+def job_rank(env: list[str], command: list[str]) -> int | None:
+    """RANK=N among `env`, else `--node-rank N` / `--node_rank=N` in a torchrun command; None if neither."""
+    for kv in env:
+        key, _, value = kv.partition("=")
+        if key == "RANK" and value.isdigit():
+            return int(value)
+    for i, arg in enumerate(command):
+        if m := _NODE_RANK.match(arg):
+            value = m[1] if m[1] is not None else (command[i + 1] if i + 1 < len(command) else "")
+            if value.isdigit():
+                return int(value)
+    return None
+
+
+def check_group_name(group: str) -> str:
+    """A group name is spelled like a job name ("" is no group)."""
+    if group and not _NAME.match(group):
+        raise InvalidArgumentError(
+            f"invalid group name {group!r}: use 1-63 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return group

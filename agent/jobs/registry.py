@@ -4,6 +4,10 @@ A job is a process tree. A launched job runs under ferry-init as PID 1 of its
 own PID namespace; an adopted one keeps its host PIDs. Every record lives in
 ``<state>/jobs/<name>/job.json`` beside the job's stdout and stderr files, so
 it survives an agent restart.
+
+Why one module: the registry is one table of records under one lock, and launch, adopt,
+the restored job's registration, stop and the watchers all change it there; what a launch
+needs around ferry-init is in jobs/launch.py, the record itself in jobs/record.py.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from agent.jobs.record import (
     JobState,
     OnDegraded,
     Priority,
+    check_group_name,
     check_job_name,
 )
 
@@ -135,8 +140,11 @@ class JobRegistry:
         on_degraded: str = OnDegraded.MIGRATE.value,
         gpus: list[str] | None = None,
         gpu_chip: str = "",
+        group: str = "",
     ) -> JobRecord:
-        """Start a job. `gpus` (checked by the caller) become its CUDA_VISIBLE_DEVICES."""
+        """Start a job. `gpus` (checked by the caller) become its CUDA_VISIBLE_DEVICES; `group`
+        names the training job it is one member of."""
+        check_group_name(group)
         if not command:
             raise InvalidArgumentError(
                 "no command given", hint="usage: ferry run --name NAME -- CMD [ARGS...]"
@@ -209,6 +217,7 @@ class JobRegistry:
                 on_degraded=on_degraded,
                 gpus=list(gpus or []),
                 gpu_chip=gpu_chip,
+                group=group,
                 private=True,
                 address=address,
                 veth=veth,
@@ -313,6 +322,7 @@ class JobRegistry:
             gpu_chip=spec.gpu_chip,
             private=spec.private,
             address=spec.address,
+            group=spec.group,
         )
         for k, v in extra.items():
             setattr(rec, k, v)

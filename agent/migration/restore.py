@@ -135,7 +135,8 @@ def job_link(registry: JobRegistry, spec: JobSpec, name: str) -> str:
     whose address this node's job network does not carry."""
     if not spec.address:
         return ""
-    carrying(registry.network, spec.address, registry.node, "restore")
+    net = carrying(registry.network, spec.address, registry.node, "restore")
+    net.require_bridge()  # CRIU puts the job's new link on it: its MAC must not follow its ports
     return veth_name(f"{registry.node}/{name}/{time.time_ns()}")
 
 

@@ -59,6 +59,9 @@ def job_pb(rec: JobRecord, node: str) -> pb.Job:
         migrations=rec.migrations,
         gpus=rec.gpus,
         address=rec.address,
+        group=rec.group,
+        rank=rec.rank or 0,
+        has_rank=rec.rank is not None,
         priority_class=PRIORITIES.shown(rec.priority),
         degraded_policy=DEGRADED_POLICIES.shown(rec.on_degraded),
     )
@@ -72,6 +75,7 @@ def info_pb(i: NodeInfo) -> pb.NodeInfo:
         staging_dir=i.staging_dir,
         staging_free_bytes=i.staging_free_bytes,
         agent_id=i.agent_id,
+        peers=list(i.peers),
     )
 
 

@@ -53,6 +53,7 @@ class NodeInfo:
     staging_dir: str
     staging_free_bytes: int
     agent_id: str
+    peers: tuple[str, ...] = ()  # its config's peer agents, so a client can find a group's members
 
 
 class AgentNode:
@@ -244,7 +245,10 @@ class AgentNode:
             criu_version = f"unusable: {e.cause}"
         self.staging_root.mkdir(mode=0o700, parents=True, exist_ok=True)
         free = shutil.disk_usage(self.staging_root).free
-        return NodeInfo(self.node, __version__, criu_version, str(self.staging_root), free, self.agent_id)
+        peers = tuple(p.address for p in self.config.peers)
+        return NodeInfo(
+            self.node, __version__, criu_version, str(self.staging_root), free, self.agent_id, peers
+        )
 
     def run_job(
         self,
@@ -255,6 +259,7 @@ class AgentNode:
         priority: Priority,
         on_degraded: OnDegraded,
         gpus: list[str],
+        group: str = "",
     ) -> JobRecord:
         """`ferry run`: the job's GPUs (if it names any) claimed before it starts. The servicer has
         turned the request's enums into these (agent.service.convert), defaults included."""
@@ -278,6 +283,7 @@ class AgentNode:
                 on_degraded=on_degraded.value,
                 gpus=gpus,
                 gpu_chip=chip,
+                group=group,
             )
         finally:
             self.gpus.release(owner)

@@ -77,6 +77,7 @@ class AgentService(pb_grpc.AgentServicer):
             PRIORITIES.py(request.priority_class),
             DEGRADED_POLICIES.py(request.degraded_policy),
             list(request.gpus),
+            request.group,
         )
         return job_pb(rec, self.node)
 

@@ -1,11 +1,15 @@
 """A small data-parallel PyTorch training loop (gloo, CPU), launched by torchrun.
 
     torchrun --standalone --nproc_per_node=2 train_ddp.py --steps N [--step-time S]
+    RANK=R WORLD_SIZE=W MASTER_ADDR=A MASTER_PORT=P python train_ddp.py --every-rank --stamp
+
 
 Every rank builds the same model from a fixed seed and trains on its own deterministic shard;
 DistributedDataParallel averages the gradients over gloo each step. Rank 0 prints "step I
 loss L" each step and, at the end, a digest of the parameters and optimizer state: a run
-moved mid-way must print the same as one left alone.
+moved mid-way must print the same as one left alone. --every-rank: every rank prints its
+steps, its digest and, once at its start, "rank R pid P" (a restarted rank would say it
+twice); --stamp: each step line ends with the wall time, to measure what a move cost peers.
 """
 
 from __future__ import annotations
@@ -26,9 +30,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=40, help="how many training steps")
     p.add_argument("--step-time", type=float, default=0.1, help="sleep per step (s)")
+    p.add_argument("--every-rank", action="store_true", help="every rank prints, not only rank 0")
+    p.add_argument("--stamp", action="store_true", help="end each step line with the wall time")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    speaks = args.every_rank or rank == 0
+    if args.every_rank:
+        print(f"rank {rank} pid {os.getpid()} of {dist.get_world_size()}", flush=True)
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1)))
@@ -41,8 +50,9 @@ def main() -> int:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if rank == 0:
-            print(f"step {step} loss {loss.item():.6f}", flush=True)
+        if speaks:
+            stamp = f" at {time.time():.3f}" if args.stamp else ""
+            print(f"step {step} loss {loss.item():.6f}{stamp}", flush=True)
         time.sleep(args.step_time)
     h = hashlib.sha256()
     for t in [
@@ -50,7 +60,7 @@ def main() -> int:
         *(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)),
     ]:
         h.update(t.detach().contiguous().numpy().tobytes())
-    if rank == 0:
+    if speaks:
         print(f"final digest {h.hexdigest()[:16]}", flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -378,3 +378,54 @@ def test_progress_line_prints_one_line_per_phase_off_a_terminal() -> None:
     assert len(lines) == 2
     assert "prepare" in lines[0] and "asking" in lines[0]
     assert "transfer" in lines[1] and "0 B / 100 B (0%" in lines[1]
+
+
+def test_jobs_table_shows_group_rank_and_node_when_a_job_has_a_group() -> None:
+    jobs = [
+        _job(name="r1", group="llm", rank=1, has_rank=True, node_name="nodeb"),
+        _job(name="r0", group="llm", rank=0, has_rank=True, node_name="nodea"),
+        _job(name="solo", node_name="nodea"),
+    ]
+    lines = jobs_table(jobs).splitlines()
+    assert lines[0].split()[:7] == ["NAME", "GROUP", "RANK", "NODE", "STATE", "PID", "KIND"]
+    assert lines[1].split()[:4] == ["r1", "llm", "1", "nodeb"]
+    assert lines[3].split()[:4] == ["solo", "-", "-", "nodea"]
+    assert job_dict(jobs[0])["group"] == "llm" and job_dict(jobs[0])["rank"] == 1
+    assert job_dict(jobs[2])["rank"] is None
+
+
+def test_ps_group_lists_the_members_across_agents_and_names_one_that_is_silent(
+    capsys, make_agent, sleeper
+) -> None:
+    """`ferry run --group` labels; `ferry ps --group` asks this agent and every --peer, rank order."""
+    a, addr_a, _ = make_agent("nodea")
+    b, addr_b, _ = make_agent("nodeb")
+    for svc, name, rank in [(a, "r0", 0), (b, "r1", 1)]:
+        proc, o, e = sleeper()
+        rec = launched_record(name, proc, o, e)
+        rec.group, rec.env = "llm", [f"RANK={rank}", "WORLD_SIZE=2"]
+        svc.registry.save(rec)
+    proc, o, e = sleeper()
+    a.registry.save(launched_record("other", proc, o, e))
+    code, out, err = run(
+        capsys, "ps", "--agent", addr_a, "--group", "llm", "--peer", addr_b, "--peer", "127.0.0.1:1"
+    )
+    assert code == 0
+    rows = [ln.split()[:4] for ln in out.strip().splitlines()[1:]]
+    assert rows == [["r0", "llm", "0", "nodea"], ["r1", "llm", "1", "nodeb"]]
+    assert "127.0.0.1:1" in err and "unreachable" in err
+    code, out, _ = run(capsys, "ps", "--agent", addr_a, "--group", "llm", "--peer", addr_b, "--json")
+    assert [(j["name"], j["rank"], j["node"]) for j in json.loads(out)] == [
+        ("r0", 0, "nodea"),
+        ("r1", 1, "nodeb"),
+    ]
+    assert run(capsys, "ps", "--agent", addr_a, "--peer", addr_b)[0] == 2  # --peer without --group
+
+
+def test_a_members_rank_comes_from_its_environment_or_its_torchrun_command() -> None:
+    from agent.jobs.record import job_rank
+
+    assert job_rank(["MASTER_ADDR=10.0.0.1", "RANK=2"], ["python", "train.py"]) == 2
+    assert job_rank([], ["python", "-m", "torch.distributed.run", "--node-rank", "1", "t.py"]) == 1
+    assert job_rank([], ["torchrun", "--node_rank=3", "--nnodes=4", "t.py"]) == 3
+    assert job_rank(["RANK=x"], ["python", "t.py"]) is None

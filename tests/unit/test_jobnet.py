@@ -63,3 +63,30 @@ def test_a_job_on_the_nodes_network_has_no_lock_and_no_external_link() -> None:
     net = JobNetwork(NetworkConfig(**CFG))
     assert LinkLock(net, "fjabc").external() == ["veth[eth0]:fjabc"]
     assert net.criu_restore_external("fjdef") == "veth[eth0]:fjdef@ferry0"
+
+
+def test_the_bridge_mac_is_pinned_once_so_job_links_cannot_change_it(tmp_path, monkeypatch) -> None:
+    """A bridge takes its lowest port MAC unless one was set: a job's link joining or leaving would
+    change the MAC of the node's own address on it (seen on the bed: a node cut off for 30 s)."""
+    bridge = tmp_path / "ferry0"
+    (bridge / "bridge").mkdir(parents=True)
+    (bridge / "address").write_text("62:bc:66:2a:98:8b\n")
+    (bridge / "addr_assign_type").write_text("0\n")  # follows its ports
+    net = JobNetwork(NetworkConfig(**CFG))
+    monkeypatch.setattr(net, "sysfs", str(tmp_path))
+    calls: list[tuple[str, ...]] = []
+    monkeypatch.setattr(net, "_ip", lambda *args: calls.append(args))
+    net.require_bridge()
+    assert calls == [("link", "set", "dev", "ferry0", "address", "62:bc:66:2a:98:8b")]
+    (bridge / "addr_assign_type").write_text("3\n")  # set by the user (as the call above did)
+    net.require_bridge()
+    assert len(calls) == 1
+    with pytest.raises(RefusedError, match="bridge br9 does not exist"):
+        JobNetwork(NetworkConfig(**{**CFG, "bridge": "br9"})).require_bridge()
+
+
+def test_a_mac_is_read_in_the_calling_threads_namespace() -> None:
+    """Read by ioctl, not from /sys (which shows the namespace sysfs was mounted in)."""
+    from agent.jobs.network import _mac
+
+    assert _mac("lo") == b"\0" * 6

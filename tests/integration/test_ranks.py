@@ -1,0 +1,119 @@
+"""One rank of a running multi-node gloo job moves while its peers wait in their collective.
+
+Every rank is a ferry job (`ferry run --group`) on a node of its own on the multi-node bed
+(tests/integration/bed.py), with its own address on the job network; a spare node waits. The
+ranks are started the plain `env://` way: RANK, WORLD_SIZE, MASTER_ADDR (rank 0's job address;
+rank 0 itself reaches its store on its own loopback), GLOO_SOCKET_IFNAME=eth0 (the job's link).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent import certs
+from tests.integration.bed import Bed, BedAgent, node_bed
+from tests.integration.jobtools import final_digest, steps_in
+from tests.integration.test_nodes import migrate, wait_exited, wait_for
+
+TRAIN = Path(__file__).resolve().parents[2] / "scripts" / "workloads" / "train_ddp.py"
+WORLD = 3
+STEPS = 80
+
+
+@pytest.fixture
+def bed(tmp_path: Path):
+    with node_bed(tmp_path) as b:
+        yield b
+
+
+def start_rank(agent: BedAgent, group: str, rank: int, master: str, port: int, step_time: float) -> str:
+    name = f"{group}-r{rank}"
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(WORLD),
+        "MASTER_ADDR": master,
+        "MASTER_PORT": str(port),
+        "GLOO_SOCKET_IFNAME": "eth0",
+        "OMP_NUM_THREADS": "1",
+    }
+    flags = [x for k, v in env.items() for x in ("--env", f"{k}={v}")]
+    cmd = [sys.executable, str(TRAIN), "--steps", str(STEPS), "--step-time", str(step_time), "--every-rank"]
+    agent.cli("run", "--name", name, "--group", group, *flags, "--", *cmd, "--stamp")
+    return name
+
+
+def start_job(nodes: list[BedAgent], group: str, port: int, step_time: float) -> list[str]:
+    """Rank 0 first (its address is where the others find the store), then the others."""
+    names = [start_rank(nodes[0], group, 0, "127.0.0.1", port, step_time)]
+    master = nodes[0].job_address(names[0])
+    names += [start_rank(n, group, r, master, port, step_time) for r, n in enumerate(nodes[1:], start=1)]
+    return names
+
+
+def stamps(log: str) -> list[float]:
+    return [float(m[1]) for m in re.finditer(r"^step \d+ .* at (\d+\.\d+)$", log, re.M)]
+
+
+def longest_gap(log: str, since: float, until: float) -> float:
+    """The longest time between two steps of a rank that overlap [since, until]."""
+    t = stamps(log)
+    gaps = [b - a for a, b in itertools.pairwise(t) if b >= since and a <= until]
+    return max(gaps, default=0.0)
+
+
+def test_moving_ranks_of_a_gloo_job_leaves_it_bit_identical(bed: Bed) -> None:
+    a, b, c, spare = bed.node("node-a"), bed.node("node-b"), bed.node("node-c"), bed.node("node-d")
+    ref = start_job([a, b, c], "ref", 29510, step_time=0.0)
+    job = start_job([a, b, c], "llm", 29500, step_time=0.25)
+    where = {job[0]: a, job[1]: b, job[2]: c}
+    wait_for(a, job[0], r"^step 5 ", timeout_s=240)
+
+    # An operator's client certificate: `ferry ps --group` asks the other agents over mutual TLS.
+    certs.issue(bed.pki, "ops", certs.Role.CLIENT, [])
+    ops = bed.root / "ops-tls"
+    ops.mkdir(mode=0o700)
+    for f in (certs.CA_CERT, "ops.pem", "ops-key.pem"):
+        shutil.copy2(bed.pki / f, ops / f)
+    peers = ["--peer", b.address, "--peer", c.address, "--tls-dir", str(ops), "--tls-name", "ops"]
+    members = json.loads(a.cli("ps", "--group", "llm", *peers, "--json").stdout)
+    assert [(m["name"], m["rank"], m["node"]) for m in members] == [
+        (job[0], 0, "node-a"),
+        (job[1], 1, "node-b"),
+        (job[2], 2, "node-c"),
+    ]
+
+    gaps: list[str] = []
+    # rank 1 to the spare; then rank 0, which hosts the store, to node-b; then rank 0 back home.
+    for name, dst in [(job[1], spare), (job[0], b), (job[0], a)]:
+        src = where[name]
+        result = migrate(src, dst, name)
+        where[name] = dst
+        wait_for(dst, name, r"^step \d+ ", timeout_s=60)
+        until = stamps(dst.cli("logs", name).stdout)[-1]
+        peers = [n for n in job if n != name]
+        worst = max(
+            longest_gap(where[p].cli("logs", p).stdout, until - result["total_s"], until) for p in peers
+        )
+        gaps.append(f"{name} {src.node}->{dst.node}: peers' longest step gap {worst:.2f} s")
+    print("; ".join(gaps))
+
+    digests = set()
+    for name in job:
+        j = wait_exited(where[name], name, timeout_s=300)
+        log = where[name].cli("logs", name).stdout
+        assert j["exit_code"] == 0, where[name].cli("logs", name).stderr[-2000:]
+        assert steps_in(log) == list(range(STEPS)), f"{name}: steps {steps_in(log)}"
+        assert len(re.findall(r"^rank \d+ pid \d+ of 3$", log, re.M)) == 1, f"{name} restarted:\n{log[:400]}"
+        digests.add(final_digest(log))
+    ref_digests = set()
+    for name, node in zip(ref, [a, b, c], strict=True):
+        assert wait_exited(node, name, timeout_s=300)["exit_code"] == 0
+        ref_digests.add(final_digest(node.cli("logs", name).stdout))
+    assert len(ref_digests) == 1 and digests == ref_digests
