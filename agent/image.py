@@ -74,6 +74,7 @@ class JobSpec:
     private: bool = False  # in namespaces of its own: restore with CRIU's --root /, a new link
     address: str = ""  # its address on the job network, which it keeps wherever it runs
     group: str = ""  # the training job it is one member of (`ferry run --group`)
+    max_pause_s: float = 0.0  # the longest its peers tolerate it frozen (0: the derived limits)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         degraded_policy=degraded_policy_pb(args.on_degraded),
         gpus=args.gpu,
         group=args.group,
+        max_pause_s=args.max_pause,
     )
     job = call(args, "Run", req, 30)
     job_out(job, args.json, f"job {job.name} running as pid {job.pid} on {job.node_name}")

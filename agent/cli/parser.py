@@ -119,6 +119,14 @@ def build_parser() -> Parser:
         "torchrun agent or each RANK of an env:// launch); `ferry ps --group NAME` lists the members",
     )
     r.add_argument(
+        "--max-pause",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="the longest the job's peers tolerate it frozen (its process group's timeout, if smaller "
+        "than gloo's 30 min default); a move expected to freeze it longer is refused (docs/distributed.md)",
+    )
+    r.add_argument(
         "--gpu",
         action="append",
         default=[],

@@ -196,7 +196,11 @@ class CudaJobs:
                 why.append(f"pid {p.pid} is an MPS client")
             nccl = any(n.startswith("NCCL") for n in self.view.thread_names(p.pid))
             if nccl or any("/dev/shm/nccl-" in ln for ln in maps):
-                why.append(f"pid {p.pid} has NCCL communicators")
+                transports = ", ".join(nccl_transports(maps, self.view.device_files(p.pid)))
+                why.append(
+                    f"pid {p.pid} has NCCL communicators ({transports}): one rank cannot be locked while its "
+                    "peers run (docs/distributed.md)"
+                )
         if len(found) > 1 and inv.driver_branch < IPC_BRANCH:
             why.append(
                 f"{len(found)} processes hold CUDA contexts (pids {', '.join(str(p.pid) for p in found)}) "
@@ -327,3 +331,15 @@ def host_pids(view: ProcView, tree: Iterable[int], section: CudaSection, node: s
             f"restored tree lacks the CUDA processes with job PIDs {missing}", step="cuda", node=node
         )
     return [by_ns[e.ns_pid] for e in section.processes]
+
+
+def nccl_transports(maps: list[str], device_files: list[str]) -> list[str]:
+    """The NCCL transports a process shows from outside: its /dev/shm segments (SHM), its
+    InfiniBand verbs devices (NET/IB); otherwise it talks over sockets or CUDA IPC (P2P), which
+    /proc does not tell apart."""
+    found = []
+    if any("/dev/shm/nccl-" in ln for ln in maps):
+        found.append("transport SHM: /dev/shm/nccl-* segments")
+    if any(f.startswith("/dev/infiniband/") for f in device_files):
+        found.append("transport NET/IB: InfiniBand verbs devices open")
+    return found or ["transport NET/Socket or P2P: NCCL threads, no SHM segment or verbs device"]

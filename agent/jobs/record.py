@@ -112,6 +112,7 @@ class JobRecord:
     private: bool = False
     address: str = ""  # the job's address on the job network ("" without one)
     group: str = ""  # the training job it is one member of (`ferry run --group`), or ""
+    max_pause_s: float = 0.0  # the longest its peers tolerate it frozen (`ferry run --max-pause`)
     veth: str = ""  # the node's end of the job's link, on this node
 
     def spec(self) -> JobSpec:
@@ -132,6 +133,7 @@ class JobRecord:
             private=self.private,
             address=self.address,
             group=self.group,
+            max_pause_s=self.max_pause_s,
         )
 
     @property

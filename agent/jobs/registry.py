@@ -141,10 +141,13 @@ class JobRegistry:
         gpus: list[str] | None = None,
         gpu_chip: str = "",
         group: str = "",
+        max_pause_s: float = 0.0,
     ) -> JobRecord:
         """Start a job. `gpus` (checked by the caller) become its CUDA_VISIBLE_DEVICES; `group`
         names the training job it is one member of."""
         check_group_name(group)
+        if not 0 <= max_pause_s <= 86400:  # NaN fails this too
+            raise InvalidArgumentError(f"invalid --max-pause {max_pause_s}: expected 0 to 86400 seconds")
         if not command:
             raise InvalidArgumentError(
                 "no command given", hint="usage: ferry run --name NAME -- CMD [ARGS...]"
@@ -218,6 +221,7 @@ class JobRegistry:
                 gpus=list(gpus or []),
                 gpu_chip=gpu_chip,
                 group=group,
+                max_pause_s=max_pause_s,
                 private=True,
                 address=address,
                 veth=veth,
@@ -323,6 +327,7 @@ class JobRegistry:
             private=spec.private,
             address=spec.address,
             group=spec.group,
+            max_pause_s=spec.max_pause_s,
         )
         for k, v in extra.items():
             setattr(rec, k, v)

@@ -64,6 +64,7 @@ from agent.migration.capture import (
     require_host_memory,
 )
 from agent.migration.journal import SOURCE, Journal, MigrationRecord
+from agent.migration.limits import RateLog, refuse_long_pause
 from agent.migration.model import Emit, MigrationResult, MigrationSpec, Peer, Progress, unresolved_note
 from agent.migration.pagestream import SourceRelay
 from agent.migration.states import SOURCE_TRANSITIONS, CudaLeft, MigrationState
@@ -117,6 +118,8 @@ class SourceMigration:
         self.lazy_dump: LazyDump | None = None
         self.estimated_bytes = 0
         self.phases = Phases()
+        #: How fast this agent's moves froze jobs: a member's expected pause is judged by it.
+        self.rates = RateLog(registry.root.parent)
         self.result = MigrationResult(spec.migration_id, spec.job, node, target=spec.target)
         self.record = MigrationRecord(
             spec.migration_id, SOURCE, spec.job, self.state.value, peer=spec.target, staging=str(self.staging)
@@ -262,6 +265,7 @@ class SourceMigration:
             moved_to_node=self.result.target_node,
         )
         self.result.frozen_s = time.monotonic() - frozen_at
+        self.rates.record(self.result.image_bytes, self.result.frozen_s)
         assert isinstance(resp, pb.CommitResponse)
         for t in resp.phases:
             self.phases.times[f"target {t.phase}"] = t.seconds
@@ -405,6 +409,8 @@ class SourceMigration:
         require_host_memory(self.footprint, self.node)
         own = {rec.stdout_path, rec.stderr_path} if rec.kind is JobKind.LAUNCHED else set()
         self.estimated_bytes = procs.tree_rss(rec.pid) + self.footprint.gpu_bytes
+        # A member of a distributed job: its peers wait only so long (agent.migration.limits).
+        refuse_long_pause(rec, self.estimated_bytes, self.rates, self.node)
         req = pb.PrepareRequest(
             migration_id=self.spec.migration_id,
             job=rec.name,

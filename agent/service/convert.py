@@ -62,6 +62,7 @@ def job_pb(rec: JobRecord, node: str) -> pb.Job:
         group=rec.group,
         rank=rec.rank or 0,
         has_rank=rec.rank is not None,
+        max_pause_s=rec.max_pause_s,
         priority_class=PRIORITIES.shown(rec.priority),
         degraded_policy=DEGRADED_POLICIES.shown(rec.on_degraded),
     )

@@ -260,6 +260,7 @@ class AgentNode:
         on_degraded: OnDegraded,
         gpus: list[str],
         group: str = "",
+        max_pause_s: float = 0.0,
     ) -> JobRecord:
         """`ferry run`: the job's GPUs (if it names any) claimed before it starts. The servicer has
         turned the request's enums into these (agent.service.convert), defaults included."""
@@ -284,6 +285,7 @@ class AgentNode:
                 gpus=gpus,
                 gpu_chip=chip,
                 group=group,
+                max_pause_s=max_pause_s,
             )
         finally:
             self.gpus.release(owner)

@@ -78,6 +78,7 @@ class AgentService(pb_grpc.AgentServicer):
             DEGRADED_POLICIES.py(request.degraded_policy),
             list(request.gpus),
             request.group,
+            request.max_pause_s,
         )
         return job_pb(rec, self.node)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from fake_cuda import A100, GIB, GPU0, GPU1, H200, CudaWorld, FakeGpu, R, fake_cuda_jobs
 
-from agent.cuda.jobs import CudaJobs, ProcView, host_pids
+from agent.cuda.jobs import CudaJobs, ProcView, host_pids, nccl_transports
 from agent.errors import RefusedError
 from agent.gpus.inventory import GpuNeed, Inventory, Nvml, choose
 from agent.migration.rollback import undo_cuda
@@ -279,3 +279,14 @@ def test_a_frozen_jobs_gpu_memory_is_held_until_released() -> None:
     jobs.release(fp)
     w.procs.pop(JOB)  # the job moved away: its memory is really free
     assert decide(jobs, [GpuNeed("GPU-other", H200, 4 * GIB)]) == {"GPU-other": GPU0}
+
+
+def test_nccl_refusals_name_the_transport_found() -> None:
+    w = world()
+    w.add_cuda_process(JOB, [GPU0])
+    w.threads[JOB] = ["python", "NCCL Service 0"]
+    assert "transport NET/Socket or P2P" in refused(w, [JOB])
+    w.maps[JOB] = ["7f00-7f01 rw-s 00000000 00:1a 3 /dev/shm/nccl-AbCd"]
+    said = refused(w, [JOB])
+    assert "transport SHM: /dev/shm/nccl-* segments" in said and "docs/distributed.md" in said
+    assert "transport NET/IB" in nccl_transports([], ["/dev/infiniband/uverbs0"])[0]
