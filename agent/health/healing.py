@@ -240,7 +240,9 @@ class SelfHealing:
             if self.registry.get(name).state is not JobState.RUNNING:
                 raise RefusedError(f"job {name} is no longer running here", step="policy", node=self.node)
             for victim in placement.preempt:
-                peer.preempt(pb.PreemptRequest(job=victim, for_job=name, source_node=self.node, reason=why))
+                req = pb.PreemptRequest(job=victim, for_job=name, source_node=self.node, reason=why)
+                req.for_group = self.registry.get(name).group
+                peer.preempt(req)
                 self.events.record(
                     "preempt",
                     f"node {placement.node} suspended low-priority job {victim} for job {name}",
@@ -305,7 +307,7 @@ class SelfHealing:
             if report.agent_id and report.agent_id == self.hooks.agent_id:
                 continue  # this agent is in its own peer list
             views.append((spec, report))
-        return choose_target(needs, rec.priority, views, self.node)
+        return choose_target(needs, rec.priority, views, self.node, rec.group)
 
     def needs(self, rec: JobRecord) -> list[GpuNeed]:
         """The job's GPUs as a target must match them: chip and memory used."""
@@ -331,6 +333,13 @@ class SelfHealing:
         if rec.state is not JobState.RUNNING:
             raise RefusedError(
                 f"job {req.job!r} is {rec.state.value}, not running", step="preempt", node=self.node
+            )
+        if rec.group and rec.group == req.for_group:
+            raise RefusedError(
+                f"job {req.job!r} is a member of group {rec.group!r}, as is job {req.for_job!r}: suspending "
+                "it would stall the job it is made room for",
+                step="preempt",
+                node=self.node,
             )
         gpus = [u for u, hs in self.jobs_by_gpu().items() if any(h.job.name == rec.name for h in hs)]
         out = self.state_dir / "preempted" / f"{rec.name}-{uuid.uuid4().hex[:8]}"

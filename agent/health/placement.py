@@ -40,7 +40,7 @@ View = tuple[PeerSpec, "pb.HealthReport | FerryError"]
 
 
 def choose_target(
-    needs: Sequence[GpuNeed], priority: str, views: Sequence[View], node: str = ""
+    needs: Sequence[GpuNeed], priority: str, views: Sequence[View], node: str = "", group: str = ""
 ) -> Placement:
     """The best placement, or a refusal that says, peer by peer, why none would do."""
     if not views:
@@ -56,7 +56,7 @@ def choose_target(
         if isinstance(report, FerryError):
             why.append(f"{peer.address}: {report.cause}")
             continue
-        fit = _fit(needs, priority, report)
+        fit = _fit(needs, priority, report, group)
         if isinstance(fit, str):
             why.append(f"{report.node_name or peer.address}: {fit}")
             continue
@@ -76,9 +76,10 @@ def choose_target(
 
 
 def _fit(
-    needs: Sequence[GpuNeed], priority: str, report: pb.HealthReport
+    needs: Sequence[GpuNeed], priority: str, report: pb.HealthReport, group: str = ""
 ) -> tuple[dict[str, str], tuple[str, ...]] | str:
-    """GPUs on one peer for every need (and the jobs to suspend), or why not."""
+    """GPUs on one peer for every need (and the jobs to suspend), or why not. A low-priority
+    member of the moving job's own group is never suspended for it: it would stall the group."""
     if not report.nvml_available:
         return f"no usable GPUs ({report.nvml_detail or 'NVML unavailable'})"
     may_preempt = priority != Priority.LOW.value
@@ -100,7 +101,9 @@ def _fit(
                 else:
                     refused.append(f"{g.uuid} has {gib(g.memory_free)} free, {gib(need.memory_bytes)} needed")
                 continue
-            normal = [h.job for h in g.holders if _priority(h) is not Priority.LOW]
+            normal = [
+                h.job for h in g.holders if _priority(h) is not Priority.LOW or (group and h.group == group)
+            ]
             room = g.memory_free + sum(h.used_bytes for h in g.holders)
             if normal or not may_preempt:
                 refused.append(f"{g.uuid} is held by {_jobs(normal or holders)}")

@@ -149,7 +149,10 @@ def health_pb(g: GpuHealth, holders: list[Holder], quarantine: Quarantine, held:
         memory_free=g.memory_free,
         holders=[
             pb.GpuHolder(
-                job=h.job.name, priority_class=PRIORITIES.shown(h.job.priority), used_bytes=h.used_bytes
+                job=h.job.name,
+                priority_class=PRIORITIES.shown(h.job.priority),
+                used_bytes=h.used_bytes,
+                group=h.job.group,
             )
             for h in holders
         ],

@@ -248,6 +248,21 @@ def test_no_target_is_reported_with_every_reason(tmp_path):
     assert len(failed) == 1 and "no peer can take the job: node-s: GPU-s0 is held by job prod" in failed[0]
 
 
+def test_a_member_is_never_suspended_for_its_own_group(tmp_path):
+    rig = Rig(tmp_path, [])
+    rig.job("llm-r2", priority="low")
+    rig.registry.update("llm-r2", group="llm")
+    with pytest.raises(RefusedError, match="member of group 'llm', as is job 'llm-r1'"):
+        rig.healing.preempt(
+            pb.PreemptRequest(job="llm-r2", for_job="llm-r1", for_group="llm", source_node="b")
+        )
+    assert rig.registry.get("llm-r2").state is JobState.RUNNING
+    resp = rig.healing.preempt(
+        pb.PreemptRequest(job="llm-r2", for_job="x", for_group="other", source_node="b")
+    )
+    assert rig.registry.get("llm-r2").state is JobState.PREEMPTED and list(resp.gpus) == ["GPU-a0"]
+
+
 def test_preempting_a_low_priority_job_keeps_its_gpu_for_the_job_moving_in(tmp_path):
     rig = Rig(tmp_path, [])
     rig.job("scav", priority="low")

@@ -162,3 +162,14 @@ def test_config_file_peers_and_policy():
 def test_config_file_errors_name_the_key(raw, match):
     with pytest.raises(InvalidArgumentError, match=match):
         parse(raw)
+
+
+def test_a_member_of_the_moving_jobs_own_group_is_never_preempted():
+    """Suspending a rank of the same training job to make room for another of its ranks would stall
+    the job it is made room for: such a holder counts as a normal one."""
+    mate = pb.GpuHolder(job="llm-r2", priority_class=PRIORITIES.pb("low"), used_bytes=80 * GIB, group="llm")
+    views = [(PeerSpec("s:1", spare=True), report("s", gpu("GPU-s0", free=0, holders=[])))]
+    views[0][1].gpus[0].holders.append(mate)
+    with pytest.raises(RefusedError, match="GPU-s0 is held by job llm-r2"):
+        choose_target(NEED, "normal", views, group="llm")
+    assert choose_target(NEED, "normal", views, group="other").preempt == ("llm-r2",)
