@@ -112,9 +112,12 @@ def restore_tree(
         if before_release is not None:
             before_release(rec)
     except BaseException:
-        kill_restored(res.pid)
+        # Its link first: killed, the copy's kernel would close its TCP connections with FIN or RST
+        # from the job's own address, and its peers would drop the connections the source's copy
+        # goes on with. Without a link nothing leaves its namespace.
         if net and registry.network is not None:
             registry.network.delete(net)
+        kill_restored(res.pid)
         raise
     # Recorded as running: from now on this is the job's one copy, so it is never killed here.
     if net and registry.network is not None:

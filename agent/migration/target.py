@@ -373,6 +373,10 @@ class TargetMigrations:
                             note=f"post-copy from {inc.source_node} failed ({why}); killed here, "
                             "the source resumes its frozen copy",
                         )
+                        if job.veth and self.registry.network is not None:
+                            # Its link first: killed, it would close the job's TCP connections
+                            # (FIN/RST from the job's address) under the source's copy.
+                            self.registry.network.delete(job.veth)
                         if procs.alive(job.pid, job.pid_started):
                             procs.signal_all(procs.tree_pids(job.pid), signal.SIGKILL)
                 finally:  # the source resumes its copy only on our ABORTED: say it whatever happened

@@ -61,10 +61,16 @@ def _kill_unfinished_restore(registry: JobRegistry, rec: MigrationRecord) -> lis
         )
         procs.end_within(rec.criu_pid, rec.criu_started, CRIU_WAIT_S)
     victims = restored_processes(registry.job_dir(rec.job), rec.pids, rec.updated_at)
-    procs.signal_all(victims, signal.SIGKILL)
     try:
         job = registry.get(rec.job)
     except NotFoundError:
+        job = None
+    if job is not None and job.veth and job.pid in victims and registry.network is not None:
+        # Its link first: killed, it would close the job's TCP connections under the source's copy.
+        # (A restore that crashed before its record was written leaves a link this cannot name.)
+        registry.network.delete(job.veth)
+    procs.signal_all(victims, signal.SIGKILL)
+    if job is None:
         return victims
     if job.state.active and job.pid in victims:
         registry.update(

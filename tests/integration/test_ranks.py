@@ -33,7 +33,15 @@ def bed(tmp_path: Path):
         yield b
 
 
-def start_rank(agent: BedAgent, group: str, rank: int, master: str, port: int, step_time: float) -> str:
+def start_rank(
+    agent: BedAgent,
+    group: str,
+    rank: int,
+    master: str,
+    port: int,
+    step_time: float,
+    extra: tuple[str, ...] = (),
+) -> str:
     name = f"{group}-r{rank}"
     env = {
         "RANK": str(rank),
@@ -45,16 +53,46 @@ def start_rank(agent: BedAgent, group: str, rank: int, master: str, port: int, s
     }
     flags = [x for k, v in env.items() for x in ("--env", f"{k}={v}")]
     cmd = [sys.executable, str(TRAIN), "--steps", str(STEPS), "--step-time", str(step_time), "--every-rank"]
-    agent.cli("run", "--name", name, "--group", group, *flags, "--", *cmd, "--stamp")
+    agent.cli("run", "--name", name, "--group", group, *flags, *extra, "--", *cmd, "--stamp")
     return name
 
 
-def start_job(nodes: list[BedAgent], group: str, port: int, step_time: float) -> list[str]:
+def start_job(
+    nodes: list[BedAgent],
+    group: str,
+    port: int,
+    step_time: float,
+    extra: dict[int, tuple[str, ...]] | None = None,
+) -> list[str]:
     """Rank 0 first (its address is where the others find the store), then the others."""
-    names = [start_rank(nodes[0], group, 0, "127.0.0.1", port, step_time)]
+    extra = extra or {}
+    names = [start_rank(nodes[0], group, 0, "127.0.0.1", port, step_time, extra.get(0, ()))]
     master = nodes[0].job_address(names[0])
-    names += [start_rank(n, group, r, master, port, step_time) for r, n in enumerate(nodes[1:], start=1)]
+    names += [
+        start_rank(n, group, r, master, port, step_time, extra.get(r, ()))
+        for r, n in enumerate(nodes[1:], start=1)
+    ]
     return names
+
+
+def finish_bit_identical(
+    job: list[str], where: dict[str, BedAgent], ref: list[str], ref_nodes: list[BedAgent]
+) -> None:
+    """Every rank ends well, with every step once and in order, never restarted, and the same
+    parameters as the uninterrupted run."""
+    digests = set()
+    for name in job:
+        j = wait_exited(where[name], name, timeout_s=300)
+        log = where[name].cli("logs", name).stdout
+        assert j["exit_code"] == 0, where[name].cli("logs", name).stderr[-2000:]
+        assert steps_in(log) == list(range(STEPS)), f"{name}: steps {steps_in(log)}"
+        assert len(re.findall(r"^rank \d+ pid \d+ of 3$", log, re.M)) == 1, f"{name} restarted:\n{log[:400]}"
+        digests.add(final_digest(log))
+    ref_digests = set()
+    for name, node in zip(ref, ref_nodes, strict=True):
+        assert wait_exited(node, name, timeout_s=300)["exit_code"] == 0
+        ref_digests.add(final_digest(node.cli("logs", name).stdout))
+    assert len(ref_digests) == 1 and digests == ref_digests
 
 
 def stamps(log: str) -> list[float]:
@@ -104,16 +142,29 @@ def test_moving_ranks_of_a_gloo_job_leaves_it_bit_identical(bed: Bed) -> None:
         gaps.append(f"{name} {src.node}->{dst.node}: peers' longest step gap {worst:.2f} s")
     print("; ".join(gaps))
 
-    digests = set()
-    for name in job:
-        j = wait_exited(where[name], name, timeout_s=300)
-        log = where[name].cli("logs", name).stdout
-        assert j["exit_code"] == 0, where[name].cli("logs", name).stderr[-2000:]
-        assert steps_in(log) == list(range(STEPS)), f"{name}: steps {steps_in(log)}"
-        assert len(re.findall(r"^rank \d+ pid \d+ of 3$", log, re.M)) == 1, f"{name} restarted:\n{log[:400]}"
-        digests.add(final_digest(log))
-    ref_digests = set()
-    for name, node in zip(ref, [a, b, c], strict=True):
-        assert wait_exited(node, name, timeout_s=300)["exit_code"] == 0
-        ref_digests.add(final_digest(node.cli("logs", name).stdout))
-    assert len(ref_digests) == 1 and digests == ref_digests
+    finish_bit_identical(job, where, ref, [a, b, c])
+
+
+def test_a_rank_whose_move_fails_at_any_phase_goes_on_where_it_was(bed: Bed) -> None:
+    """Refused before freezing (its expected pause is longer than its --max-pause), cut during
+    the transfer, killed at the target's commit point: each time the rank resumes where it
+    was, the peers see only a pause, and the job finishes bit-identical."""
+    a, b, c = bed.node("node-a"), bed.node("node-b"), bed.node("node-c")
+    cut = bed.node("node-d", env={"FERRY_FAULTS": "target-transfer"})
+    dies = bed.node("node-e", env={"FERRY_FAULTS": "target-restored"})
+    ref = start_job([a, b, c], "ref", 29510, step_time=0.0)
+    job = start_job([a, b, c], "llm", 29500, step_time=0.25, extra={2: ("--max-pause", "1")})
+    where = {job[0]: a, job[1]: b, job[2]: c}
+    wait_for(a, job[0], r"^step 5 ", timeout_s=240)
+
+    refused = c.cli("migrate", job[2], "--to", cut.address, check=False)
+    assert refused.returncode == 1 and "longer than the job's --max-pause: 1 s" in refused.stderr, (
+        refused.stderr
+    )
+    assert c.job(job[2])["state"] == "running"
+    for target, said in [(cut, "target-transfer"), (dies, "target-restored")]:
+        failed = b.cli("migrate", job[1], "--to", target.address, check=False)
+        assert failed.returncode == 1 and said in failed.stderr, failed.stderr
+        assert "migration aborted, the job keeps running on node-b" in failed.stderr, failed.stderr
+        assert b.job(job[1])["state"] == "running"
+    finish_bit_identical(job, where, ref, [a, b, c])
