@@ -168,3 +168,49 @@ def test_a_rank_whose_move_fails_at_any_phase_goes_on_where_it_was(bed: Bed) -> 
         assert "migration aborted, the job keeps running on node-b" in failed.stderr, failed.stderr
         assert b.job(job[1])["state"] == "running"
     finish_bit_identical(job, where, ref, [a, b, c])
+
+
+def test_a_torchrun_agent_moves_with_its_worker_and_the_c10d_job_goes_on(bed: Bed) -> None:
+    """torchrun on every node (c10d rendezvous, one worker each): node-b's agent and its worker
+    move to the spare together; no rendezvous round follows, and the job ends bit-identical."""
+    a, b, c, spare = bed.node("node-a"), bed.node("node-b"), bed.node("node-c"), bed.node("node-d")
+    ref = start_job([a, b, c], "ref", 29510, step_time=0.0)
+
+    def torchrun(agent: BedAgent, name: str, endpoint: str, hosts: bool = False) -> None:
+        # Each agent names its own job address (--local-addr: its hostname means nothing on the job
+        # network); node-a's agent hosts the store (is_host: its job address is not its hostname's).
+        run = f"exec {sys.executable} -m torch.distributed.run --nnodes=3 --nproc_per_node=1 "
+        run += "--rdzv-backend=c10d --rdzv-id=llm --max-restarts=0 --local-addr=$ME "
+        run += f"--rdzv-conf=is_host={int(hosts)} --rdzv-endpoint={endpoint}:29400 "
+        run += f"{TRAIN} --steps {STEPS} --step-time 0.25 --every-rank --stamp"
+        env = ["--env", "GLOO_SOCKET_IFNAME=eth0", "--env", "OMP_NUM_THREADS=1"]
+        me = "ME=$(hostname -I | cut -d' ' -f1); "
+        agent.cli("run", "--name", name, "--group", "tr", *env, "--", "sh", "-c", me + run)
+
+    torchrun(a, "tr-a", "$ME", hosts=True)  # its own address: it hosts the rendezvous store
+    host = a.job_address("tr-a")
+    torchrun(b, "tr-b", host)
+    torchrun(c, "tr-c", host)
+    where = {"tr-a": a, "tr-b": b, "tr-c": c}
+    try:
+        wait_for(a, "tr-a", r"^step 5 ", timeout_s=60)
+    except AssertionError:
+        for name, node in where.items():
+            print(f"==== {name}\n" + node.cli("logs", name).stderr[-2500:])
+        raise
+
+    result = migrate(b, spare, "tr-b")
+    where["tr-b"] = spare
+    wait_for(spare, "tr-b", r"^step \d+ ", timeout_s=60)
+    print(f"torchrun agent tr-b node-b->node-d: frozen {result['frozen_s']:.2f} s")
+
+    digests = set()
+    for name, node in where.items():
+        j = wait_exited(node, name, timeout_s=300)
+        log = node.cli("logs", name).stdout
+        assert j["exit_code"] == 0, node.cli("logs", name).stderr[-2000:]
+        assert steps_in(log) == list(range(STEPS)), f"{name}: steps {steps_in(log)}"
+        assert len(re.findall(r"^rank \d+ pid \d+ of 3$", log, re.M)) == 1, f"{name} restarted:\n{log[:400]}"
+        digests.add(final_digest(log))
+    ref_digests = {final_digest(n.cli("logs", r).stdout) for r, n in zip(ref, [a, b, c], strict=True)}
+    assert len(digests) == 1 and digests == ref_digests
