@@ -24,7 +24,7 @@ from tests.integration.test_nodes import migrate, wait_exited, wait_for
 
 TRAIN = Path(__file__).resolve().parents[2] / "scripts" / "workloads" / "train_ddp.py"
 WORLD = 3
-STEPS = 80
+STEPS = 120
 
 
 @pytest.fixture
