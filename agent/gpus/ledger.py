@@ -105,9 +105,9 @@ class GpuLedger:
     def release(self, owner: str) -> None:
         """The claim is over: its job holds its GPUs now (or it failed and holds none)."""
         with self._lock:
-            self._claims.pop(owner, None)
             self._leases.discard(owner)
-            self._releases += 1
+            if self._claims.pop(owner, None) is not None:  # a no-op release invalidates no read
+                self._releases += 1
 
     def unavailable(self, for_job: str) -> dict[str, str]:
         """Every GPU here that `for_job` may not be placed on, each with why (a snapshot)."""

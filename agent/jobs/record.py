@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from agent.compat import StrEnum
 from agent.errors import InvalidArgumentError
@@ -83,6 +83,19 @@ class JobKind(StrEnum):
     ADOPTED = "adopted"
 
 
+#: The spec's fields a record keeps as they are, both ways; the others say where and how the
+#: job runs on one node (its kind as an enum, its pid, its log paths; shell_job is the dump's).
+_CARRIED = tuple(
+    f.name
+    for f in fields(JobSpec)
+    if f.name not in ("kind", "pid", "stdout_path", "stderr_path", "shell_job")
+)
+
+
+def _copied(value: object) -> object:
+    return list(value) if isinstance(value, list) else value
+
+
 @dataclass
 class JobRecord:
     name: str
@@ -116,24 +129,26 @@ class JobRecord:
     veth: str = ""  # the node's end of the job's link, on this node
 
     def spec(self) -> JobSpec:
-        return JobSpec(
-            name=self.name,
-            kind=self.kind.value,
-            command=list(self.command),
-            cwd=self.cwd,
-            env=list(self.env),
-            stdout_path=self.stdout_path,
-            stderr_path=self.stderr_path,
-            pid=self.pid,
-            migrations=self.migrations,
-            priority=self.priority,
-            on_degraded=self.on_degraded,
-            gpus=list(self.gpus),
-            gpu_chip=self.gpu_chip,
-            private=self.private,
-            address=self.address,
-            group=self.group,
-            max_pause_s=self.max_pause_s,
+        """What the job is, independent of where it runs (it travels in the image)."""
+        here = {
+            "kind": self.kind.value,
+            "pid": self.pid,
+            "stdout_path": self.stdout_path,
+            "stderr_path": self.stderr_path,
+        }
+        return JobSpec(**here, **{n: _copied(getattr(self, n)) for n in _CARRIED})
+
+    @classmethod
+    def from_spec(cls, spec: JobSpec, pid: int, pid_started: float, stdout: str, stderr: str) -> JobRecord:
+        """A running record for a job restored here from `spec`: its process and logs are this node's."""
+        return cls(
+            kind=JobKind(spec.kind),
+            state=JobState.RUNNING,
+            pid=pid,
+            pid_started=pid_started,
+            stdout_path=stdout,
+            stderr_path=stderr,
+            **{n: _copied(getattr(spec, n)) for n in _CARRIED},
         )
 
     @property

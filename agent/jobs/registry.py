@@ -308,27 +308,7 @@ class JobRegistry:
         self, spec: JobSpec, pid: int, stdout: str, stderr: str, **extra: object
     ) -> JobRecord:
         """Record a tree CRIU just restored as our child (rst_sibling)."""
-        rec = JobRecord(
-            name=spec.name,
-            kind=JobKind(spec.kind),
-            state=JobState.RUNNING,
-            pid=pid,
-            pid_started=procs.create_time(pid),
-            command=spec.command,
-            cwd=spec.cwd,
-            env=spec.env,
-            stdout_path=stdout,
-            stderr_path=stderr,
-            migrations=spec.migrations,
-            priority=spec.priority,
-            on_degraded=spec.on_degraded,
-            gpus=list(spec.gpus),
-            gpu_chip=spec.gpu_chip,
-            private=spec.private,
-            address=spec.address,
-            group=spec.group,
-            max_pause_s=spec.max_pause_s,
-        )
+        rec = JobRecord.from_spec(spec, pid, procs.create_time(pid), stdout, stderr)
         for k, v in extra.items():
             setattr(rec, k, v)
         self.save(rec)

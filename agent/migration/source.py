@@ -67,7 +67,7 @@ from agent.migration.journal import SOURCE, Journal, MigrationRecord
 from agent.migration.limits import RateLog, refuse_long_pause
 from agent.migration.model import Emit, MigrationResult, MigrationSpec, Peer, Progress, unresolved_note
 from agent.migration.pagestream import SourceRelay
-from agent.migration.states import SOURCE_TRANSITIONS, CudaLeft, MigrationState
+from agent.migration.states import SOURCE_TRANSITIONS, CudaLeft, MigrationState, cuda_left
 from agent.migration.transfer import SendStats, send_image
 from agent.rpc import pb
 
@@ -488,15 +488,9 @@ class SourceMigration:
         except FerryError as e:
             log.warning("migration %s: target abort failed: %s", self.spec.migration_id, e)
         # A freeze that failed undid itself (agent.cuda.driver.freeze); a finished one is undone here.
-        frozen = self.footprint.processes and phase not in (
-            MigrationState.PREPARING,
-            MigrationState.LOCKING,
-            MigrationState.LOCKED,
-            MigrationState.CHECKPOINTING,
-        )
-        copy = rollback.FrozenCopy(
-            rec, pids, self.link, self.footprint.pids, CudaLeft.CHECKPOINTED if frozen else CudaLeft.NONE
-        )
+        left = cuda_left(phase, bool(self.footprint.processes))
+        left = left if left is CudaLeft.CHECKPOINTED else CudaLeft.NONE
+        copy = rollback.FrozenCopy(rec, pids, self.link, self.footprint.pids, left)
         note = f"migration to {self.spec.target} aborted while {phase.value}: {err.cause}"
         outcome = f"the job keeps running on {self.node}"
         hint = err.hint

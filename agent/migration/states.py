@@ -83,8 +83,8 @@ class CudaLeft(StrEnum):
 
 
 def cuda_left(state: MigrationState, has_cuda: bool) -> CudaLeft:
-    """What a crash in `state` left of the CUDA freeze (the in-process freeze undoes its own
-    failures; this is for a record an agent finds after a restart)."""
+    """What a crash in `state` left of the CUDA freeze. In process, the freeze undoes its own
+    failures, so only CHECKPOINTED is left to undo there (SourceMigration._abort)."""
     if not has_cuda or state is _M.PREPARING:
         return CudaLeft.NONE
     if state in (_M.LOCKING, _M.CHECKPOINTING, _M.ABORTING):
