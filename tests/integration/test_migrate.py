@@ -1,5 +1,5 @@
 """Planned migration of real, unmodified PyTorch training jobs between two real agents, on nodes
-that share nothing a cluster's nodes would not (tests/integration/bed.py); the DataLoader case
+that share nothing a cluster's nodes would not (agent/testing/bed.py); the DataLoader case
 and the jobs with connections are in test_nodes.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.bed import node_bed
+from agent.testing.bed import node_bed
 from tests.integration.jobtools import (
     assert_completed_exactly_once,
     job,

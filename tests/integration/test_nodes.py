@@ -1,6 +1,6 @@
 """Jobs people run, moved between nodes that share nothing a cluster's nodes would not.
 
-Every test runs on the multi-node bed (tests/integration/bed.py): each node its own network
+Every test runs on the multi-node bed (agent/testing/bed.py): each node its own network
 and mount namespaces, /tmp, /dev/shm, /run, staging and address; a job network across a
 bridged fabric; a shared directory for the cluster file system.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.bed import OUTSIDE_ADDR, Bed, BedAgent, node_bed
+from agent.testing.bed import OUTSIDE_ADDR, Bed, BedAgent, node_bed
 from tests.integration.jobtools import WORKLOAD, final_digest, reference_digest, steps_in, train_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,23 +31,11 @@ def bed(tmp_path: Path):
 
 
 def wait_for(agent: BedAgent, name: str, pattern: str, timeout_s: float = 120) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        out = agent.cli("logs", name).stdout
-        if re.search(pattern, out, re.M):
-            return out
-        time.sleep(0.1)
-    raise AssertionError(f"{name} on {agent.node}: no {pattern!r} in its output:\n{out[-800:]}")
+    return agent.wait_log(name, pattern, timeout_s)
 
 
 def wait_exited(agent: BedAgent, name: str, timeout_s: float = 180) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        j = agent.job(name)
-        if j["state"] == "exited":
-            return j
-        time.sleep(0.2)
-    raise AssertionError(f"{name} on {agent.node} did not finish: {agent.job(name)}")
+    return agent.wait_exited(name, timeout_s)
 
 
 def migrate(src: BedAgent, dst: BedAgent, name: str) -> dict:

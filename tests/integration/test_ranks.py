@@ -1,14 +1,12 @@
 """One rank of a running multi-node gloo job moves while its peers wait in their collective.
 
 Every rank is a ferry job (`ferry run --group`) on a node of its own on the multi-node bed
-(tests/integration/bed.py), with its own address on the job network; a spare node waits. The
-ranks are started the plain `env://` way: RANK, WORLD_SIZE, MASTER_ADDR (rank 0's job address;
-rank 0 itself reaches its store on its own loopback), GLOO_SOCKET_IFNAME=eth0 (the job's link).
+(agent/testing/bed.py), with its own address on the job network; a spare node waits. The
+ranks are started the plain `env://` way (agent/testing/ranks.py), or by torchrun with c10d.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
 import shutil
@@ -18,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from agent import certs
-from tests.integration.bed import Bed, BedAgent, node_bed
+from agent.testing.bed import Bed, BedAgent, node_bed
+from agent.testing.ranks import TRAIN, longest_gap, stamps
+from agent.testing.ranks import start_job as start_ranks
 from tests.integration.jobtools import final_digest, steps_in
 from tests.integration.test_nodes import migrate, wait_exited, wait_for
 
-TRAIN = Path(__file__).resolve().parents[2] / "scripts" / "workloads" / "train_ddp.py"
-WORLD = 3
 STEPS = 120
 
 
@@ -33,30 +31,6 @@ def bed(tmp_path: Path):
         yield b
 
 
-def start_rank(
-    agent: BedAgent,
-    group: str,
-    rank: int,
-    master: str,
-    port: int,
-    step_time: float,
-    extra: tuple[str, ...] = (),
-) -> str:
-    name = f"{group}-r{rank}"
-    env = {
-        "RANK": str(rank),
-        "WORLD_SIZE": str(WORLD),
-        "MASTER_ADDR": master,
-        "MASTER_PORT": str(port),
-        "GLOO_SOCKET_IFNAME": "eth0",
-        "OMP_NUM_THREADS": "1",
-    }
-    flags = [x for k, v in env.items() for x in ("--env", f"{k}={v}")]
-    cmd = [sys.executable, str(TRAIN), "--steps", str(STEPS), "--step-time", str(step_time), "--every-rank"]
-    agent.cli("run", "--name", name, "--group", group, *flags, *extra, "--", *cmd, "--stamp")
-    return name
-
-
 def start_job(
     nodes: list[BedAgent],
     group: str,
@@ -64,15 +38,7 @@ def start_job(
     step_time: float,
     extra: dict[int, tuple[str, ...]] | None = None,
 ) -> list[str]:
-    """Rank 0 first (its address is where the others find the store), then the others."""
-    extra = extra or {}
-    names = [start_rank(nodes[0], group, 0, "127.0.0.1", port, step_time, extra.get(0, ()))]
-    master = nodes[0].job_address(names[0])
-    names += [
-        start_rank(n, group, r, master, port, step_time, extra.get(r, ()))
-        for r, n in enumerate(nodes[1:], start=1)
-    ]
-    return names
+    return start_ranks(nodes, group, port, ["--steps", str(STEPS), "--step-time", str(step_time)], extra)
 
 
 def finish_bit_identical(
@@ -93,17 +59,6 @@ def finish_bit_identical(
         assert wait_exited(node, name, timeout_s=300)["exit_code"] == 0
         ref_digests.add(final_digest(node.cli("logs", name).stdout))
     assert len(ref_digests) == 1 and digests == ref_digests
-
-
-def stamps(log: str) -> list[float]:
-    return [float(m[1]) for m in re.finditer(r"^step \d+ .* at (\d+\.\d+)$", log, re.M)]
-
-
-def longest_gap(log: str, since: float, until: float) -> float:
-    """The longest time between two steps of a rank that overlap [since, until]."""
-    t = stamps(log)
-    gaps = [b - a for a, b in itertools.pairwise(t) if b >= since and a <= until]
-    return max(gaps, default=0.0)
 
 
 def test_moving_ranks_of_a_gloo_job_leaves_it_bit_identical(bed: Bed) -> None:
@@ -172,7 +127,8 @@ def test_a_rank_whose_move_fails_at_any_phase_goes_on_where_it_was(bed: Bed) -> 
 
 def test_a_torchrun_agent_moves_with_its_worker_and_the_c10d_job_goes_on(bed: Bed) -> None:
     """torchrun on every node (c10d rendezvous, one worker each): node-b's agent and its worker
-    move to the spare together; no rendezvous round follows, and the job ends bit-identical."""
+    move to the spare together, then the store's host moves and comes back; no rendezvous round
+    follows, and the job ends bit-identical."""
     a, b, c, spare = bed.node("node-a"), bed.node("node-b"), bed.node("node-c"), bed.node("node-d")
     ref = start_job([a, b, c], "ref", 29510, step_time=0.0)
 
@@ -199,10 +155,15 @@ def test_a_torchrun_agent_moves_with_its_worker_and_the_c10d_job_goes_on(bed: Be
             print(f"==== {name}\n" + node.cli("logs", name).stderr[-2500:])
         raise
 
-    result = migrate(b, spare, "tr-b")
-    where["tr-b"] = spare
-    wait_for(spare, "tr-b", r"^step \d+ ", timeout_s=60)
-    print(f"torchrun agent tr-b node-b->node-d: frozen {result['frozen_s']:.2f} s")
+    # node-b's agent to the spare; then node-a's, which hosts the c10d store, to node-b; then back.
+    said = []
+    for name, dst in [("tr-b", spare), ("tr-a", b), ("tr-a", a)]:
+        src = where[name]
+        result = migrate(src, dst, name)
+        where[name] = dst
+        wait_for(dst, name, r"^step \d+ ", timeout_s=60)
+        said.append(f"torchrun agent {name} {src.node}->{dst.node}: frozen {result['frozen_s']:.2f} s")
+    print("; ".join(said))
 
     digests = set()
     for name, node in where.items():

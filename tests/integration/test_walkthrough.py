@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.integration.bed import Bed, node_bed
+from agent.testing.bed import Bed, node_bed
 from tests.integration.jobtools import WORKLOAD, final_digest, reference_digest, steps_in, train_args
 
 FERRY = [sys.executable, "-m", "agent.cli.main"]

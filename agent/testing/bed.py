@@ -22,11 +22,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shlex
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -86,6 +88,26 @@ class BedAgent(LocalAgent):
 
     def job_address(self, name: str) -> str:
         return self.job(name)["address"]
+
+    def wait_log(self, name: str, pattern: str, timeout_s: float = 120) -> str:
+        """The job's output once a line matches pattern (a regex, multi-line)."""
+        deadline = time.monotonic() + timeout_s
+        out = ""
+        while time.monotonic() < deadline:
+            out = self.cli("logs", name).stdout
+            if re.search(pattern, out, re.M):
+                return out
+            time.sleep(0.1)
+        raise AssertionError(f"{name} on {self.node}: no {pattern!r} in its output:\n{out[-800:]}")
+
+    def wait_exited(self, name: str, timeout_s: float = 180) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            j = self.job(name)
+            if j["state"] == "exited":
+                return j
+            time.sleep(0.2)
+        raise AssertionError(f"{name} on {self.node} did not finish: {self.job(name)}")
 
 
 class Bed:

@@ -1,0 +1,80 @@
+"""A gloo training job across the bed's nodes, one rank per node, each rank a ferry job.
+
+The ranks are started the plain `env://` way: RANK, WORLD_SIZE, MASTER_ADDR (rank 0's job
+address; rank 0 itself reaches its store on its own loopback), GLOO_SOCKET_IFNAME=eth0 (the
+job's link). Shared by the rank tests (tests/integration/test_ranks.py) and the distributed
+bench (scripts/bench_ranks.py), so both measure the same job.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import sys
+from pathlib import Path
+
+from agent.testing.bed import BedAgent
+
+TRAIN = Path(__file__).resolve().parents[2] / "scripts" / "workloads" / "train_ddp.py"
+_STAMPED = re.compile(r"^step \d+ .* at (\d+\.\d+)$", re.M)
+
+
+def start_rank(
+    agent: BedAgent,
+    name: str,
+    group: str,
+    rank: int,
+    world: int,
+    master: str,
+    port: int,
+    train_args: list[str],
+    flags: tuple[str, ...] = (),
+) -> str:
+    """`ferry run` one rank of train_ddp.py on agent's node (every rank prints, with stamps)."""
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": master,
+        "MASTER_PORT": str(port),
+        "GLOO_SOCKET_IFNAME": "eth0",
+        "OMP_NUM_THREADS": "1",
+    }
+    envs = [x for k, v in env.items() for x in ("--env", f"{k}={v}")]
+    cmd = [sys.executable, str(TRAIN), *train_args, "--every-rank", "--stamp"]
+    agent.cli("run", "--name", name, "--group", group, *envs, *flags, "--", *cmd)
+    return name
+
+
+def start_job(
+    nodes: list[BedAgent],
+    group: str,
+    port: int,
+    train_args: list[str],
+    flags: dict[int, tuple[str, ...]] | None = None,
+    prefix: str | None = None,
+) -> list[str]:
+    """Rank 0 first (its address is where the others find the store), then the others; job
+    names are PREFIX-rN (PREFIX defaults to the group)."""
+    flags = flags or {}
+    world, prefix = len(nodes), prefix or group
+
+    def one(rank: int, master: str) -> str:
+        node = nodes[rank]
+        name = f"{prefix}-r{rank}"
+        return start_rank(node, name, group, rank, world, master, port, train_args, flags.get(rank, ()))
+
+    names = [one(0, "127.0.0.1")]
+    master = nodes[0].job_address(names[0])
+    return names + [one(r, master) for r in range(1, world)]
+
+
+def stamps(log: str) -> list[float]:
+    """The wall time of every step a rank logged, in order."""
+    return [float(m[1]) for m in _STAMPED.finditer(log)]
+
+
+def longest_gap(log: str, since: float, until: float) -> float:
+    """The longest time between two steps of a rank that overlap [since, until]."""
+    t = stamps(log)
+    gaps = [b - a for a, b in itertools.pairwise(t) if b >= since and a <= until]
+    return max(gaps, default=0.0)

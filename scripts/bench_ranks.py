@@ -1,0 +1,342 @@
+"""`make bench`, distributed case: moving one rank of a 3-rank job against restarting the job.
+
+On the multi-node bed (agent/testing/bed.py: network and mount namespaces, real agents over
+mutual TLS, a spare node), a 3-rank gloo DDP job (scripts/workloads/train_ddp.py, one rank
+per node, each holding --ballast-mb of live state) runs four times, one after the other:
+
+  undisturbed          nothing happens: its wall time is the reference
+  ferry                at step --fail-at, `ferry migrate` moves rank 1 to the spare
+  checkpoint-restart   every rank wrote a checkpoint K steps before step --fail-at; there
+                       every rank ends abruptly, then all restart (rank 1 on the spare),
+                       reload and recompute K steps. K = 0 (the checkpoint was taken at the
+                       failure: the best case) and K = --interval-steps / 2 (the expected K
+                       when checkpoints come every --interval-steps)
+
+Lost time = the run's wall time (rank 0's first step to its last) minus the undisturbed
+run's. Each run must end with the undisturbed run's parameters, bit for bit. Then it
+projects goodput for a 1,024- and a 16,384-GPU job (MTTF 7.9 h and 1.8 h) from the lost
+time per failure. Needs root, CRIU (`make criu`) and `ip`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+OUT = Path("bench-results") / "ranks.json"
+#: (GPUs, mean time to the job's next failure in hours): Meta's figures for Llama 3.
+CLUSTERS = ((1024, 7.9), (16384, 1.8))
+DIGEST = re.compile(r"^final digest (\w+)$", re.M)
+
+
+class BenchError(Exception):
+    """A failure reported as one line and exit status 1."""
+
+
+# -- pure parts: wall time, lost time, goodput ----------------------------------------------
+
+
+def wall_s(first: list[float], last: list[float]) -> float:
+    """Rank 0's first step (in the run's first log) to its last step (in its last log)."""
+    if not first or not last:
+        raise BenchError("a run logged no stamped steps on rank 0")
+    return last[-1] - first[0]
+
+
+@dataclass(frozen=True)
+class Projection:
+    gpus: int
+    mttf_h: float
+    restart: float  # goodput when every failure is a checkpoint-restart
+    warned_half: float  # goodput when ferry moves the half of failures that give warning
+    warned_all: float  # ... and when every failure gives warning (the bound)
+
+
+def goodput(mttf_s: float, lost_s: float) -> float:
+    """The share of the machine's time that trains, when each failure costs lost_s."""
+    return max(0.0, 1.0 - lost_s / mttf_s)
+
+
+def project(restart_s: float, interval_s: float, move_s: float) -> list[Projection]:
+    """Per failure, checkpoint-restart loses its restart and half an interval of recompute; a
+    move loses move_s, but only for a failure ferry sees coming (the rest still restart)."""
+    restart = restart_s + interval_s / 2
+    out = []
+    for gpus, mttf_h in CLUSTERS:
+        m = mttf_h * 3600
+        out.append(
+            Projection(
+                gpus,
+                mttf_h,
+                goodput(m, restart),
+                goodput(m, 0.5 * move_s + 0.5 * restart),
+                goodput(m, move_s),
+            )
+        )
+    return out
+
+
+def _seconds(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f} s"
+
+
+def format_report(runs: dict[str, dict[str, Any]], projections: dict[str, list[Projection]]) -> str:
+    lines = [
+        f"{'run':34} {'wall':>8} {'lost':>8} {'frozen':>8} {'peers gap':>10} {'recomputed':>10}",
+    ]
+    for label, r in runs.items():
+        k = r.get("recomputed_steps")
+        cells = [_seconds(r.get(key)) for key in ("wall_s", "lost_s", "frozen_s")]
+        lines.append(
+            f"{label:34} {cells[0]:>8} {cells[1]:>8} {cells[2]:>8} "
+            f"{_seconds(r.get('peers_gap_s')):>10} {'-' if k is None else k:>10}"
+        )
+    for title, rows in projections.items():
+        lines += [
+            "",
+            f"goodput, {title}",
+            f"{'GPUs':>6} {'MTTF':>6} {'restart':>8} {'half warned':>12} {'all warned':>11}",
+        ]
+        lines += [
+            f"{p.gpus:>6} {p.mttf_h:>5}h {p.restart:>8.2%} {p.warned_half:>12.2%} {p.warned_all:>11.2%}"
+            for p in rows
+        ]
+    return "\n".join(lines)
+
+
+# -- measuring -------------------------------------------------------------------------------
+
+
+class Progress:
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+
+    def __call__(self, text: str) -> None:
+        print(f"[{time.monotonic() - self.t0:7.1f}s] {text}", file=sys.stderr, flush=True)
+
+
+class Runs:
+    """The four runs on one bed: nodes a, b, c hold ranks 0-2; d is the spare."""
+
+    def __init__(self, bed: Any, args: argparse.Namespace, say: Progress) -> None:
+        self.bed, self.args, self.say = bed, args, say
+        self.nodes = [bed.node(n) for n in ("node-a", "node-b", "node-c")]
+        self.spare = bed.node("node-d")
+        self.port = 29500
+        self.digest = ""
+
+    def train(self, *extra: str) -> list[str]:
+        a = self.args
+        return [
+            "--steps",
+            str(a.steps),
+            "--step-time",
+            str(a.step_time),
+            "--ballast-mb",
+            str(a.ballast_mb),
+            *extra,
+        ]
+
+    def start(self, prefix: str, nodes: list[Any], *extra: str) -> list[str]:
+        from agent.testing.ranks import start_job
+
+        self.port += 1
+        return start_job(nodes, "bench", self.port, self.train(*extra), prefix=prefix)
+
+    def finish(self, names: list[str], nodes: list[Any], code: int = 0) -> list[str]:
+        """Wait for every rank; return their logs; check exit codes and, at the end, digests."""
+        logs = []
+        for name, node in zip(names, nodes, strict=True):
+            j = node.wait_exited(name, timeout_s=self.args.steps * (self.args.step_time + 1) + 300)
+            log = node.cli("logs", name).stdout
+            if j["exit_code"] != code:
+                tail = node.cli("logs", name).stderr[-1500:]
+                raise BenchError(f"{name} on {node.node} exited {j['exit_code']}, not {code}:\n{tail}")
+            logs.append(log)
+        if code == 0:
+            digests = {m[1] for log in logs for m in DIGEST.finditer(log)}
+            if len(digests) != 1 or (self.digest and digests != {self.digest}):
+                raise BenchError(f"the ranks' final parameters differ from the undisturbed run's: {digests}")
+            self.digest = digests.pop()
+        return logs
+
+    def undisturbed(self) -> dict[str, Any]:
+        from agent.testing.ranks import stamps
+
+        self.say("undisturbed run")
+        names = self.start("ref", self.nodes)
+        logs = self.finish(names, self.nodes)
+        return {"wall_s": wall_s(stamps(logs[0]), stamps(logs[0]))}
+
+    def ferry(self) -> dict[str, Any]:
+        from agent.testing.ranks import longest_gap, stamps
+
+        self.say(f"ferry: rank 1 moves to the spare at step {self.args.fail_at}")
+        names = self.start("mv", self.nodes)
+        b = self.nodes[1]
+        b.wait_log(names[1], rf"^step {self.args.fail_at} ", timeout_s=600)
+        asked = time.time()
+        moved = json.loads(b.cli("migrate", names[1], "--to", self.spare.address, "--json").stdout)
+        where = [self.nodes[0], self.spare, self.nodes[2]]
+        logs = self.finish(names, where)
+        gap = max(longest_gap(logs[r], asked, asked + moved["total_s"]) for r in (0, 2))
+        return {
+            "wall_s": wall_s(stamps(logs[0]), stamps(logs[0])),
+            "frozen_s": moved["frozen_s"],
+            "peers_gap_s": gap,
+            "image_bytes": moved["image_bytes"],
+            "recomputed_steps": 0,
+        }
+
+    def restart(self, k: int) -> dict[str, Any]:
+        from agent.testing.ranks import stamps
+
+        a = self.args
+        self.say(
+            f"checkpoint-restart: checkpoint at step {a.fail_at - k}, every rank fails at step {a.fail_at}"
+        )
+        ckpt = self.bed.shared / f"ckpt-k{k}"
+        ckpt.mkdir()
+        save = ("--save-dir", str(ckpt))
+        names = self.start(
+            f"k{k}", self.nodes, *save, "--save-at", str(a.fail_at - k), "--exit-at", str(a.fail_at)
+        )
+        before = self.finish(names, self.nodes, code=3)
+        # The job's scheduler restarts every rank at once, the failed rank 1 on the spare.
+        where = [self.nodes[0], self.spare, self.nodes[2]]
+        again = self.start(f"k{k}b", where, *save, "--resume")
+        after = self.finish(again, where)
+        first, last = stamps(before[0]), stamps(after[0])
+        resumed_from = int(re.search(r"^resumed at step (\d+)", after[0], re.M)[1])  # type: ignore[index]
+        gap = last[0] - first[-1]
+        return {
+            "wall_s": wall_s(first, last),
+            "restart_s": gap,
+            "recomputed_steps": a.fail_at + 1 - resumed_from,
+            "checkpoint_bytes": sum(f.stat().st_size for f in ckpt.iterdir()),
+        }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bench_ranks.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--steps", type=int, default=120, help="training steps per run (default 120)")
+    p.add_argument("--step-time", type=float, default=0.25, help="seconds each step sleeps (default 0.25)")
+    p.add_argument("--ballast-mb", type=int, default=256, help="MiB of live state per rank (default 256)")
+    p.add_argument(
+        "--fail-at", type=int, default=100, help="the step at which a rank fails or moves (default 100)"
+    )
+    p.add_argument(
+        "--interval-steps",
+        type=int,
+        default=180,
+        help="steps between checkpoints at a realistic interval: 180 is 30 min at 10 s a step "
+        "(default); the expected K is half of it",
+    )
+    p.add_argument(
+        "--interval-min",
+        type=float,
+        default=30.0,
+        help="the checkpoint interval of the projected large job, in minutes (default 30)",
+    )
+    p.add_argument(
+        "--gpu-move-s",
+        type=float,
+        default=240.0,
+        help="the estimated time to move one H200 rank today (docs/performance.md, default 240 s), "
+        "for a second projection",
+    )
+    p.add_argument("--json", type=Path, default=OUT, help=f"where to write the figures (default {OUT})")
+    p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()), help="where the bed lives")
+    return p
+
+
+def preflight(args: argparse.Namespace) -> None:
+    if os.geteuid() != 0:
+        raise BenchError("needs root: the bed creates network namespaces and CRIU dumps processes")
+    if shutil.which("ip") is None:
+        raise BenchError("`ip` (iproute2) is missing: apt-get install iproute2")
+    k = args.interval_steps // 2
+    if not 0 < k <= args.fail_at < args.steps - 1:
+        raise BenchError(
+            f"need 0 < --interval-steps/2 ({k}) <= --fail-at ({args.fail_at}) < --steps-1 ({args.steps - 1})"
+        )
+    from agent import config
+    from agent.errors import FerryError
+
+    try:
+        config.criu_binary()
+    except FerryError as e:
+        raise BenchError(f"CRIU not found: {e}") from e
+
+
+def run(args: argparse.Namespace, say: Progress) -> dict[str, Any]:
+    preflight(args)
+    from agent.testing.bed import node_bed
+
+    k = args.interval_steps // 2
+    root = Path(tempfile.mkdtemp(prefix="ferry-bench-ranks-", dir=args.workdir))
+    try:
+        with node_bed(root) as bed:
+            r = Runs(bed, args, say)
+            runs = {"undisturbed": r.undisturbed(), "ferry: move rank 1": r.ferry()}
+            runs["checkpoint-restart, K=0"] = r.restart(0)
+            runs[f"checkpoint-restart, K={k}"] = r.restart(k)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    ref = runs["undisturbed"]["wall_s"]
+    for v in runs.values():
+        v["lost_s"] = v["wall_s"] - ref
+    move = runs["ferry: move rank 1"]["lost_s"]
+    restart = runs["checkpoint-restart, K=0"]["lost_s"]
+    interval = args.interval_min * 60
+    projections = {
+        f"move {move:.1f} s (measured), restart {restart:.1f} s (measured), checkpoints every "
+        f"{args.interval_min:g} min": project(restart, interval, move),
+        f"move {args.gpu_move_s:g} s (an H200 rank today, estimated), restart {restart:.1f} s, "
+        f"checkpoints every {args.interval_min:g} min": project(restart, interval, args.gpu_move_s),
+    }
+    return {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "runs": runs,
+        "projections": {t: [asdict(p) for p in rows] for t, rows in projections.items()},
+        "report": format_report(runs, projections),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    say = Progress()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # the bed comes down on SIGTERM too
+    try:
+        results = run(args, say)
+    except BenchError as e:
+        print(f"bench_ranks: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bench_ranks: interrupted", file=sys.stderr)
+        return 130
+    print(results["report"])
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
