@@ -41,6 +41,7 @@ OUT = Path("bench-results") / "ranks.json"
 #: (GPUs, mean time to the job's next failure in hours): Meta's figures for Llama 3.
 CLUSTERS = ((1024, 7.9), (16384, 1.8))
 DIGEST = re.compile(r"^final digest (\w+)$", re.M)
+LOSS = re.compile(r"^step \d+ loss (\S+)", re.M)
 
 
 class BenchError(Exception):
@@ -96,14 +97,15 @@ def _seconds(v: float | None) -> str:
 
 def format_report(runs: dict[str, dict[str, Any]], projections: dict[str, list[Projection]]) -> str:
     lines = [
-        f"{'run':34} {'wall':>8} {'lost':>8} {'frozen':>8} {'peers gap':>10} {'recomputed':>10}",
+        f"{'run':34} {'wall':>8} {'lost':>8} {'frozen':>8} {'peers gap':>10} {'recomputed':>10} {'exact':>6}",
     ]
     for label, r in runs.items():
         k = r.get("recomputed_steps")
         cells = [_seconds(r.get(key)) for key in ("wall_s", "lost_s", "frozen_s")]
         lines.append(
             f"{label:34} {cells[0]:>8} {cells[1]:>8} {cells[2]:>8} "
-            f"{_seconds(r.get('peers_gap_s')):>10} {'-' if k is None else k:>10}"
+            f"{_seconds(r.get('peers_gap_s')):>10} {'-' if k is None else k:>10} "
+            f"{ {True: 'yes', False: 'no', None: '-'}[r.get('bit_identical')]:>6}"
         )
     for title, rows in projections.items():
         lines += [
@@ -137,7 +139,9 @@ class Runs:
         self.nodes = [bed.node(n) for n in ("node-a", "node-b", "node-c")]
         self.spare = bed.node("node-d")
         self.port = 29500
-        self.digest = ""
+        self.digests: list[str] = []
+        self.losses: list[list[str]] = []
+        self.exact = True
 
     def train(self, *extra: str) -> list[str]:
         a = self.args
@@ -157,8 +161,10 @@ class Runs:
         self.port += 1
         return start_job(nodes, "bench", self.port, self.train(*extra), prefix=prefix)
 
-    def finish(self, names: list[str], nodes: list[Any], code: int = 0) -> list[str]:
-        """Wait for every rank; return their logs; check exit codes and, at the end, digests."""
+    def finish(self, names: list[str], nodes: list[Any], code: int = 0, exact: bool = True) -> list[str]:
+        """Wait for every rank and return their logs, checking exit codes; at the end, that each
+        rank's parameters are the undisturbed run's (exact: bit for bit; else its last loss to 6
+        decimals, and self.exact says whether the bits matched too)."""
         logs = []
         for name, node in zip(names, nodes, strict=True):
             j = node.wait_exited(name, timeout_s=self.args.steps * (self.args.step_time + 1) + 300)
@@ -167,11 +173,16 @@ class Runs:
                 tail = node.cli("logs", name).stderr[-1500:]
                 raise BenchError(f"{name} on {node.node} exited {j['exit_code']}, not {code}:\n{tail}")
             logs.append(log)
-        if code == 0:
-            digests = {m[1] for log in logs for m in DIGEST.finditer(log)}
-            if len(digests) != 1 or (self.digest and digests != {self.digest}):
-                raise BenchError(f"the ranks' final parameters differ from the undisturbed run's: {digests}")
-            self.digest = digests.pop()
+        if code != 0:
+            return logs
+        # Each rank's own ballast is in its digest: rank by rank, as in the undisturbed run.
+        digests = [m[1] for log in logs for m in DIGEST.finditer(log)]
+        losses = [LOSS.findall(log)[-1:] for log in logs]
+        if not self.digests:
+            self.digests, self.losses = digests, losses
+        self.exact = digests == self.digests
+        if not self.exact and (exact or losses != self.losses):
+            raise BenchError(f"the ranks' final parameters {digests} differ from the undisturbed run's")
         return logs
 
     def undisturbed(self) -> dict[str, Any]:
@@ -200,6 +211,7 @@ class Runs:
             "peers_gap_s": gap,
             "image_bytes": moved["image_bytes"],
             "recomputed_steps": 0,
+            "bit_identical": self.exact,
         }
 
     def restart(self, k: int) -> dict[str, Any]:
@@ -219,7 +231,9 @@ class Runs:
         # The job's scheduler restarts every rank at once, the failed rank 1 on the spare.
         where = [self.nodes[0], self.spare, self.nodes[2]]
         again = self.start(f"k{k}b", where, *save, "--resume")
-        after = self.finish(again, where)
+        # A restarted 3-rank DDP job ends a few bits off an undisturbed one (its losses agree to
+        # 6 decimals): its new processes sum gradients in another order. Only the moved one is exact.
+        after = self.finish(again, where, exact=False)
         first, last = stamps(before[0]), stamps(after[0])
         resumed_from = int(re.search(r"^resumed at step (\d+)", after[0], re.M)[1])  # type: ignore[index]
         gap = last[0] - first[-1]
@@ -228,6 +242,7 @@ class Runs:
             "restart_s": gap,
             "recomputed_steps": a.fail_at + 1 - resumed_from,
             "checkpoint_bytes": sum(f.stat().st_size for f in ckpt.iterdir()),
+            "bit_identical": self.exact,
         }
 
 

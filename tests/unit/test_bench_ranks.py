@@ -48,14 +48,21 @@ def test_the_report_has_a_line_per_run_and_a_table_per_projection() -> None:
             "frozen_s": 2.0,
             "peers_gap_s": 2.4,
             "recomputed_steps": 0,
+            "bit_identical": True,
         },
-        "checkpoint-restart, K=90": {"wall_s": 60.0, "lost_s": 30.0, "recomputed_steps": 90},
+        "checkpoint-restart, K=90": {
+            "wall_s": 60.0,
+            "lost_s": 30.0,
+            "recomputed_steps": 90,
+            "bit_identical": False,
+        },
     }
     text = bench.format_report(runs, {"move 2.5 s": bench.project(5.0, 1800.0, 2.5)})
     lines = text.splitlines()
     assert lines[1].split()[:3] == ["undisturbed", "30.00", "s"]
     assert "2.00 s" in lines[2] and "2.40 s" in lines[2]
-    assert lines[3].endswith(" 90") and " - " in lines[3]
+    assert lines[2].endswith(" yes") and lines[1].endswith(" -")
+    assert lines[3].endswith(" 90     no") and " - " in lines[3]
     assert "goodput, move 2.5 s" in text and text.count("%") == 6
 
 
