@@ -2,27 +2,29 @@
 
 The source runs `criu dump --lazy-pages`: it writes everything but the memory,
 says so, and then serves pages from the frozen tree until the target has them
-all. The target runs `criu lazy-pages`, which takes the restored tree's
-userfaultfd and fetches each page when the job first touches it (and the rest in
-the background). Both talk CRIU's page-server protocol over a socket whose other
-end the agents relay (agent/migration/pagestream.py).
+all, listening on a TCP port of its node. The target runs `criu lazy-pages`,
+which takes the restored tree's userfaultfd, connects there and fetches each
+page when the job first touches it (and the rest in the background). Their
+connection is CRIU's TLS, each trusting only the other's one-time certificate
+(agent/migration/datatls.py); the agents only control it
+(agent/migration/pagestream.py).
 
-Both are started from the command line, not through `criu swrk`: over RPC, CRIU
-ignores the page-server socket in lazy mode and would listen on a TCP port
-instead, an unauthenticated door to the job's memory. Errors come from the logs.
+Both are started from the command line, which has --status-fd to say when CRIU
+is ready. Errors come from the logs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import select
 import subprocess
 from pathlib import Path
 
 from agent.criu import child
 from agent.criu import logs as criu_logs
-from agent.criu.options import CriuOptions, dump_options
+from agent.criu.options import CriuOptions, TlsFiles, dump_options
 from agent.criu.runner import DUMP_LOG, STATS_DUMP, Criu, DumpResult, read_stats
 from agent.errors import CriuError
 
@@ -57,7 +59,7 @@ def lazy_dump_blocker(
 
 
 def _start(criu: Criu, command: str, opts: CriuOptions) -> tuple[subprocess.Popen[bytes], int]:
-    """`criu COMMAND` with opts (page-server protocol on opts.page_server_fd), without plugins;
+    """`criu COMMAND` with opts (its page connection at opts.ps_address), without plugins;
     returns it and the read end of its --status-fd, which gets one byte once CRIU is ready (EOF
     if it dies first): _await_ready reads it."""
     ready_r, ready_w = os.pipe()
@@ -66,7 +68,7 @@ def _start(criu: Criu, command: str, opts: CriuOptions) -> tuple[subprocess.Pope
         proc = subprocess.Popen(
             cmd,
             env=child.env(),
-            pass_fds=[opts.page_server_fd, ready_w],
+            pass_fds=[ready_w],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -101,12 +103,23 @@ def _await_ready(
     raise CriuError(op, criu_logs.cause(log_path) or what, log_path=str(log_path), node=criu.node)
 
 
+_PAGEMAP = re.compile(rb"Pagemap generated: \d+ pages \((\d+) lazy\)")
+
+
+def lazy_pages_logged(log_path: Path) -> int:
+    """How many pages a lazy dump left to fetch, from its log (one line per memory area)."""
+    try:
+        return sum(int(m[1]) for m in _PAGEMAP.finditer(log_path.read_bytes()))
+    except OSError:
+        return 0
+
+
 def _log_path(opts: CriuOptions) -> Path:
     return (opts.work_dir or opts.images_dir) / opts.log_file
 
 
 class LazyDump:
-    """`criu dump --lazy-pages` on the tree at `pid`, its page server on `sock_fd`.
+    """`criu dump --lazy-pages` on the tree at `pid`, its page server listening at `address`.
 
     `ready()` returns once the image minus the memory is in images_dir; `wait()` once the
     target has every page (or the transfer failed: CRIU then lets the tree go, which a
@@ -118,7 +131,8 @@ class LazyDump:
         criu: Criu,
         pid: int,
         images_dir: Path,
-        sock_fd: int,
+        address: tuple[str, int],
+        tls: TlsFiles,
         *,
         shell_job: bool = False,
         log_dir: Path | None = None,
@@ -127,7 +141,7 @@ class LazyDump:
         self.criu = criu
         self.work_dir = log_dir or images_dir  # the log and the stats go there
         self.log_path = self.work_dir / DUMP_LOG
-        # The same dump as Criu.dump's, but its pages stay behind, served on sock_fd.
+        # The same dump as Criu.dump's, but its pages stay behind, served at address.
         self.opts = dump_options(
             pid,
             images_dir,
@@ -136,7 +150,8 @@ class LazyDump:
             leave_stopped=True,
             shell_job=shell_job,
             external=external,
-            page_server_fd=sock_fd,
+            page_server=address,
+            tls=tls,
             lazy_pages=True,
         )
         self.proc, self._ready_fd = _start(criu, "dump", self.opts)
@@ -166,7 +181,10 @@ class LazyDump:
             ) from None
         if code != 0:
             raise self._error(f"the lazy page transfer failed (criu exit {code})")
-        return DumpResult(stats=read_stats(self.work_dir / STATS_DUMP, "dump"))
+        stats = read_stats(self.work_dir / STATS_DUMP, "dump")
+        # The lazy page server starts its statistics afresh, so the count is in the log only.
+        stats["pages_lazy"] = lazy_pages_logged(self.log_path)
+        return DumpResult(stats=stats)
 
     def kill(self) -> None:
         child.kill(self.proc)
@@ -178,12 +196,23 @@ class LazyDump:
 
 class LazyPagesDaemon:
     """`criu lazy-pages` for a restore from images_dir: it listens in work_dir (where the
-    restore must run) and fetches pages through `sock_fd`; it exits once all are in."""
+    restore must run) and fetches pages from the lazy dump at `source`; it exits once all are in."""
 
-    def __init__(self, criu: Criu, images_dir: Path, work_dir: Path, sock_fd: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        criu: Criu,
+        images_dir: Path,
+        work_dir: Path,
+        source: tuple[str, int],
+        tls: TlsFiles,
+        timeout_s: float,
+    ) -> None:
         self.criu = criu
         self.log_path = work_dir / LAZY_PAGES_LOG
-        self.opts = CriuOptions(images_dir, LAZY_PAGES_LOG, work_dir=work_dir, page_server_fd=sock_fd)
+        host, port = source
+        self.opts = CriuOptions(
+            images_dir, LAZY_PAGES_LOG, work_dir=work_dir, ps_address=host, ps_port=port, tls=tls
+        )
         self.proc, ready_r = _start(criu, "lazy-pages", self.opts)
         _await_ready(self.proc, ready_r, timeout_s, "lazy-pages", criu, self.opts)
 

@@ -34,6 +34,16 @@ ONE_PATH_ONLY: dict[str, str] = {
 
 
 @dataclass(frozen=True)
+class TlsFiles:
+    """TLS for CRIU's page connection: the peer's certificate (the only one trusted), ours, our
+    key (agent.migration.datatls makes them for one migration)."""
+
+    cacert: Path
+    cert: Path
+    key: Path
+
+
+@dataclass(frozen=True)
 class InheritFd:
     """A file the restored tree gets from us instead of opening by path."""
 
@@ -71,6 +81,12 @@ class CriuOptions:
     inherit_fd: tuple[InheritFd, ...] = ()
     #: A connected stream socket of ours speaking CRIU's page protocol (pass it to the child).
     page_server_fd: int = -1
+    #: CRIU's page protocol on TCP instead: where a page server listens (port 0: one the kernel
+    #: picks), or where a dump or a lazy-pages daemon connects to.
+    ps_address: str = ""
+    ps_port: int = 0
+    #: TLS on that connection (CRIU's own, GnuTLS): the peer's pinned certificate, ours, our key.
+    tls: TlsFiles | None = None
     status_fd: int = -1
 
     def __post_init__(self) -> None:
@@ -78,6 +94,8 @@ class CriuOptions:
             raise ValueError("leave_running and leave_stopped exclude each other")
         if self.network_lock and self.network_lock not in NETWORK_LOCKS:
             raise ValueError(f"network_lock {self.network_lock!r} is not one of {NETWORK_LOCKS}")
+        if self.ps_address and self.page_server_fd >= 0:
+            raise ValueError("a page server is reached through a socket or at an address, not both")
 
     def to_rpc(self, msg: rpc_pb2.criu_opts, *, images_dir_fd: int, work_dir_fd: int = -1) -> None:
         """Fill in `msg`. CRIU opens the directories as /proc/<our pid>/fd/N, so the
@@ -112,6 +130,13 @@ class CriuOptions:
         if self.page_server_fd >= 0:
             msg.ps.fd = self.page_server_fd
             msg.ps.port = 0  # no TCP: the socket is the connection
+        if self.ps_address or self.ps_port:
+            msg.ps.address = self.ps_address
+            msg.ps.port = self.ps_port
+        if self.tls is not None:
+            msg.tls = True
+            msg.tls_cacert, msg.tls_cert, msg.tls_key = (str(p) for p in _tls_paths(self.tls))
+            msg.tls_no_cn_verify = True  # the peer's certificate is pinned (agent.migration.datatls)
 
     def to_argv(self) -> list[str]:
         """The options of a `criu COMMAND` command line (the command itself is the caller's)."""
@@ -140,9 +165,30 @@ class CriuOptions:
             argv += ["--ps-socket", str(self.page_server_fd)]
             if not self.lazy_pages:
                 argv.append("--page-server")
+        if self.ps_address or self.ps_port:
+            # A lazy dump listens there; a dump or a lazy-pages daemon connects with --page-server.
+            argv += ["--address", self.ps_address, "--port", str(self.ps_port)]
+            if not self.lazy_pages:
+                argv.append("--page-server")
+        if self.tls is not None:
+            cacert, cert, key = (str(p) for p in _tls_paths(self.tls))
+            argv += [
+                "--tls",
+                "--tls-cacert",
+                cacert,
+                "--tls-cert",
+                cert,
+                "--tls-key",
+                key,
+                "--tls-no-cn-verify",
+            ]
         if self.status_fd >= 0:
             argv += ["--status-fd", str(self.status_fd)]
         return argv
+
+
+def _tls_paths(tls: TlsFiles) -> tuple[Path, Path, Path]:
+    return tls.cacert, tls.cert, tls.key
 
 
 #: The boolean fields, their command-line flags, and their RPC names where those differ.
@@ -171,10 +217,12 @@ def dump_options(
     shell_job: bool = False,
     external: list[str] | tuple[str, ...] | None = None,
     freeze_timeout_s: int = 0,
-    page_server_fd: int = -1,
+    page_server: tuple[str, int] | None = None,
+    tls: TlsFiles | None = None,
     lazy_pages: bool = False,
 ) -> CriuOptions:
-    """A dump of a ferry job, over RPC or (lazy) from the command line.
+    """A dump of a ferry job, over RPC or (lazy) from the command line. page_server: where its
+    page server listens (a lazy dump: where it listens itself), reached with tls.
 
     Established TCP connections, external unix sockets and file locks travel with the
     job. CRIU never locks the network: ferry does, by cutting the job's link.
@@ -194,7 +242,9 @@ def dump_options(
         ghost_limit=GHOST_LIMIT,
         freeze_timeout_s=freeze_timeout_s,
         external=tuple(external or ()),
-        page_server_fd=page_server_fd,
+        ps_address=page_server[0] if page_server else "",
+        ps_port=page_server[1] if page_server else 0,
+        tls=tls,
         lazy_pages=lazy_pages,
     )
 

@@ -11,6 +11,7 @@ and the CRIU log.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import subprocess
@@ -22,7 +23,7 @@ from agent import config
 from agent.criu import images as criu_images
 from agent.criu import logs as criu_logs
 from agent.criu import swrk
-from agent.criu.options import GHOST_LIMIT, CriuOptions, InheritFd, dump_options, restore_options
+from agent.criu.options import GHOST_LIMIT, CriuOptions, InheritFd, TlsFiles, dump_options, restore_options
 from agent.criu.swrk import START_TIMEOUT_S, SWRK_TIMEOUT_S, PageServer
 from agent.criu_pb import rpc_pb2, stats_pb2  # swrk says what to do if they are not compiled
 from agent.errors import CriuError, RefusedError, StepTimeoutError
@@ -123,7 +124,8 @@ class Criu:
         shell_job: bool = False,
         timeout_s: int = 0,
         on_start: Callable[[int], None] | None = None,
-        page_server_fd: int = -1,
+        page_server: tuple[str, int] | None = None,
+        tls: TlsFiles | None = None,
         log_dir: Path | None = None,
         external: list[str] | None = None,
         deadline_s: float | None = None,
@@ -132,8 +134,8 @@ class Criu:
         default images_dir; CRIU's stats go there too).
 
         on_start gets CRIU's pid as soon as it runs (the migration journal keeps it). With
-        page_server_fd, a connected stream socket, the memory pages go to a page server on
-        its other end instead of into images_dir; the rest of the image is written there.
+        page_server (host, port) and tls, the memory pages go to the page server listening there
+        instead of into images_dir; the rest of the image is written there.
         `external`: CRIU's --external items (the job's link, `veth[eth0]:NAME`). CRIU never
         locks the network: ferry does, by cutting the job's link (agent.jobs.network).
         timeout_s is CRIU's own limit on freezing the tree; deadline_s (SWRK_TIMEOUT_S by
@@ -149,10 +151,10 @@ class Criu:
             shell_job=shell_job,
             external=external,
             freeze_timeout_s=timeout_s,
-            page_server_fd=page_server_fd,
+            page_server=page_server,
+            tls=tls,
         )
-        pass_fds = [page_server_fd] if page_server_fd >= 0 else []
-        self._call("dump", rpc_pb2.DUMP, opts, pass_fds=pass_fds, on_start=on_start, deadline_s=deadline_s)
+        self._call("dump", rpc_pb2.DUMP, opts, pass_fds=[], on_start=on_start, deadline_s=deadline_s)
         return DumpResult(stats=read_stats((log_dir or images_dir) / STATS_DUMP, "dump"))
 
     def restore(
@@ -199,23 +201,23 @@ class Criu:
     def page_server(
         self,
         images_dir: Path,
-        sock_fd: int,
         log_dir: Path | None = None,
         *,
+        address: str,
+        tls: TlsFiles,
         timeout_s: float = START_TIMEOUT_S,
     ) -> PageServer:
-        """Start a page server that reads CRIU's page protocol from `sock_fd` (a connected
-        stream socket) and writes the pages into `images_dir` (log: criu-page-server.log in
+        """Start a page server listening on `address` (a port the kernel picks: `.port`) for one
+        dump over TLS, writing its pages into `images_dir` (log: criu-page-server.log in
         log_dir, by default images_dir); timeout_s bounds its start.
 
         It runs until the dumping side closes the protocol; `PageServer.wait` says how it ended.
         """
-        opts = CriuOptions(
-            images_dir, PAGE_SERVER_LOG, work_dir=log_dir, ghost_limit=GHOST_LIMIT, page_server_fd=sock_fd
-        )
+        opts = CriuOptions(images_dir, PAGE_SERVER_LOG, work_dir=log_dir, ghost_limit=GHOST_LIMIT)
+        opts = dataclasses.replace(opts, ps_address=address, tls=tls)
         log_path = _log_path(opts)
         with self._rpc_opts("page-server", opts) as msg:
-            proc, ours = swrk.start(self.binary, "page-server", self.node, [sock_fd], subprocess.DEVNULL)
+            proc, ours = swrk.start(self.binary, "page-server", self.node, [], subprocess.DEVNULL)
             server = PageServer(proc, ours, log_path, self.node, images_dir=images_dir)
             # keep_open: the same swrk later waits for the server (WAIT_PID) and reports its status.
             req = rpc_pb2.criu_req(type=rpc_pb2.PAGE_SERVER_CHLD, opts=msg, keep_open=True)
@@ -224,7 +226,7 @@ class Criu:
             server.kill()
             cause = criu_logs.cause(log_path, resp.cr_errmsg) or "CRIU could not start a page server"
             raise CriuError("page-server", cause, log_path=log_path, node=self.node)
-        server.pid = resp.ps.pid
+        server.pid, server.port = resp.ps.pid, resp.ps.port
         return server
 
     # -- plumbing -------------------------------------------------------------

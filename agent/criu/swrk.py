@@ -141,6 +141,7 @@ class PageServer:
         self.node = node
         self.images_dir = images_dir
         self.pid = 0
+        self.port = 0  # where it listens, once started
 
     def request(self, req: rpc_pb2.criu_req, timeout_s: float | None = None) -> rpc_pb2.criu_resp:
         """One request and its answer within timeout_s (None: PAGE_SERVER_MAX_S); on expiry the

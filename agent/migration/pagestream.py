@@ -1,78 +1,86 @@
-"""A job's memory, streamed while it is dumped: CRIU's page-server protocol relayed between agents.
+"""The job's memory on a data connection between the two nodes' CRIUs; StreamPages controls it.
 
-The source's CRIU dumps with its page server on a local socket whose other end is
-the source agent's. The agent carries those bytes to the target agent over the
-authenticated gRPC link (StreamPages) and the page server's answers back; the
-target agent feeds them to a `criu page-server` that writes the pages into its
-staging directory. So the memory is never staged on the source, and it crosses
-while CRIU is still reading it.
+No byte of the job's memory passes through an agent. Pre-copy: the target starts `criu
+page-server` listening on its data address, the source's `criu dump` connects there and sends
+the pages while it dumps, and the page server writes them into the target's staging; the source
+never stages them. Post-copy (`--lazy`): the source's `criu dump --lazy-pages` listens, and at
+the restore the target's `criu lazy-pages` connects and fetches each page straight into the
+restored job's memory (userfaultfd) when the job touches it, and the rest in the background.
 
-Both agents checksum the bytes they relay (CRC-32). The manifest carries the
-source's count and checksum, and the target restores only if its own match. A
-cryptographic digest would add nothing here: the source computes the check over what
-it sends, and TLS already authenticates every byte on the link. The check is there
-for the relay itself: a lost, repeated or reordered chunk. CRC-32 runs at twice the
-speed of SHA-256 on the data path.
+The connection is CRIU's own TLS (GnuTLS), each side trusting only the other's one-time
+certificate (agent.migration.datatls), which the agents exchanged in Prepare over their
+mutual-TLS link. The StreamPages call carries the rest: where the listening CRIU is, what each
+side's CRIU counted, and the end. The source's count (its dump's page statistics) travels in
+its end; the target's is what its page server wrote, and it restores only if they match. TLS's
+AEAD authenticates every record, so a checksum of ours would add nothing. The target holds the
+lease's cap by watching its staging and cutting the connection past it.
+
+When the call breaks (the other agent died, the link went), the agent cuts its CRIU's data
+connection (shutdown of CRIU's socket, duplicated through pidfd_getfd): CRIU then fails as on a
+broken pipe and lets the job go, instead of waiting out TCP's retransmissions for 15 minutes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import socket
+import os
+import queue
 import threading
-import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
 from agent import faults
 from agent.criu.lazy import LazyPagesDaemon
+from agent.criu.options import TlsFiles
 from agent.criu.runner import Criu, PageServer
 from agent.errors import FerryError, StepTimeoutError, TransferError
-from agent.image import StreamDigest
+from agent.image import PAGES_PREFIX, StreamDigest
+from agent.jobs import procs
+from agent.migration.sockets import split_address
 from agent.rpc import pb
 
 log = logging.getLogger(__name__)
 
-#: What one relay message carries at most; a recv() returns what the socket holds.
-CHUNK = 1 << 20
-#: Deep socket buffers let CRIU run ahead of the relay instead of waiting on every chunk.
-SOCKET_BUFFER = 8 << 20
-#: After CRIU is done, how long the far side may take to report (the page server flushing).
+PAGE = os.sysconf("SC_PAGE_SIZE")
+#: How the bytes were checked: TLS records (AEAD) on the wire, counted by both CRIUs.
+CHECK = "tls"
+#: After CRIU is done, how long the other side may take to report (a page server flushing).
 DRAIN_S = 120.0
-#: Where a relay's fault point fires (tests only: target-pages breaks a post-copy transfer).
+#: How long the target may take to say where its page server listens.
+ANSWER_S = 60.0
+#: How often the target looks at what its page server has written (the lease's cap).
+CAP_POLL_S = 0.1
+#: How often, and after how much more, the target tells the source what has arrived.
+PROGRESS_S = 0.5
+PROGRESS_BYTES = 64 << 20
+#: Where the target's post-copy fault point fires (tests only): once this much of the restored
+#: job is resident, the transfer is cut.
 FAULT_AFTER = 16 << 20
+#: A listening address that means "every address of this node": the peer uses the one it dialed.
+WILDCARD = ("", "0.0.0.0", "::")
 
 
-class _Counter:
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.messages = 0
-        self._crc = 0
-
-    def update(self, data: bytes) -> None:
-        self.bytes += len(data)
-        self.messages += 1
-        self._crc = zlib.crc32(data, self._crc)  # releases the GIL for large buffers
-
-    def digest(self) -> StreamDigest:
-        return StreamDigest(self.bytes, f"crc32:{self._crc:08x}")
+def sent_bytes(stats: dict[str, int]) -> int:
+    """The page bytes a dump sent to its page server, from CRIU's dump statistics."""
+    return (stats.get("pages_written", 0) + stats.get("shpages_written", 0)) * PAGE
 
 
-# Linux's SO_SNDBUFFORCE and SO_RCVBUFFORCE, which Python does not name.
-_BUFFER_OPTS = ((32, socket.SO_SNDBUF), (33, socket.SO_RCVBUF))
+def lazy_bytes(stats: dict[str, int]) -> int:
+    """The page bytes a lazy dump left for the target to fetch."""
+    return stats.get("pages_lazy", 0) * PAGE
 
 
-def _socketpair() -> tuple[socket.socket, socket.socket]:
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    for s in (a, b):
-        for force, plain in _BUFFER_OPTS:
-            try:  # past the system's cap, which root may do
-                s.setsockopt(socket.SOL_SOCKET, force, SOCKET_BUFFER)
-            except OSError:
-                s.setsockopt(socket.SOL_SOCKET, plain, SOCKET_BUFFER)
-    return a, b
+def staged_page_bytes(staging: Path) -> int:
+    """What a page server has written so far: the pages files in staging."""
+    total = 0
+    with contextlib.suppress(FileNotFoundError):
+        for p in staging.iterdir():
+            if p.name.startswith(PAGES_PREFIX):
+                with contextlib.suppress(FileNotFoundError):
+                    total += p.stat().st_size
+    return total
 
 
 class PageCall(Protocol):
@@ -82,11 +90,13 @@ class PageCall(Protocol):
     def cancel(self) -> None: ...
 
 
-class SourceRelay:
-    """Carries the page-server protocol between a dumping CRIU here and the target agent.
+class SourcePages:
+    """The source's control of one page stream.
 
-    `criu_fd` goes to `Criu.dump(page_server_fd=...)`; `finish()` after the dump returns
-    checks that the target received exactly what CRIU sent.
+    Pre-copy: `target_address()` is where the target's page server listens (the dump connects
+    there); `finish(sent)` after the dump returns checks that the target wrote what CRIU sent.
+    Post-copy: `announce()` says where the lazy dump listens; `finish()` once it has ended.
+    `on_break` runs if the call breaks before its end: it cuts CRIU's data connection.
     """
 
     def __init__(
@@ -94,266 +104,314 @@ class SourceRelay:
         open_call: Callable[[Iterable[pb.PageData]], PageCall],
         migration_id: str,
         node: str,
+        step: str = "dump",
         progress: Callable[[int], None] = lambda n: None,
+        on_break: Callable[[], None] = lambda: None,
     ) -> None:
         self.migration_id = migration_id
-        self.node = node
         self.progress = progress
-        self.local, self._criu_end = _socketpair()
-        self.sent = _Counter()
+        self.node = node
+        self.step = step
+        self.on_break = on_break
+        self.address: tuple[str, int] | None = None
         self.end: pb.PageStreamEnd | None = None
         self.error: FerryError | None = None
+        self._closing = False
+        self._out: queue.Queue[pb.PageData | None] = queue.Queue()
+        self._out.put(pb.PageData(migration_id=migration_id))
+        self._addressed = threading.Event()
         self._call = open_call(self._requests())
-        self._answers = threading.Thread(target=self._relay_answers, name="page-answers", daemon=True)
+        self._answers = threading.Thread(target=self._read_answers, name="page-control", daemon=True)
         self._answers.start()
 
-    @property
-    def criu_fd(self) -> int:
-        return self._criu_end.fileno()
-
     def _requests(self) -> Iterator[pb.PageData]:
-        yield pb.PageData(migration_id=self.migration_id)
-        buf = bytearray(CHUNK)
-        step = 64 << 20
-        while True:
-            try:
-                n = self.local.recv_into(buf)
-            except OSError:
-                return
-            if not n:
-                return  # CRIU is done and our copy of its end is closed
-            data = bytes(buf[:n])
-            before = self.sent.bytes
-            self.sent.update(data)
-            if before // step != self.sent.bytes // step:
-                self.progress(self.sent.bytes)
-            yield pb.PageData(data=data)
+        while (msg := self._out.get()) is not None:
+            yield msg
 
-    def _relay_answers(self) -> None:
+    def _read_answers(self) -> None:
         try:
             for msg in self._call:
-                if msg.data:
-                    self.local.sendall(msg.data)
+                if msg.data_address:
+                    self.address = split_address(msg.data_address)
+                    self._addressed.set()
+                if msg.written:
+                    self.progress(msg.written)
                 if msg.HasField("end"):
                     self.end = msg.end
         except FerryError as e:
             self.error = e
-        except Exception as e:  # a broken local socket: CRIU died
-            self.error = TransferError(f"the page stream broke: {e!r}", step="dump", node=self.node)
+        except Exception as e:  # the call itself broke: the target or the link is gone
+            self.error = TransferError(f"the page stream's control call broke: {e!r}", step=self.step)
         finally:
-            if self.end is None:
-                # CRIU must not wait forever for an answer that will not come.
-                _shutdown(self.local)
+            self._addressed.set()
+            if self.end is None and not self._closing:
+                self.on_break()  # CRIU must not wait on a connection nobody will finish
 
-    def dumped(self) -> None:
-        """CRIU has returned: closing our copy of its socket lets the stream end."""
-        self._criu_end.close()
+    def target_address(self, dialed_host: str, timeout_s: float = ANSWER_S) -> tuple[str, int]:
+        """Where the target's page server listens (its wildcard: the host we dialed)."""
+        if not self._addressed.wait(timeout_s):
+            raise StepTimeoutError(
+                f"the target did not say where its page server listens within {timeout_s:g} s", step=self.step
+            )
+        if self.address is None:
+            raise self.error or TransferError(
+                "the target ended the page stream before its page server listened", step=self.step
+            )
+        host, port = self.address
+        return (dialed_host if host in WILDCARD else host), port
 
-    def finish(self, timeout_s: float = DRAIN_S) -> StreamDigest:
-        self.dumped()
+    def announce(self, host: str, port: int) -> None:
+        self._out.put(pb.PageData(data_address=f"{host}:{port}"))
+
+    def settled_error(self, timeout_s: float = 5.0) -> FerryError | None:
+        """The call's failure, waiting a little for it: a CRIU that failed on its data connection
+        usually did so because the target refused the stream, and that reason is the one to say."""
+        self._answers.join(timeout_s)
+        return self.error
+
+    def finish(self, sent: int, timeout_s: float = DRAIN_S, *, compare: bool = True) -> StreamDigest:
+        self._out.put(pb.PageData(end=pb.PageStreamEnd(bytes=sent, check=CHECK)))
+        self._out.put(None)
         self._answers.join(timeout_s)
         if self._answers.is_alive():
             raise StepTimeoutError(
-                f"the target did not confirm the page stream within {timeout_s:.0f} s", step="dump"
+                f"the target did not confirm the page stream within {timeout_s:.0f} s", step=self.step
             )
         if self.error is not None:
             raise self.error
-        sent = self.sent.digest()
         if self.end is None:
-            raise TransferError("the target ended the page stream without confirming it", step="dump")
-        if (self.end.bytes, self.end.check) != (sent.bytes, sent.check):
+            raise TransferError("the target ended the page stream without confirming it", step=self.step)
+        if compare and (self.end.bytes, self.end.check) != (sent, CHECK):
             raise TransferError(
-                f"the page stream arrived damaged: sent {sent.bytes} bytes, the target received "
-                f"{self.end.bytes} with another checksum",
-                step="dump",
+                f"the page stream arrived incomplete: this node's CRIU sent {sent} bytes, the target's "
+                f"page server wrote {self.end.bytes}",
+                step=self.step,
             )
-        return sent
+        return StreamDigest(sent, CHECK)
 
     def close(self) -> None:
-        """Give up (an aborted migration): end the call and both sockets."""
-        self.error = self.error or TransferError("the page stream was closed before it ended", step="dump")
+        """Give up (an aborted migration): end the call; the caller has cut or ended CRIU."""
+        self._closing = True
+        self.error = self.error or TransferError("the page stream was closed before it ended", step=self.step)
+        self._out.put(None)
         self._call.cancel()
-        self._criu_end.close()
-        _shutdown(self.local)
         self._answers.join(10)
-        self.local.close()
 
 
-def _drained(writer: threading.Thread, relay: TargetRelay | LazyTargetRelay) -> StreamDigest:
-    """What a target relay received, once the source has ended its stream (it does when its dump
-    returns)."""
-    writer.join(DRAIN_S)
-    if writer.is_alive():
-        raise StepTimeoutError(f"the source did not end the page stream within {DRAIN_S:.0f} s")
-    if relay.error is not None:
-        raise relay.error
-    return relay.received.digest()
+def _source_end(requests: Iterator[pb.PageData], what: str) -> pb.PageStreamEnd:
+    """The source's end: the one message left on its side of the call, before it half-closes."""
+    end: pb.PageStreamEnd | None = None
+    for msg in requests:
+        if end is not None or not msg.HasField("end"):
+            raise TransferError("a page stream message came out of order", step="transfer intake")
+        end = msg.end
+    if end is None:
+        raise TransferError(f"the source ended the page stream before {what}", step="transfer")
+    return end
 
 
-class TargetRelay:
-    """Feeds a StreamPages call into a `criu page-server` writing into staging.
-
-    The swrk that started the page server keeps its socket open until asked for the
-    server's exit status, so the end of the stream is not an EOF here: a waiter thread
-    learns that the server exited and shuts our end down, which ends the read loop and
-    unblocks a writer stuck on a server that died.
-    """
+class TargetPages:
+    """Pre-copy on the target: a `criu page-server` listening for the source's dump, writing into
+    staging, under the lease's cap. `run` is the StreamPages answer stream."""
 
     def __init__(
-        self, criu: Criu, staging: Path, max_bytes: int, node: str, log_dir: Path | None = None
+        self,
+        criu: Criu,
+        staging: Path,
+        max_bytes: int,
+        node: str,
+        tls: TlsFiles,
+        host: str = "0.0.0.0",
+        log_dir: Path | None = None,
     ) -> None:
         self.criu = criu
         self.staging = staging
-        self.log_dir = log_dir  # where the page server logs (kept if the migration fails)
         self.max_bytes = max_bytes
         self.node = node
-        self.received = _Counter()
-        self.refusal: FerryError | None = None  # the stream broke our rules
-        self.error: FerryError | None = None  # the stream broke
-        self.server_error: FerryError | None = None
+        self.tls = tls
+        self.host = host
+        self.log_dir = log_dir  # where the page server logs (kept if the migration fails)
+        self.refusal: FerryError | None = None  # the stream broke our rules (the cap)
         self.server: PageServer | None = None
-        self._local: socket.socket | None = None
+        self._stop = threading.Event()
 
-    def run(self, requests: Iterator[pb.PageData]) -> Iterator[pb.PageData]:
-        """Yield the page server's answers; return (via StopIteration) what was received."""
-        local, theirs = _socketpair()
-        self._local = local
+    def run(self, requests: Iterator[pb.PageData]) -> Generator[pb.PageData, None, StreamDigest]:
+        """Yield where the page server listens; return (via StopIteration) what it wrote."""
+        self.server = self.criu.page_server(self.staging, self.log_dir, address=self.host, tls=self.tls)
+        watcher = threading.Thread(target=self._hold_cap, name="page-cap", daemon=True)
+        watcher.start()
+        ends: queue.Queue[pb.PageStreamEnd | BaseException] = queue.Queue()
+
+        def read_end() -> None:
+            try:
+                ends.put(_source_end(requests, "its dump ended"))
+            except FerryError as e:  # handed to the generator, which raises it
+                ends.put(e)
+            except BaseException as e:  # the source's call broke off
+                ends.put(TransferError(f"the page stream broke off: {e!r}", step="transfer"))
+
         try:
-            self.server = self.criu.page_server(self.staging, theirs.fileno(), self.log_dir)
-        finally:
-            theirs.close()
-        waiter = threading.Thread(target=self._wait_server, args=(local,), name="page-server", daemon=True)
-        writer = threading.Thread(target=self._write, args=(requests, local), name="page-writer", daemon=True)
-        waiter.start()
-        writer.start()
-        try:
-            buf = bytearray(1 << 16)
-            while n := local.recv_into(buf):  # a few bytes per process, and the final status
-                yield pb.PageData(data=bytes(buf[:n]))
-            waiter.join(DRAIN_S)
-            # Our own refusal (the cap, say) is the cause; the page server's failure would be its echo.
+            yield pb.PageData(data_address=f"{self.host}:{self.server.port}")
+            threading.Thread(target=read_end, name="page-control", daemon=True).start()
+            shown = 0
+            while True:  # what has arrived so far, for the source's progress display
+                try:
+                    got = ends.get(timeout=PROGRESS_S)
+                    break
+                except queue.Empty:
+                    if (n := staged_page_bytes(self.staging)) - shown >= PROGRESS_BYTES:
+                        shown = n
+                        yield pb.PageData(written=n)
+            if isinstance(got, BaseException):
+                raise got
+            end = got
+            self.server.wait(DRAIN_S)  # the dump has closed the connection: the server ends
+            self._stop.set()
             if self.refusal is not None:
                 raise self.refusal
-            if self.server_error is not None:
-                raise self.server_error
-            if waiter.is_alive():
-                raise self.error or StepTimeoutError(f"the page server did not end within {DRAIN_S:.0f} s")
-            return _drained(writer, self)
+            wrote = staged_page_bytes(self.staging)
+            if wrote > self.max_bytes:  # faster than the watcher looked
+                raise TransferError(
+                    f"the page stream exceeds the lease's cap of {self.max_bytes} bytes ({wrote} written)",
+                    step="transfer intake",
+                )
+            if wrote != end.bytes:
+                raise TransferError(
+                    f"the page stream arrived incomplete: the source's CRIU sent {end.bytes} bytes, "
+                    f"the page server here wrote {wrote}",
+                    step="transfer intake",
+                )
+            return StreamDigest(wrote, CHECK)
+        except BaseException as e:
+            self.kill()
+            # Our own refusal (the cap) is the cause; the page server's failure would be its echo.
+            if self.refusal is not None and not isinstance(e, GeneratorExit):
+                raise self.refusal from None
+            raise
         finally:
-            local.close()
+            self._stop.set()
 
-    def _wait_server(self, local: socket.socket) -> None:
-        assert self.server is not None
-        try:
-            self.server.wait(None)
-        except FerryError as e:
-            self.server_error = e
-        _shutdown(local)  # whatever the server wrote before it exited is still read
-
-    def _write(self, requests: Iterator[pb.PageData], local: socket.socket) -> None:
-        try:
-            _feed(requests, local, self.received, self.max_bytes)
-        except FerryError as e:
-            self.refusal = e
-        except Exception as e:  # the source's stream broke off, or the page server died
-            self.error = TransferError(f"the page stream broke off: {e!r}", step="transfer")
-        # Ended early or not: a page server still reading gets EOF, and fails if incomplete.
-        with contextlib.suppress(OSError):
-            local.shutdown(socket.SHUT_WR)
+    def _hold_cap(self) -> None:
+        while not self._stop.wait(CAP_POLL_S):
+            if (n := staged_page_bytes(self.staging)) > self.max_bytes:
+                self.refusal = TransferError(
+                    f"the page stream exceeds the lease's cap of {self.max_bytes} bytes ({n} written)",
+                    step="transfer intake",
+                )
+                self.kill()
+                return
 
     def kill(self) -> None:
+        self._stop.set()
         if self.server is not None:
             self.server.kill()
-        if self._local is not None:
-            _shutdown(self._local)
 
 
-class LazyTargetRelay:
-    """Post-copy on the target: a StreamPages call between the source's lazy page server and
-    a `criu lazy-pages` daemon that `attach()` starts at commit.
+class LazyTargetPages:
+    """Post-copy on the target: the source says where its lazy dump listens, and `attach()` (at
+    the commit) starts a `criu lazy-pages` daemon that connects there.
 
-    Here the daemon asks and the source's CRIU answers, so until the daemon runs the
-    stream idles. The transfer is over when the daemon exits: 0 means every page of the
-    restored tree arrived. Anything else means some did not, and those would read as
-    zeros, so whoever runs this kills the job first (incoming.py).
+    The transfer is over when the daemon exits: 0 means every page of the restored tree arrived.
+    Anything else means some did not, and those would read as zeros, so whoever runs this kills
+    the job first (agent.migration.target).
     """
 
-    def __init__(self, max_bytes: int, node: str) -> None:
-        self.max_bytes = max_bytes
+    def __init__(self, node: str, tls: TlsFiles, on_fail: Callable[[str], None] = lambda why: None) -> None:
         self.node = node
-        self.received = _Counter()
+        self.tls = tls
+        #: Runs before the daemon is stopped on a failure seen here: the job must be known lost
+        #: before it dies of the pages it will never get.
+        self.on_fail = on_fail
+        self.source: tuple[str, int] | None = None
         self.daemon: LazyPagesDaemon | None = None
         self.refusal: FerryError | None = None
         self.error: FerryError | None = None
-        self._local, self._daemon_end = _socketpair()
+        self.end: pb.PageStreamEnd | None = None
+        self._changed = threading.Condition()
+        self._done = False
 
     def attach(self, criu: Criu, images_dir: Path, work_dir: Path, timeout_s: float) -> LazyPagesDaemon:
-        """Start the daemon on our socket; a restore in work_dir then takes its pages from it."""
-        self.daemon = LazyPagesDaemon(criu, images_dir, work_dir, self._daemon_end.fileno(), timeout_s)
-        self._daemon_end.close()
-        return self.daemon
+        """Start the daemon; a restore in work_dir then takes its pages from it."""
+        with self._changed:
+            if self.source is None:
+                raise self.error or TransferError("the source never said where its lazy page server listens")
+            host, port = self.source
+        daemon = LazyPagesDaemon(criu, images_dir, work_dir, (host, port), self.tls, timeout_s)
+        with self._changed:
+            self.daemon = daemon
+            self._changed.notify_all()
+        return daemon
 
-    def run(self, requests: Iterator[pb.PageData]) -> Iterator[pb.PageData]:
-        """Yield the daemon's requests; return (via StopIteration) what the source sent."""
-        local = self._local
-        writer = threading.Thread(target=self._write, args=(requests,), name="lazy-writer", daemon=True)
-        writer.start()
+    def watch(self, pid: int) -> None:
+        """The restored job runs as pid: the fault point (tests only) cuts its transfer once
+        FAULT_AFTER of it is resident."""
+        if "target-pages" in faults.active():
+            threading.Thread(target=self._fault, args=(pid,), name="lazy-fault", daemon=True).start()
+
+    def _fault(self, pid: int) -> None:
+        while not self._done and procs.tree_rss(pid) < FAULT_AFTER:
+            threading.Event().wait(0.01)
         try:
-            buf = bytearray(1 << 16)
-            while n := local.recv_into(buf):
-                yield pb.PageData(data=bytes(buf[:n]))
-            # EOF: the daemon exited (closing its end), or kill() shut ours.
+            faults.check("target-pages", self.node)
+        except FerryError as e:
+            self.refusal = e
+            self.on_fail(str(e))
+            self.kill()
+
+    def run(self, requests: Iterator[pb.PageData]) -> Generator[pb.PageData, None, StreamDigest]:
+        """Wait for the daemon to end; yield nothing until then; return what the source counted."""
+        reader = threading.Thread(target=self._read, args=(requests,), name="lazy-control", daemon=True)
+        reader.start()
+        try:
+            with self._changed:
+                while self.daemon is None and self.error is None and self.refusal is None:
+                    self._changed.wait()
             if self.refusal is not None:
                 raise self.refusal
             if self.daemon is None:
                 raise self.error or TransferError("the page stream ended before the restore began")
             if code := self.daemon.wait():
-                raise self.daemon.error(f"the lazy-pages daemon failed (exit {code})")
-            return _drained(writer, self)
+                failed = self.daemon.error(f"the lazy-pages daemon failed (exit {code})")
+                raise self.refusal or self.error or failed
+            self._done = True
+            reader.join(DRAIN_S)
+            if self.end is None:
+                raise self.error or StepTimeoutError("the source did not end the page stream", step="pages")
+            sent = self.end.bytes
+            yield pb.PageData(end=pb.PageStreamEnd(bytes=sent, check=CHECK))
+            return StreamDigest(sent, CHECK)
         finally:
-            local.close()
-            self._daemon_end.close()
+            self._done = True
 
-    def _write(self, requests: Iterator[pb.PageData]) -> None:
+    def _read(self, requests: Iterator[pb.PageData]) -> None:
         try:
-            # The fault point breaks a transfer mid-way, after the restore (tests only).
-            _feed(requests, self._local, self.received, self.max_bytes, ("target-pages", self.node))
+            for msg in requests:
+                with self._changed:
+                    if msg.data_address and self.source is None:
+                        self.source = split_address(msg.data_address)
+                    elif msg.HasField("end") and self.end is None:
+                        self.end = msg.end
+                    else:
+                        raise TransferError("a page stream message came out of order", step="transfer intake")
+                    self._changed.notify_all()
+            if self.end is None:
+                raise TransferError("the source ended the page stream before the job had its memory")
         except FerryError as e:
-            self.refusal = e
-            _shutdown(self._local)
-        except Exception as e:  # the source's stream broke off, or the daemon died
-            self.error = TransferError(f"the page stream broke off: {e!r}", step="pages")
-            _shutdown(self._local)  # a daemon waiting for pages fails instead of waiting forever
+            self._fail(e)
+        except Exception as e:  # the source's call broke off: its CRIU serves no more pages
+            self._fail(TransferError(f"the page stream broke off: {e!r}", step="pages"))
+
+    def _fail(self, e: FerryError) -> None:
+        with self._changed:
+            self.error = self.error or e
+            self._changed.notify_all()
+        if not self._done:
+            self.on_fail(str(e))
+            self.kill()  # a daemon waiting for pages fails instead of waiting forever
 
     def kill(self) -> None:
-        if self.daemon is not None:
-            self.daemon.kill()
-        _shutdown(self._local)
-
-
-def _feed(
-    requests: Iterator[pb.PageData],
-    sock: socket.socket,
-    received: _Counter,
-    max_bytes: int,
-    fault: tuple[str, str] | None = None,
-) -> None:
-    """The source's bytes into `sock`, in order and under the lease's cap, counted as they go.
-    `fault` (point, node) fires once FAULT_AFTER bytes have arrived."""
-    for msg in requests:
-        if msg.migration_id or msg.HasField("end"):
-            raise TransferError("a page stream message came out of order", step="transfer intake")
-        if received.bytes + len(msg.data) > max_bytes:
-            raise TransferError(
-                f"the page stream exceeds the lease's cap of {max_bytes} bytes", step="transfer intake"
-            )
-        before = received.bytes
-        received.update(msg.data)
-        if fault is not None and before < FAULT_AFTER <= received.bytes:
-            faults.check(*fault)
-        sock.sendall(msg.data)
-
-
-def _shutdown(s: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        s.shutdown(socket.SHUT_RDWR)
+        with self._changed:
+            daemon = self.daemon
+            self._changed.notify_all()
+        if daemon is not None:
+            daemon.kill()

@@ -63,10 +63,12 @@ from agent.migration.capture import (
     needs_shell_job,
     require_host_memory,
 )
+from agent.migration.datapath import SourceDataPath
 from agent.migration.journal import SOURCE, Journal, MigrationRecord
 from agent.migration.limits import RateLog, refuse_long_pause
 from agent.migration.model import Emit, MigrationResult, MigrationSpec, Peer, Progress, unresolved_note
-from agent.migration.pagestream import SourceRelay
+from agent.migration.pagestream import lazy_bytes, sent_bytes
+from agent.migration.sockets import split_address
 from agent.migration.states import SOURCE_TRANSITIONS, CudaLeft, MigrationState, cuda_left
 from agent.migration.transfer import SendStats, send_image
 from agent.rpc import pb
@@ -114,7 +116,9 @@ class SourceMigration:
         self.emit = emit
         self.state = MigrationState.PREPARING
         self.lease = pb.Lease()
-        self.relay: SourceRelay | None = None
+        #: The job's memory goes CRIU to CRIU on a data connection this owns (None: staged push).
+        self.data = SourceDataPath(spec.migration_id, node)
+        self.direct = False
         self.lazy_dump: LazyDump | None = None
         self.estimated_bytes = 0
         self.phases = Phases()
@@ -183,19 +187,15 @@ class SourceMigration:
                 self._to(MigrationState.CHECKPOINTED)
                 self._to(MigrationState.DUMPING)
             shell_job = needs_shell_job(rec, procs.tree_pids(rec.pid))
-            if self.lease.page_stream and not self.spec.staged:
+            if self.direct:
                 # Post-copy sends the memory after the commit, as the target asks for it.
-                phase, what = (
-                    ("pages", "sending the job's memory as the target asks for it")
-                    if self.spec.lazy
-                    else ("dump", "streaming the job's memory to the target")
+                what = "streaming the job's memory to the target"
+                step = "pages" if self.spec.lazy else "dump"
+                self.data.open(
+                    self.peer.stream_pages, rec.pid, step, lambda n: self.emit(Progress(step, what, n))
                 )
-                self.relay = SourceRelay(
-                    self.peer.stream_pages,
-                    self.spec.migration_id,
-                    self.node,
-                    lambda n: self.emit(Progress(phase, what, n)),
-                )
+                if not self.spec.lazy:  # before the link is cut: where the target's page server is
+                    self.data.target(split_address(self.spec.target)[0])
             if self.spec.lazy:
                 pids = procs.tree_pids(rec.pid)
                 self._journal(pids=pids)
@@ -205,7 +205,10 @@ class SourceMigration:
                 dump = self.phases.run("dump", lambda: self._dump(rec.pid, shell_job))
                 pids = procs.tree_pids(rec.pid)  # the stopped tree
                 self._journal(pids=pids)
-                pages = self.phases.run("pages", self.relay.finish) if self.relay else None
+                pages = None
+                if self.direct:
+                    sent = sent_bytes(dump.stats)  # type: ignore[attr-defined]
+                    pages = self.phases.run("pages", lambda: self.data.pages.finish(sent))  # type: ignore[union-attr]
             assert pages is None or isinstance(pages, StreamDigest)
             faults.check("source-dumped", self.node)
             last_progress = log_mtime(rec)
@@ -231,13 +234,14 @@ class SourceMigration:
                     page_stream=pages,
                 )
 
+            streamed = pages.bytes if pages else 0  # crossed already, during the dump
+
             def progress(n: int) -> None:
                 if n % (64 << 20) < (1 << 20) or n == total:
-                    self.emit(Progress("transfer", "streaming the image", n, total))
+                    self.emit(Progress("transfer", "streaming the image", streamed + n, streamed + total))
 
             chunks = send_image(self.spec.migration_id, self.staging, manifest, sent, progress)
             self.phases.run("transfer", lambda: self.peer.push(chunks))
-            streamed = pages.bytes if pages else 0
             self.result.image_bytes = sent.bytes + streamed
             self.result.host_bytes = host_bytes(sent.entries) + streamed
             self.result.gpu_bytes = self.footprint.gpu_bytes
@@ -272,6 +276,7 @@ class SourceMigration:
         if resp.first_progress_at and last_progress:
             self.result.downtime_s = resp.first_progress_at - last_progress
         shutil.rmtree(self.staging, ignore_errors=True)
+        self.data.close()
         self.result.phases = dict(self.phases.times)
         self.result.total_s = time.monotonic() - t_start
         # Streamed memory crosses during the dump: the copy then spans dump, drain and transfer.
@@ -293,20 +298,21 @@ class SourceMigration:
                 self.staging,
                 shell_job=shell_job,
                 on_start=self._criu_started,
-                page_server_fd=self.relay.criu_fd if self.relay else -1,
+                page_server=(self.data.host, self.data.port) if self.direct else None,
+                tls=self.data.tls.files if self.direct and self.data.tls else None,
                 log_dir=self.criu_logs.dir_for(self.spec.migration_id),
                 external=self._externals(),
             )
         except CriuError:
             # A target that refused or broke the page stream makes CRIU fail with a broken
-            # pipe; the target's reason is the one to report.
-            if self.relay is not None and self.relay.error is not None:
-                raise self.relay.error from None
+            # connection; the target's reason is the one to report.
+            if self.direct and self.data.pages and (err := self.data.pages.settled_error()) is not None:
+                raise err from None
             raise
 
     def _start_lazy_dump(self, root: int, pids: list[int], shell_job: bool) -> DumpResult:
         """Dump all but the memory, which the target pulls after its restore (post-copy)."""
-        assert self.relay is not None
+        assert self.data.pages is not None and self.data.tls is not None
         # Stopped first: when a lazy transfer breaks, CRIU lets the tree go, and it must then
         # stay stopped until the target is known not to run it.
         procs.stop(pids)
@@ -315,7 +321,8 @@ class SourceMigration:
             self.criu,
             root,
             self.staging,
-            self.relay.criu_fd,
+            self.data.listen(split_address(self.spec.target)[0]),
+            self.data.tls.files,
             shell_job=shell_job,
             log_dir=self.criu_logs.dir_for(self.spec.migration_id),
             external=self._externals(),
@@ -324,19 +331,21 @@ class SourceMigration:
         try:
             self.lazy_dump.ready(LAZY_READY_S)
         except FerryError:
-            if self.relay.error is not None:
-                raise self.relay.error from None
+            if (err := self.data.pages.error) is not None:
+                raise err from None
             raise
+        self.data.pages.announce(self.data.host, self.data.port)
         return DumpResult()  # CRIU's stats come once the last page is out
 
     def _post_copy(self, rec: JobRecord, pids: list[int]) -> StreamDigest:
         """The job runs on the target; serve its memory from the frozen tree until all is there."""
-        assert self.lazy_dump is not None and self.relay is not None
+        assert self.lazy_dump is not None and self.data.pages is not None
+        pages = self.data.pages
         self.emit(Progress("pages", f"the job runs on {self.result.target_node}; its memory follows"))
         timeout = LAZY_READY_S + self.estimated_bytes / POSTCOPY_MIN_BPS
         try:
-            self.phases.run("pages", lambda: self.lazy_dump.wait(timeout))  # type: ignore[union-attr]
-            return self.relay.finish()
+            done = self.phases.run("pages", lambda: self.lazy_dump.wait(timeout))  # type: ignore[union-attr]
+            return pages.finish(lazy_bytes(done.stats))
         except Exception as exc:
             err = as_ferry_error(exc, "pages", self.node)
         # The transfer broke after the target resumed the job. The tree here is stopped: it runs
@@ -348,7 +357,7 @@ class SourceMigration:
                 self.spec.migration_id,
                 err,
             )
-            return StreamDigest(self.relay.sent.bytes, "")
+            return StreamDigest(0, "")
         if state in (pb.TARGET_STATE_ABORTED, pb.TARGET_STATE_UNKNOWN):
             err = _TargetAborted(
                 f"post-copy to {self.result.target_node} failed ({err}); the target killed its copy, so "
@@ -372,7 +381,10 @@ class SourceMigration:
         return None
 
     def _criu_started(self, pid: int) -> None:
-        self._journal(criu_pid=pid, criu_started=procs.create_time(pid))
+        started = procs.create_time(pid)
+        # The end of the data connection that a broken control call cuts.
+        self.data.criu_pid, self.data.criu_started = pid, started
+        self._journal(criu_pid=pid, criu_started=started)
 
     def _prepare(self, rec: JobRecord) -> None:
         if self.spec.lazy and (why := lazy_dump_blocker()):
@@ -426,9 +438,11 @@ class SourceMigration:
             lazy=self.spec.lazy,
             reason=self.spec.reason,
             address=rec.address,
+            data_cert=self.data.cert,
         )
         lease = self.lease = self.peer.prepare(req)
-        if self.spec.lazy and not lease.lazy:
+        self.direct = not self.spec.staged and self.data.accept(lease)
+        if self.spec.lazy and not (lease.lazy and self.direct):
             raise RefusedError(
                 f"target {self.spec.target} does not offer post-copy",
                 hint="upgrade the target agent, or migrate without --lazy",
@@ -478,8 +492,8 @@ class SourceMigration:
             self._to(MigrationState.UNRESOLVED, note=note)
             raise _Unresolved(note, step="commit", node=self.node) from err
         self._set(MigrationState.ABORTING, "abort", f"aborting: {err}")
-        if self.relay is not None:
-            self.relay.close()
+        self.data.cut()
+        self.data.close()
         if self.lazy_dump is not None:
             self._end_lazy_dump()
         try:

@@ -50,8 +50,9 @@ from agent.jobs.network import carrying
 from agent.jobs.record import JobState
 from agent.jobs.registry import JobRegistry
 from agent.migration.capture import default_cuda_jobs
+from agent.migration.datatls import DataIdentity, DataTls, check_peer_cert
 from agent.migration.journal import TARGET, Journal, MigrationRecord
-from agent.migration.pagestream import LazyTargetRelay, TargetRelay
+from agent.migration.pagestream import LazyTargetPages, TargetPages
 from agent.migration.restore import restore_tree, wait_for_output
 from agent.migration.staging import private_dir
 from agent.migration.states import TARGET_TRANSITIONS, TargetState
@@ -85,7 +86,8 @@ class Incoming:
     reserved_bytes: int = 0
     criu_pid: int = 0
     criu_started: float = 0.0
-    relay: TargetRelay | LazyTargetRelay | None = None  # the page stream while it runs
+    relay: TargetPages | LazyTargetPages | None = None  # the page stream while it runs
+    data_tls: DataTls | None = None  # the data connection's one-time TLS files (None: not leased)
     pages: StreamDigest | None = None  # what the page stream delivered
     lazy: bool = False  # post-copy: the memory comes after the restore, on demand
     postcopy_failed: str = ""  # why the post-copy transfer broke; the job must not run on
@@ -137,6 +139,8 @@ class TargetMigrations:
         #: Every GPU claim on this node (agent.gpus.ledger); a lease's GPUs are held there until
         #: its restore ends. The agent gives the node's one ledger.
         self.ledger = ledger or self.cuda.ledger
+        #: Where this node's page servers listen for a source's CRIU (the agent's own address).
+        self.data_host = "0.0.0.0"
 
     # -- the protocol ------------------------------------------------------------
 
@@ -192,6 +196,10 @@ class TargetMigrations:
             lazy=req.lazy,
             reason=req.reason[:500],
         )
+        if req.data_cert:
+            check_peer_cert(req.data_cert, f"source {req.source_node}")
+        elif req.lazy:
+            raise self._refuse("post-copy needs a data connection, and the source offered none")
         if req.lazy and not self.criu.feature("uffd-noncoop"):
             raise self._refuse(
                 "CRIU here cannot restore lazily: the kernel offers no non-cooperative userfaultfd",
@@ -235,6 +243,16 @@ class TargetMigrations:
         except BaseException:
             self.ledger.release(inc.lease_owner)
             raise
+        data_cert = b""
+        if req.data_cert:
+            identity = DataIdentity.new(f"{self.node} {req.migration_id}")
+            try:
+                inc.data_tls = DataTls(identity, req.data_cert)
+            except OSError as e:
+                with self._lock:
+                    self._drop(inc, f"cannot write its data connection's TLS files: {e}")
+                raise self._refuse(f"cannot write the data connection's TLS files: {e}") from e
+            data_cert = identity.cert_pem
         log.info(
             "migration %s: lease granted for job %s from %s (%s)",
             req.migration_id,
@@ -248,8 +266,9 @@ class TargetMigrations:
             max_bytes=inc.max_bytes,
             expires_at=inc.expires_at,
             gpu_map=[pb.GpuPair(old_uuid=o, new_uuid=n) for o, n in inc.gpu_map.items()],
-            page_stream=True,
+            page_stream=bool(data_cert),
             lazy=inc.lazy,
+            data_cert=data_cert,
         )
 
     def _admit_locked(self, req: pb.PrepareRequest, busy: list[Incoming], need: int, staging: Path) -> None:
@@ -272,7 +291,8 @@ class TargetMigrations:
         staging.mkdir(mode=0o700)
 
     def stream_pages(self, requests: Iterator[pb.PageData], caller: str = "") -> Iterator[pb.PageData]:
-        """The job's memory, while the source dumps it: relayed into a page server writing staging.
+        """The control of the job's memory, which the source's CRIU sends to a page server here
+        (pre-copy, while it dumps) or which a lazy-pages daemon here fetches (post-copy).
 
         The last message says what arrived; push must then bring a manifest that names the same.
         """
@@ -288,14 +308,20 @@ class TargetMigrations:
                     node=self.node,
                 )
             self._require_lease(inc, (TargetState.PREPARED,), "a page stream")
+            if inc.data_tls is None:
+                raise RefusedError(
+                    f"migration {inc.migration_id} leased no data connection", step="transfer", node=self.node
+                )
+            tls = inc.data_tls.files
             if inc.lazy:
-                inc.relay = LazyTargetRelay(inc.max_bytes, self.node)
+                inc.relay = LazyTargetPages(self.node, tls, lambda why: self._post_copy_failed(inc, why))
             else:
                 self._set(inc, TargetState.STREAMING)
-                inc.relay = TargetRelay(
-                    self.criu, inc.staging, inc.max_bytes, self.node, self.criu_logs.dir_for(inc.migration_id)
+                log_dir = self.criu_logs.dir_for(inc.migration_id)
+                inc.relay = TargetPages(
+                    self.criu, inc.staging, inc.max_bytes, self.node, tls, self.data_host, log_dir
                 )
-        if isinstance(inc.relay, LazyTargetRelay):
+        if isinstance(inc.relay, LazyTargetPages):
             yield from self._post_copy(inc, inc.relay, requests)
             return
         try:
@@ -325,7 +351,7 @@ class TargetMigrations:
         raise TransferError(f"{what} failed: {e!r}", step=step, node=self.node) from e
 
     def _post_copy(
-        self, inc: Incoming, relay: LazyTargetRelay, requests: Iterator[pb.PageData]
+        self, inc: Incoming, relay: LazyTargetPages, requests: Iterator[pb.PageData]
     ) -> Iterator[pb.PageData]:
         """Post-copy: the stream stays open across push and commit and ends once the restored
         job has all its memory. Until then the job here needs the source's frozen copy."""
@@ -341,6 +367,7 @@ class TargetMigrations:
             if inc.state is TargetState.POSTCOPY:
                 self._set(inc, TargetState.RUNNING)
         shutil.rmtree(inc.staging, ignore_errors=True)
+        self._forget_data(inc)
         self.criu_logs.done(inc.migration_id)
         log.info("migration %s: post-copy done, %d bytes of memory pulled in", inc.migration_id, digest.bytes)
         yield pb.PageData(end=pb.PageStreamEnd(bytes=digest.bytes, check=digest.check))
@@ -463,7 +490,7 @@ class TargetMigrations:
                 raise RefusedError(
                     f"migration {inc.migration_id} has no verified image to restore", node=self.node
                 )
-            if inc.lazy and not isinstance(inc.relay, LazyTargetRelay):
+            if inc.lazy and not isinstance(inc.relay, LazyTargetPages):
                 raise RefusedError(
                     f"post-copy migration {inc.migration_id} has no page stream to take memory from",
                     node=self.node,
@@ -478,7 +505,7 @@ class TargetMigrations:
         try:
             faults.check("target-restore", self.node)
             work_dir = self.criu_logs.dir_for(inc.migration_id)  # CRIU's logs; a lazy daemon listens there
-            if isinstance(inc.relay, LazyTargetRelay):
+            if isinstance(inc.relay, LazyTargetPages):
                 inc.relay.attach(self.criu, inc.staging, work_dir, START_TIMEOUT_S)
             rec = restore_tree(
                 self.registry,
@@ -507,8 +534,11 @@ class TargetMigrations:
                     self._drop(inc, f"restore failed: {e}")
                     raise
             rec = self.registry.get(inc.job)
+        if isinstance(inc.relay, LazyTargetPages):
+            inc.relay.watch(rec.pid)
         if not inc.lazy:  # post-copy: the daemon reads the page maps there until it is done
             shutil.rmtree(inc.staging, ignore_errors=True)
+            self._forget_data(inc)
             self.criu_logs.done(inc.migration_id)
         first = wait_for_output(rec, PROGRESS_WAIT_S)
         log.info("migration %s: job %s runs here as pid %d", inc.migration_id, inc.job, rec.pid)
@@ -633,6 +663,7 @@ class TargetMigrations:
             return
         if inc.relay is not None:
             inc.relay.kill()  # a page server still writing into staging
+        self._forget_data(inc)
         # Staging first: "aborted" on disk then also means nothing is left (recovery cleans both ways).
         shutil.rmtree(inc.staging, ignore_errors=True)
         subject = f"{inc.migration_id} (job {inc.job})"
@@ -642,6 +673,13 @@ class TargetMigrations:
         rec.note = why
         self.journal.save(rec)
         log.info("migration %s: dropped (%s)", inc.migration_id, why)
+
+    @staticmethod
+    def _forget_data(inc: Incoming) -> None:
+        """The data connection's one-time key is of no more use: it goes."""
+        if inc.data_tls is not None:
+            inc.data_tls.close()
+            inc.data_tls = None
 
     def _expire_locked(self) -> None:
         now = time.time()

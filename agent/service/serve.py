@@ -124,6 +124,9 @@ def serve(
         )
     private_dir(staging_root, node)  # refuse a planted or shared staging dir before serving
     service = AgentNode(state_dir, node, staging_root, dial=client.Dial(identity, insecure), config=config)
+    listen_host, _ = client.split_address(address, listen=True)
+    if listen_host not in ("", "0.0.0.0", "::"):  # page servers listen where the agent does
+        service.targets.data_host = listen_host
     server, port = create_server(address, service, identity=identity, socket_path=socket_path)
     service.recover()
     server.start()

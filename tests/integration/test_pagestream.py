@@ -1,7 +1,8 @@
-"""The page stream against real CRIU: a dump whose memory goes through both relays into a
-real `criu page-server`, then a restore from what the target side wrote.
+"""The page stream against real CRIU: a dump whose memory goes over CRIU's own TLS, each end
+trusting only the other's one-time certificate, into a real `criu page-server`, then a restore
+from what the target side wrote.
 
-The agents' gRPC link is left out (the call is the target relay in this process);
+The agents' gRPC link is left out (the control call is the target's side in this process);
 every other part is real. Migrations between real agents take this path by default
 (tests/integration/test_migrate.py).
 """
@@ -23,26 +24,27 @@ from agent.criu.runner import Criu
 from agent.errors import CriuError, FerryError
 from agent.image import PAGES_PREFIX
 from agent.jobs import procs
-from agent.migration.pagestream import SourceRelay, TargetRelay
+from agent.migration.datatls import DataIdentity, DataTls
+from agent.migration.pagestream import SourcePages, TargetPages, sent_bytes
 from agent.rpc import pb
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "scripts" / "workloads" / "train_sized.py"
 
 
 class InProcessCall:
-    """A StreamPages call served by a TargetRelay in this process."""
+    """A StreamPages call served by a TargetPages in this process."""
 
-    def __init__(self, relay: TargetRelay, requests: Iterable[pb.PageData]) -> None:
-        self.relay = relay
+    def __init__(self, pages: TargetPages, requests: Iterable[pb.PageData]) -> None:
+        self.pages = pages
         self.requests = iter(requests)
         assert next(self.requests).migration_id == "m1"
 
     def __iter__(self) -> Iterator[pb.PageData]:
-        got = yield from self.relay.run(self.requests)
+        got = yield from self.pages.run(self.requests)
         yield pb.PageData(end=pb.PageStreamEnd(bytes=got.bytes, check=got.check))
 
     def cancel(self) -> None:
-        self.relay.kill()
+        self.pages.kill()
 
 
 def start_job(tmp_path: Path, log: Path) -> subprocess.Popen[bytes]:
@@ -68,14 +70,24 @@ def steps(log: Path) -> list[int]:
 
 @dataclass
 class Move:
-    """A running job, a criu, and a source relay whose target relay writes into `dst`."""
+    """A running job, a criu, and the source's control of a page stream whose target side's
+    page server writes into `dst`; `dump()` sends the job's memory there over TLS."""
 
     src: Path
     dst: Path
     log: Path
     job: subprocess.Popen[bytes]
     criu: Criu
-    relay: SourceRelay
+    pages: SourcePages
+    tls: DataTls
+    target_cert: bytes
+
+    def dump(self, tls: DataTls | None = None) -> int:
+        """The dump (the job keeps running); returns the page bytes it says it sent."""
+        server = self.pages.target_address("127.0.0.1")
+        files = (tls or self.tls).files
+        done = self.criu.dump(self.job.pid, self.src, leave_stopped=False, page_server=server, tls=files)
+        return sent_bytes(done.stats)
 
 
 def move(tmp_path: Path, cap: int) -> Move:
@@ -85,9 +97,11 @@ def move(tmp_path: Path, cap: int) -> Move:
     log = tmp_path / "job.log"
     job = start_job(tmp_path, log)
     criu = Criu()
-    target = TargetRelay(criu, dst, cap, "target")
-    relay = SourceRelay(lambda reqs: InProcessCall(target, reqs), "m1", "source")
-    return Move(src, dst, log, job, criu, relay)
+    source, target = DataIdentity.new("source m1"), DataIdentity.new("target m1")
+    theirs = DataTls(target, source.cert_pem)
+    pages = TargetPages(criu, dst, cap, "target", theirs.files, "127.0.0.1")
+    ours = SourcePages(lambda reqs: InProcessCall(pages, reqs), "m1", "source")
+    return Move(src, dst, log, job, criu, ours, DataTls(source, target.cert_pem), target.cert_pem)
 
 
 def wait_for_steps(log: Path, more_than: int, timeout_s: float) -> list[int]:
@@ -102,8 +116,7 @@ def test_memory_streamed_through_both_relays_restores_and_runs_on(tmp_path: Path
     m = move(tmp_path, 1 << 34)
     restored = 0
     try:
-        m.criu.dump(m.job.pid, m.src, leave_stopped=False, page_server_fd=m.relay.criu_fd)
-        sent = m.relay.finish(60)
+        sent = m.pages.finish(m.dump(), 60)
         m.job.wait(30)  # dumped and killed: reaped, so its pid is free for the restore
         before = steps(m.log)
 
@@ -111,7 +124,7 @@ def test_memory_streamed_through_both_relays_restores_and_runs_on(tmp_path: Path
         assert not any(p.name.startswith(PAGES_PREFIX) for p in m.src.iterdir())
         pages = [p for p in m.dst.iterdir() if p.name.startswith(PAGES_PREFIX)]
         assert pages and sum(p.stat().st_size for p in pages) > 40 << 20
-        assert sent.bytes >= sum(p.stat().st_size for p in pages)
+        assert sent.bytes == sum(p.stat().st_size for p in pages)
 
         for p in m.src.iterdir():
             if not (m.dst / p.name).exists():
@@ -132,12 +145,31 @@ def test_a_stream_cut_during_the_dump_fails_it_and_the_job_runs_on(tmp_path: Pat
     m = move(tmp_path, 1 << 20)  # far too small: the target cuts the stream off
     try:
         with pytest.raises(CriuError):
-            m.criu.dump(m.job.pid, m.src, leave_stopped=False, page_server_fd=m.relay.criu_fd)
+            m.dump()
         with pytest.raises(FerryError, match="cap"):
-            m.relay.finish(60)
+            m.pages.finish(0, 60)
         # CRIU gave up and left the job running, as a failed dump must.
         wait_for_steps(m.log, len(steps(m.log)), 30)
         assert m.job.poll() is None
     finally:
+        m.job.kill()
+        m.job.wait()
+
+
+def test_a_dump_holding_another_key_is_refused_by_the_page_server(tmp_path: Path) -> None:
+    """Only the holder of the lease's other one-time key may connect: a stranger's certificate
+    (a node of the cluster, say) fails CRIU's TLS handshake, and the job runs on."""
+    m = move(tmp_path, 1 << 34)
+    stranger = DataTls(DataIdentity.new("stranger"), m.target_cert)
+    try:
+        with pytest.raises(CriuError):
+            m.dump(stranger)
+        with pytest.raises(FerryError):
+            m.pages.finish(0, 60)
+        assert not any(p.name.startswith(PAGES_PREFIX) for p in m.dst.iterdir())
+        wait_for_steps(m.log, len(steps(m.log)), 30)
+        assert m.job.poll() is None
+    finally:
+        stranger.close()
         m.job.kill()
         m.job.wait()

@@ -27,7 +27,8 @@ from agent.errors import CriuError, RefusedError
 from agent.image import StreamDigest
 from agent.jobs import procs
 from agent.jobs.record import JobKind, JobRecord, JobState
-from agent.migration.pagestream import TargetRelay
+from agent.migration.datatls import DataIdentity, DataTls
+from agent.migration.pagestream import CHECK, TargetPages
 from agent.migration.transfer import Intake
 from agent.rpc import pb
 
@@ -74,10 +75,12 @@ def is_dead(pid: int) -> bool:
 
 
 class FakePageServer:
-    """agent.criu.runner.PageServer without CRIU: a thread copying its socket into a pages file."""
+    """agent.criu.runner.PageServer without CRIU (and without its TLS): a TCP listener on
+    loopback whose one connection is copied into a pages file, as CRIU's would be."""
 
-    def __init__(self, fd: int, path: Path) -> None:
-        self.sock = socket.socket(fileno=fd)
+    def __init__(self, path: Path) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
         self.path = path
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -85,13 +88,14 @@ class FakePageServer:
 
     def _serve(self) -> None:
         try:
-            with open(self.path, "xb") as out:
-                while data := self.sock.recv(1 << 16):
+            conn, _ = self.listener.accept()
+            with conn, open(self.path, "xb") as out:
+                while data := conn.recv(1 << 16):
                     out.write(data)
         except OSError as e:
             self.error = e
         finally:
-            self.sock.close()
+            self.listener.close()
 
     def wait(self, timeout_s: float | None) -> None:
         self._thread.join(timeout_s)
@@ -100,7 +104,8 @@ class FakePageServer:
 
     def kill(self) -> None:
         with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
+            self.listener.shutdown(socket.SHUT_RDWR)
+        self.listener.close()
 
 
 class FakeCriu:
@@ -141,7 +146,8 @@ class FakeCriu:
         shell_job: bool = False,
         timeout_s: int = 0,
         on_start: Callable[[int], None] | None = None,
-        page_server_fd: int = -1,
+        page_server: tuple[str, int] | None = None,
+        tls: Any = None,
         log_dir: Path | None = None,
         external: list[str] | None = None,
     ) -> DumpResult:
@@ -150,7 +156,8 @@ class FakeCriu:
                 "pid": pid,
                 "images_dir": images_dir,
                 "shell_job": shell_job,
-                "streamed": page_server_fd >= 0,
+                "streamed": page_server is not None,
+                "tls": tls,
                 "log_dir": log_dir,
             }
         )
@@ -160,11 +167,12 @@ class FakeCriu:
         (images_dir / f"core-{pid}.img").write_bytes(b"core" * 100)
         (images_dir / "pstree.img").write_bytes(b"pstree")
         pages = os.urandom(PAGES_BYTES)
-        if page_server_fd >= 0:  # the memory goes to the page server instead
+        if page_server is not None:  # the memory goes to the page server instead
+            assert tls is not None, "the job's memory never crosses a network without TLS"
             try:
-                with os.fdopen(os.dup(page_server_fd), "wb") as f:
-                    f.write(pages)
-            except BrokenPipeError as e:  # the far side went away: CRIU's dump fails
+                with socket.create_connection(page_server, timeout=10) as conn:
+                    conn.sendall(pages)
+            except OSError as e:  # the far side went away: CRIU's dump fails
                 raise CriuError("dump", f"page-xfer: can't write to the page server: {e}") from e
         else:
             (images_dir / "pages-1.img").write_bytes(pages)
@@ -174,13 +182,18 @@ class FakeCriu:
         if leave_stopped and not leave_running:
             os.kill(pid, signal.SIGSTOP)
             wait_stopped(pid)
-        return DumpResult(stats={"frozen_time": 1234, "pages_written": 16})
+        return DumpResult(
+            stats={"frozen_time": 1234, "pages_written": PAGES_BYTES // os.sysconf("SC_PAGE_SIZE")}
+        )
 
-    def page_server(self, images_dir: Path, sock_fd: int, log_dir: Path | None = None) -> FakePageServer:
-        """Writes everything it reads from sock_fd into pages-65537.img until EOF, as CRIU's would."""
+    def page_server(
+        self, images_dir: Path, log_dir: Path | None = None, *, address: str, tls: Any
+    ) -> FakePageServer:
+        """Writes what its one connection brings into pages-65537.img until EOF, as CRIU's would."""
         if self.page_server_error is not None:
             raise self.page_server_error
-        return FakePageServer(os.dup(sock_fd), images_dir / "pages-65537.img")
+        assert tls is not None and address
+        return FakePageServer(images_dir / "pages-65537.img")
 
     def restore(
         self,
@@ -293,11 +306,13 @@ class FakePeer:
     def prepare(self, req: pb.PrepareRequest) -> pb.Lease:
         self.prepare_req = req
         self._enter("prepare")
+        self.data_identity = DataIdentity.new(f"{self.node_name} {req.migration_id}")
         return pb.Lease(
             migration_id=req.migration_id,
             node_name=self.node_name,
             max_bytes=1 << 30,
             page_stream=self.page_stream,
+            data_cert=self.data_identity.cert_pem if self.page_stream else b"",
         )
 
     def stream_pages(self, requests: Iterable[pb.PageData]) -> LocalPageCall:
@@ -305,19 +320,25 @@ class FakePeer:
         return LocalPageCall(self, requests)
 
     def serve_pages(self, requests: Iterator[pb.PageData]) -> Iterator[pb.PageData]:
-        """What a target's StreamPages does: the migration id first, then the pages into a page
-        server writing staging, then the digest of what arrived."""
+        """What a target's StreamPages does: the migration id first; then where a page server
+        writing staging listens; at the source's end, what it wrote."""
         first = next(requests, None)
         assert first is not None and first.migration_id, "a page stream starts with its migration id"
+        assert self.prepare_req is not None and self.prepare_req.data_cert
         self.staging.mkdir(parents=True, exist_ok=True)
-        relay = TargetRelay(FakeCriu(self.node_name), self.staging, 1 << 30, self.node_name)
+        tls = DataTls(self.data_identity, self.prepare_req.data_cert)
+        pages = TargetPages(
+            FakeCriu(self.node_name), self.staging, 1 << 30, self.node_name, tls.files, "127.0.0.1"
+        )
         try:
-            digest = yield from relay.run(requests)
+            digest = yield from pages.run(requests)
         except BaseException:
-            relay.kill()
+            pages.kill()
             raise
+        finally:
+            tls.close()
         self.pages = digest
-        yield pb.PageData(end=pb.PageStreamEnd(bytes=digest.bytes, check=digest.check))
+        yield pb.PageData(end=pb.PageStreamEnd(bytes=digest.bytes, check=CHECK))
 
     def push(self, chunks: Iterator[pb.ImageChunk]) -> pb.PushImageResponse:
         self._enter("push")

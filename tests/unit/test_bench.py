@@ -123,7 +123,7 @@ def summary() -> dict:
         "criu": [run(8.0, 9.0, 4_100_000_000)],
         "ckpt": [run(12.0, 13.0, 3_000_000_000)],
     }
-    return bench.size_summary(2.0, runs, {"fresh_gbps": 1.0, "touched_gbps": 4.0})
+    return bench.size_summary(2.0, runs, {"fresh_gbps": 1.0, "touched_gbps": 4.0, "idle_gbps": 0.5})
 
 
 def test_size_summary_bound_and_ratios() -> None:
@@ -134,8 +134,10 @@ def test_size_summary_bound_and_ratios() -> None:
         "bytes": 4_000_000_000,
         "fresh_s": pytest.approx(4.0),
         "touched_s": pytest.approx(1.0),
+        "floor_s": pytest.approx(8.0),  # one write into idle memory, at 0.5 GB/s
     }
     r = s["ratios"]
+    assert r["ferry_over_floor"] == pytest.approx(0.25)
     assert r["ferry_over_bound_fresh"] == pytest.approx(0.5)
     assert r["ferry_over_bound_touched"] == pytest.approx(2.0)
     assert r["criu_over_ferry"] == pytest.approx(4.0)
@@ -165,12 +167,14 @@ def test_format_table_rows_and_ratio_line() -> None:
     lines = text.splitlines()
     assert lines[0].split() == ["SIZE", "METHOD", "DOWNTIME", "TOTAL", "BYTES", "GB/S"]
     rows = [ln for ln in lines[1:] if ln.startswith("2 GiB  ")]
-    assert len(rows) == 5  # three methods, two bounds
+    assert len(rows) == 6  # three methods, the floor, two copy bounds
     assert "ferry" in rows[0] and "2.00 s" in rows[0] and "4.00 GB" in rows[0] and "1.33" in rows[0]
-    assert "bound (fresh)" in rows[3] and "4.00 s" in rows[3]
-    assert "bound (pre-touched)" in rows[4] and "1.00 s" in rows[4]
+    assert "floor (one write, idle memory)" in rows[3] and "8.00 s" in rows[3] and "0.50" in rows[3]
+    assert "copy bound (fresh)" in rows[4] and "4.00 s" in rows[4]
+    assert "copy bound (pre-touched)" in rows[5] and "1.00 s" in rows[5]
     assert lines[-1] == (
-        "2 GiB: downtime ferry/bound 0.5x (fresh), 2.0x (pre-touched); plain CRIU/ferry 4.0x; "
+        "2 GiB: downtime ferry/floor 0.25x, ferry --lazy/floor -x; "
+        "ferry/copy bound 0.5x (fresh), 2.0x (pre-touched); plain CRIU/ferry 4.0x; "
         "checkpoint-restart/ferry 6.0x; ferry --staged/ferry -x; ferry --lazy/ferry -x"  # not run here
     )
 
@@ -178,7 +182,7 @@ def test_format_table_rows_and_ratio_line() -> None:
 def test_format_table_marks_missing_figures() -> None:
     s = bench.size_summary(1.0, {"ckpt": [run(2.0, 3.0, 10**9)]}, {})
     text = bench.format_table([s])
-    assert "checkpoint-restart" in text and "ferry/bound -x" in text
+    assert "checkpoint-restart" in text and "ferry/floor -x" in text
 
 
 @pytest.mark.parametrize(

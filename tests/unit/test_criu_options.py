@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -19,7 +18,7 @@ import pytest
 
 from agent import config
 from agent.criu import lazy, runner
-from agent.criu.options import GHOST_LIMIT, ONE_PATH_ONLY, CriuOptions, InheritFd, dump_options
+from agent.criu.options import GHOST_LIMIT, ONE_PATH_ONLY, CriuOptions, InheritFd, TlsFiles, dump_options
 from agent.criu_pb import rpc_pb2
 from agent.errors import CriuError, RefusedError, StepTimeoutError
 
@@ -29,7 +28,8 @@ NODE = "nodetest"
 # -- both renderings, read back ------------------------------------------------------------------
 
 VALUE_FLAGS = {"--images-dir", "--work-dir", "--log-file", "--tree", "--network-lock", "--ghost-limit"}
-VALUE_FLAGS |= {"--timeout", "--root", "--ps-socket", "--status-fd"}
+VALUE_FLAGS |= {"--timeout", "--root", "--ps-socket", "--status-fd", "--address", "--port"}
+VALUE_FLAGS |= {"--tls-cacert", "--tls-cert", "--tls-key"}
 REPEATED_FLAGS = {"--external", "--inherit-fd"}
 
 
@@ -148,7 +148,26 @@ RENDERINGS: dict[str, tuple[Callable[..., Any], Callable[..., Any], Callable[...
     "page_server_fd": (
         lambda o: (o.page_server_fd, not o.lazy_pages) if o.page_server_fd >= 0 else None,
         _ps,
-        lambda m: (m.ps.fd, m.ps.port == 0) if m.HasField("ps") else None,
+        lambda m: (m.ps.fd, m.ps.port == 0) if m.HasField("ps") and m.ps.HasField("fd") else None,
+    ),
+    "ps_address": (
+        lambda o: o.ps_address,
+        lambda a, o: a.get("--address", ""),
+        lambda m: m.ps.address if m.HasField("ps") else "",
+    ),
+    "ps_port": (
+        lambda o: o.ps_port,
+        lambda a, o: int(a.get("--port", 0)),
+        lambda m: m.ps.port if m.HasField("ps") and not m.ps.HasField("fd") else 0,
+    ),
+    "tls": (
+        lambda o: (str(o.tls.cacert), str(o.tls.cert), str(o.tls.key), True) if o.tls else None,
+        lambda a, o: (
+            (a["--tls-cacert"], a["--tls-cert"], a["--tls-key"], a["--tls-no-cn-verify"])
+            if "--tls" in a
+            else None
+        ),
+        lambda m: (m.tls_cacert, m.tls_cert, m.tls_key, m.tls_no_cn_verify) if m.tls else None,
     ),
 }
 #: What the argv carries of the one-path-only fields (their RPC side must carry nothing).
@@ -195,6 +214,9 @@ def full_sets(images: Path, work: Path) -> list[CriuOptions]:
         lazy_pages=True,
         page_server_fd=-1,
         network_lock="nftables",
+        ps_address="10.98.0.1",
+        ps_port=7001,
+        tls=TlsFiles(images / "peer.pem", images / "ours.pem", images / "ours-key.pem"),
     )
     return [full, lazy_running]
 
@@ -225,7 +247,8 @@ def test_both_renderings_carry_every_field_with_the_same_value(dirs: tuple[Path,
         for name, from_argv in ARGV_ONLY.items():
             assert from_argv(argv) == getattr(opts, name)
         # Nothing else: every flag and every RPC field comes from a field of CriuOptions.
-        assert set(argv) <= VALUE_FLAGS | REPEATED_FLAGS | set(BOOL_FLAGS) | {"-v", "--page-server"}
+        flags = {"-v", "--page-server", "--tls", "--tls-no-cn-verify"}
+        assert set(argv) <= VALUE_FLAGS | REPEATED_FLAGS | set(BOOL_FLAGS) | flags
         assert not msg.HasField("status_fd")
 
 
@@ -233,9 +256,13 @@ def test_no_field_goes_missing_from_either_rendering(dirs: tuple[Path, Path], tm
     """Set one field at a time: each must change both renderings, or exactly the one it is for."""
     other = tmp_path / "other"
     other.mkdir()
-    samples = {name: next(getattr(s, name) for s in full_sets(*dirs)) for name in FIELDS}
-    samples |= {"images_dir": other, "log_file": "other.log", "leave_running": True, "lazy_pages": True}
     base = CriuOptions(dirs[0], "x.log")
+    sets = full_sets(*dirs)
+    samples = {
+        name: next((getattr(s, name) for s in sets if getattr(s, name) != getattr(base, name)), None)
+        for name in FIELDS
+    }
+    samples |= {"images_dir": other, "log_file": "other.log", "leave_running": True, "lazy_pages": True}
     with rendered(base) as (argv0, msg0):
         rpc0 = rpc_view(msg0)
     for name in FIELDS:
@@ -261,9 +288,11 @@ def test_a_lazy_rpc_with_a_page_server_socket_is_refused(dirs: tuple[Path, Path]
 def test_the_lazy_dump_and_the_rpc_dump_are_one_dump(dirs: tuple[Path, Path]) -> None:
     """What ferry always told CRIU for a dump, by RPC (Criu.dump) and by argv (LazyDump)."""
     images, work = dirs
-    rpc = dump_options(4242, images, "criu-dump.log", work_dir=work, shell_job=True, page_server_fd=9)
+    tls = TlsFiles(work / "peer.pem", work / "ours.pem", work / "ours-key.pem")
+    ps = ("10.98.0.2", 7001)
+    rpc = dump_options(4242, images, "criu-dump.log", work_dir=work, shell_job=True, page_server=ps, tls=tls)
     argv = dump_options(
-        4242, images, "criu-dump.log", work_dir=work, shell_job=True, page_server_fd=9, lazy_pages=True
+        4242, images, "criu-dump.log", work_dir=work, shell_job=True, page_server=ps, tls=tls, lazy_pages=True
     )
     with rendered(rpc) as (_, msg):
         want = rpc_pb2.criu_opts(
@@ -279,12 +308,18 @@ def test_the_lazy_dump_and_the_rpc_dump_are_one_dump(dirs: tuple[Path, Path]) ->
             ext_unix_sk=True,
             file_locks=True,
             network_lock=rpc_pb2.SKIP,
-            ps=rpc_pb2.criu_page_server_info(fd=9, port=0),
+            ps=rpc_pb2.criu_page_server_info(address="10.98.0.2", port=7001),
+            tls=True,
+            tls_cacert=str(tls.cacert),
+            tls_cert=str(tls.cert),
+            tls_key=str(tls.key),
+            tls_no_cn_verify=True,
         )
         assert msg == want
     old = f"--tree 4242 --images-dir {images} --work-dir {work} --log-file criu-dump.log --lazy-pages "
     old += "--leave-stopped --tcp-established --ext-unix-sk --file-locks --ghost-limit 2147483648 "
-    old += "--network-lock skip --shell-job -v4 --ps-socket 9"
+    old += "--network-lock skip --shell-job -v4 --address 10.98.0.2 --port 7001 --tls --tls-no-cn-verify "
+    old += f"--tls-cacert {tls.cacert} --tls-cert {tls.cert} --tls-key {tls.key}"
     assert parse_argv(argv.to_argv()) == parse_argv(old.split())
 
 
@@ -383,12 +418,9 @@ def assert_timeout_named(err: StepTimeoutError, step: str, images: Path, log_pat
     assert err.hint and "CRIU log" in err.hint
 
 
-@pytest.fixture
-def sockpair() -> Iterator[tuple[socket.socket, socket.socket]]:
-    a, b = socket.socketpair()
-    yield a, b
-    a.close()
-    b.close()
+#: Where a lazy dump listens (or a daemon connects), and its TLS files: CRIU is a fake here.
+PS_ADDR = ("10.98.0.1", 7001)
+TLS = TlsFiles(Path("/run/ferry/peer.pem"), Path("/run/ferry/ours.pem"), Path("/run/ferry/ours-key.pem"))
 
 
 def test_a_dump_criu_never_answers_is_killed_at_its_deadline(tmp_path: Path, dirs: tuple[Path, Path]) -> None:
@@ -429,18 +461,18 @@ def test_an_answered_restore_sent_the_rendered_options(tmp_path: Path, dirs: tup
     assert (tmp_path / "bin" / "images.path").read_text() == str(images)
 
 
-def test_a_page_server_that_never_starts_is_killed(tmp_path: Path, dirs: tuple[Path, Path], sockpair) -> None:
+def test_a_page_server_that_never_starts_is_killed(tmp_path: Path, dirs: tuple[Path, Path]) -> None:
     images, _ = dirs
     criu = fake_criu(tmp_path, MUTE_SWRK)
     with pytest.raises(StepTimeoutError) as err:
-        criu.page_server(images, sockpair[0].fileno(), timeout_s=0.3)
+        criu.page_server(images, address="127.0.0.1", tls=TLS, timeout_s=0.3)
     assert_timeout_named(err.value, "page-server", images, images / runner.PAGE_SERVER_LOG)
 
 
-def test_a_page_server_that_never_ends_is_killed(tmp_path: Path, dirs: tuple[Path, Path], sockpair) -> None:
+def test_a_page_server_that_never_ends_is_killed(tmp_path: Path, dirs: tuple[Path, Path]) -> None:
     images, work = dirs
     criu = fake_criu(tmp_path, PAGE_SERVER_SWRK.format(repo=str(REPO)))
-    server = criu.page_server(images, sockpair[0].fileno(), work)
+    server = criu.page_server(images, work, address="127.0.0.1", tls=TLS)
     assert server.pid == server.proc.pid
     with pytest.raises(StepTimeoutError) as err:
         server.wait(0.3)
@@ -448,27 +480,26 @@ def test_a_page_server_that_never_ends_is_killed(tmp_path: Path, dirs: tuple[Pat
     assert gone(server.proc.pid)
 
 
-def test_a_lazy_dump_that_never_gets_ready_is_killed(
-    tmp_path: Path, dirs: tuple[Path, Path], sockpair
-) -> None:
+def test_a_lazy_dump_that_never_gets_ready_is_killed(tmp_path: Path, dirs: tuple[Path, Path]) -> None:
     images, work = dirs
     criu = fake_criu(tmp_path, READY_CRIU.format(ready=False))
-    dump = lazy.LazyDump(criu, 4242, images, sockpair[0].fileno(), log_dir=work, external=["veth[eth0]:fj-1"])
+    dump = lazy.LazyDump(criu, 4242, images, PS_ADDR, TLS, log_dir=work, external=["veth[eth0]:fj-1"])
     with pytest.raises(StepTimeoutError) as err:
         dump.ready(0.5)
     assert_timeout_named(err.value, "dump", images, work / runner.DUMP_LOG)
     assert gone(dump.pid)
     argv = parse_argv((tmp_path / "bin" / "argv").read_text().splitlines()[1:])
-    assert argv["--lazy-pages"] and argv["--ps-socket"] == str(sockpair[0].fileno()) and "--status-fd" in argv
+    assert argv["--lazy-pages"] and (argv["--address"], argv["--port"]) == ("10.98.0.1", "7001")
+    assert argv["--tls"] and argv["--tls-cacert"] == str(TLS.cacert) and "--status-fd" in argv
     assert argv["--external"] == ["veth[eth0]:fj-1"] and "--page-server" not in argv
 
 
 def test_a_lazy_dump_whose_pages_are_never_all_fetched_is_killed(
-    tmp_path: Path, dirs: tuple[Path, Path], sockpair
+    tmp_path: Path, dirs: tuple[Path, Path]
 ) -> None:
     images, _ = dirs
     criu = fake_criu(tmp_path, READY_CRIU.format(ready=True))
-    dump = lazy.LazyDump(criu, 4242, images, sockpair[0].fileno())
+    dump = lazy.LazyDump(criu, 4242, images, PS_ADDR, TLS)
     dump.ready(10)
     with pytest.raises(StepTimeoutError) as err:
         dump.wait(0.3)
@@ -477,18 +508,19 @@ def test_a_lazy_dump_whose_pages_are_never_all_fetched_is_killed(
 
 
 def test_a_lazy_pages_daemon_is_bounded_at_start_and_at_its_end(
-    tmp_path: Path, dirs: tuple[Path, Path], sockpair
+    tmp_path: Path, dirs: tuple[Path, Path]
 ) -> None:
     images, work = dirs
     mute = fake_criu(tmp_path / "mute", READY_CRIU.format(ready=False))
     with pytest.raises(StepTimeoutError) as err:
-        lazy.LazyPagesDaemon(mute, images, work, sockpair[0].fileno(), 0.3)
+        lazy.LazyPagesDaemon(mute, images, work, PS_ADDR, TLS, 0.3)
     assert_timeout_named(err.value, "lazy-pages", images, work / lazy.LAZY_PAGES_LOG)
     argv = parse_argv((tmp_path / "mute" / "bin" / "argv").read_text().splitlines()[1:])
-    assert argv["--page-server"] and argv["--ps-socket"] == str(sockpair[0].fileno())
+    assert argv["--page-server"] and (argv["--address"], argv["--port"]) == ("10.98.0.1", "7001")
+    assert argv["--tls"] and argv["--tls-key"] == str(TLS.key)
 
     daemon = lazy.LazyPagesDaemon(
-        fake_criu(tmp_path, READY_CRIU.format(ready=True)), images, work, sockpair[0].fileno(), 10
+        fake_criu(tmp_path, READY_CRIU.format(ready=True)), images, work, PS_ADDR, TLS, 10
     )
     with pytest.raises(StepTimeoutError) as err:
         daemon.wait(0.3)
@@ -496,14 +528,12 @@ def test_a_lazy_pages_daemon_is_bounded_at_start_and_at_its_end(
     assert gone(daemon.proc.pid)
 
 
-def test_a_criu_that_dies_before_it_is_ready_is_a_criu_error(
-    tmp_path: Path, dirs: tuple[Path, Path], sockpair
-) -> None:
+def test_a_criu_that_dies_before_it_is_ready_is_a_criu_error(tmp_path: Path, dirs: tuple[Path, Path]) -> None:
     images, work = dirs
     (work / lazy.LAZY_PAGES_LOG).write_text("(00.1) Error (criu/uffd.c:1): uffd: no userfaultfd here\n")
     criu = fake_criu(tmp_path, "import sys; sys.exit(1)")
     with pytest.raises(CriuError, match="no userfaultfd here") as err:
-        lazy.LazyPagesDaemon(criu, images, work, sockpair[0].fileno(), 10)
+        lazy.LazyPagesDaemon(criu, images, work, PS_ADDR, TLS, 10)
     assert err.value.step == "criu lazy-pages" and err.value.node == NODE
 
 

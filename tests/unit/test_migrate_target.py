@@ -46,6 +46,7 @@ from agent.jobs.record import JobKind, JobRecord, JobState
 from agent.jobs.registry import JobRegistry
 from agent.migration import source as migrate
 from agent.migration import target as incoming
+from agent.migration.datatls import DataIdentity
 from agent.migration.states import TargetState
 from agent.migration.target import TargetMigrations
 from agent.migration.transfer import SendStats, send_image
@@ -64,6 +65,10 @@ def target(tmp_path: Path, fake_criu: FakeCriu, monkeypatch: pytest.MonkeyPatch)
     return TargetMigrations(registry, fake_criu, tmp_path / "tstaging", "nodeb")
 
 
+#: The source's one-time certificate for the data connection, as every source sends one.
+SOURCE_CERT = DataIdentity.new("nodea m-1").cert_pem
+
+
 def prepare_req(mid: str = MID, job: str = "train", **kw: object) -> pb.PrepareRequest:
     fields: dict[str, object] = {
         "migration_id": mid,
@@ -72,6 +77,7 @@ def prepare_req(mid: str = MID, job: str = "train", **kw: object) -> pb.PrepareR
         "kind": pb.JOB_KIND_LAUNCHED,
         "estimated_bytes": 1 << 20,
         "cwd": "/",
+        "data_cert": SOURCE_CERT,
     }
     fields.update(kw)
     return pb.PrepareRequest(**fields)  # type: ignore[arg-type]

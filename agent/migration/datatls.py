@@ -1,0 +1,108 @@
+"""One-time TLS identities that bind the data connection between two CRIUs to one migration.
+
+The job's memory travels on a TCP connection between the source's and the target's CRIU,
+secured by CRIU's own TLS (GnuTLS), never through an agent. Each side makes a key and a
+self-signed certificate for this migration only and hands the certificate to the other over
+the agents' mutual-TLS gRPC link (PrepareRequest.data_cert, Lease.data_cert). Each CRIU
+then trusts that one certificate and nothing else: only the peer that holds the lease's
+other key can connect, a node certificate of the cluster cannot, and a key is worth nothing
+once its migration ends. The trust thus comes from the cluster CA, through the link that
+carried the certificates.
+
+CRIU checks the peer against its own address unless told not to (--tls-no-cn-verify); a
+pinned certificate makes that check redundant, so it is off.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from agent.criu.options import TlsFiles
+from agent.errors import InvalidArgumentError
+
+#: A one-time certificate outlives its migration's lease (600 s) by a wide margin, and no more.
+VALID_FOR = datetime.timedelta(hours=2)
+#: Clocks of two nodes may disagree a little: a certificate is valid from slightly before now.
+CLOCK_SKEW = datetime.timedelta(minutes=5)
+
+
+@dataclass(frozen=True)
+class DataIdentity:
+    cert_pem: bytes
+    key_pem: bytes
+
+    @classmethod
+    def new(cls, name: str) -> DataIdentity:
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        now = datetime.datetime.now(datetime.UTC)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - CLOCK_SKEW)
+            .not_valid_after(now + VALID_FOR)
+            # Its own anchor: GnuTLS trusts it as a CA that signed itself.
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    key_cert_sign=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    crl_sign=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                critical=False,
+            )
+            .sign(key, hashes.SHA256())
+        )
+        key_pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        return cls(cert.public_bytes(serialization.Encoding.PEM), key_pem)
+
+
+def check_peer_cert(pem: bytes, who: str) -> None:
+    """A peer's one-time certificate must at least parse: a bad one would fail inside CRIU."""
+    try:
+        x509.load_pem_x509_certificate(pem)
+    except ValueError as e:
+        raise InvalidArgumentError(f"{who}'s one-time data certificate does not parse: {e}") from None
+
+
+class DataTls:
+    """The files of one migration's data connection, in a private directory of their own (under
+    the system's temporary directory, never in staging: the source sends its staging to the
+    target, and a target's staging holds images only) that `close()` removes."""
+
+    def __init__(self, ours: DataIdentity, peer_cert: bytes, parent: Path | None = None) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="ferry-data-tls-", dir=parent))
+        self.files = TlsFiles(self.dir / "peer.pem", self.dir / "ours.pem", self.dir / "ours-key.pem")
+        for path, data in ((self.files.cacert, peer_cert), (self.files.cert, ours.cert_pem)):
+            path.write_bytes(data)
+        fd = os.open(self.files.key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(ours.key_pem)
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
