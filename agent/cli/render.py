@@ -149,6 +149,7 @@ def result_dict(r: pb.MigrationResult) -> dict[str, Any]:
         "gpu_bytes": r.gpu_bytes,
         "frozen_s": round(r.frozen_s, 4),
         "downtime_s": round(r.downtime_s, 4) if r.downtime_s >= 0 else None,
+        "downtime_by": r.downtime_by,
         "total_s": round(r.total_s, 4),
         "transfer_gbps": round(r.transfer_gbps, 3),
         "image_dir": r.image_dir,
@@ -172,11 +173,9 @@ def summary(r: pb.MigrationResult) -> str:
     if r.transfer_gbps:
         lines.append(f"transfer rate: {r.transfer_gbps:.2f} GB/s")
     if r.target_node:
-        lines.append(f"frozen: {r.frozen_s:.3f} s (dump start -> running on the target)")
-        down = (
-            f"{r.downtime_s:.3f} s" if r.downtime_s >= 0 else "not measured (no output within 3 s of restore)"
-        )
-        lines.append(f"downtime: {down} (last output on the source -> first output on the target)")
+        lines.append(f"frozen: {r.frozen_s:.3f} s (dump start -> released on the target)")
+        down = f"{r.downtime_s:.3f} s" if r.downtime_s >= 0 else "not measured"
+        lines.append(f"downtime: {down}" + (f" ({r.downtime_by})" if r.downtime_by else ""))
     return "\n".join(lines)
 
 

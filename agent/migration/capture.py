@@ -3,7 +3,6 @@ timings, the checks before a freeze, and what CRIU must be told about the job.""
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -33,11 +32,6 @@ class Phases:
             return fn()
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.monotonic() - t
-
-
-def log_mtime(rec: JobRecord) -> float:
-    times = [os.stat(p).st_mtime for p in (rec.stdout_path, rec.stderr_path) if p and os.path.exists(p)]
-    return max(times, default=0.0)
 
 
 def copy_logs(rec: JobRecord, image_dir: Path) -> None:

@@ -42,6 +42,7 @@ class MigrationResult:
     gpu_bytes: int = 0
     frozen_s: float = 0.0
     downtime_s: float = -1.0
+    downtime_by: str = ""  # how downtime_s was measured, in words
     total_s: float = 0.0
     transfer_gbps: float = 0.0
     image_dir: str = ""

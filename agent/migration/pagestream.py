@@ -53,7 +53,7 @@ ANSWER_S = 60.0
 #: How often the target looks at what its page server has written (the lease's cap).
 CAP_POLL_S = 0.1
 #: How often, and after how much more, the target tells the source what has arrived.
-PROGRESS_S = 0.5
+PROGRESS_S = 0.2
 PROGRESS_BYTES = 64 << 20
 #: Where the target's post-copy fault point fires (tests only): once this much of the restored
 #: job is resident, the transfer is cut.
@@ -163,7 +163,7 @@ class SourcePages:
     def announce(self, host: str, port: int) -> None:
         self._out.put(pb.PageData(data_address=f"{host}:{port}"))
 
-    def settled_error(self, timeout_s: float = 5.0) -> FerryError | None:
+    def settled_error(self, timeout_s: float = 1.0) -> FerryError | None:
         """The call's failure, waiting a little for it: a CRIU that failed on its data connection
         usually did so because the target refused the stream, and that reason is the one to say."""
         self._answers.join(timeout_s)
@@ -259,6 +259,8 @@ class TargetPages:
                     got = ends.get(timeout=PROGRESS_S)
                     break
                 except queue.Empty:
+                    if self.refusal is not None:  # said now: the source's failing dump waits for it
+                        raise self.refusal from None
                     if (n := staged_page_bytes(self.staging)) - shown >= PROGRESS_BYTES:
                         shown = n
                         yield pb.PageData(written=n)

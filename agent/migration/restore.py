@@ -150,14 +150,28 @@ def kill_restored(root: int) -> None:
         os.waitpid(root, 0)
 
 
-def wait_for_output(rec: JobRecord, timeout_s: float) -> float:
-    """Unix time of the job's first new output after restore (0 if none came in time)."""
-    paths = [p for p in (rec.stdout_path, rec.stderr_path) if p]
-    sizes = {p: os.path.getsize(p) for p in paths if os.path.exists(p)}
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for p, size in sizes.items():
-            if os.path.getsize(p) > size:
-                return os.stat(p).st_mtime
-        time.sleep(0.002)
-    return 0.0
+def cpu_ns(pids: list[int]) -> int:
+    """CPU time the processes' threads have had, in nanoseconds (schedstat: finer than ticks)."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with (
+                    contextlib.suppress(OSError, ValueError, IndexError),
+                    open(f"/proc/{pid}/task/{tid}/schedstat") as f,
+                ):
+                    total += int(f.read().split()[0])
+    return total
+
+
+def resumed_after(rec: JobRecord, held_ns: int, timeout_s: float) -> float:
+    """Seconds from now (just after the job's release) until its CPU time passes held_ns, what it
+    had while still held: any job runs at once, even one that only returns into a sleep. -1 if
+    it did not within timeout_s."""
+    t0 = time.monotonic()
+    pids = procs.tree_pids(rec.pid)
+    while (elapsed := time.monotonic() - t0) < timeout_s:
+        if cpu_ns(pids) > held_ns:
+            return elapsed
+        time.sleep(0.0005)
+    return -1.0

@@ -59,7 +59,6 @@ from agent.migration.capture import (
     copy_logs,
     default_cuda_jobs,
     dump_externals,
-    log_mtime,
     needs_shell_job,
     require_host_memory,
 )
@@ -211,7 +210,6 @@ class SourceMigration:
                     pages = self.phases.run("pages", lambda: self.data.pages.finish(sent))  # type: ignore[union-attr]
             assert pages is None or isinstance(pages, StreamDigest)
             faults.check("source-dumped", self.node)
-            last_progress = log_mtime(rec)
             copy_logs(rec, self.staging)
 
             self._set(MigrationState.TRANSFERRING, "transfer", "streaming the image")
@@ -248,10 +246,13 @@ class SourceMigration:
 
             self._set(MigrationState.RESTORING, "restore", f"target {self.result.target_node} restoring")
             faults.check("commit", self.node)
-            resp = self.phases.run("commit", lambda: self._commit(last_progress))
+            resp = self.phases.run("commit", self._commit)
         except Exception as exc:
             self._abort(rec, pids, as_ferry_error(exc, self.state.value, self.node))
             raise AssertionError("unreachable") from exc  # _abort always raises
+        # Frozen until the target released the job: its answer says how long ago that was.
+        self.result.frozen_s = time.monotonic() - resp.answered_after_s - frozen_at
+        self._downtime(resp)
         if self.lazy_dump is not None:
             self._to(MigrationState.PAGING)
             pages = self._post_copy(rec, pids)
@@ -268,13 +269,13 @@ class SourceMigration:
             moved_to=self.spec.target,
             moved_to_node=self.result.target_node,
         )
-        self.result.frozen_s = time.monotonic() - frozen_at
         self.rates.record(self.result.image_bytes, self.result.frozen_s)
-        assert isinstance(resp, pb.CommitResponse)
         for t in resp.phases:
             self.phases.times[f"target {t.phase}"] = t.seconds
-        if resp.first_progress_at and last_progress:
-            self.result.downtime_s = resp.first_progress_at - last_progress
+        if self.lazy_dump is not None and "pages" in self.phases.times:
+            self.result.downtime_by += (
+                f"; then its memory followed on demand for {self.phases.times['pages']:.2f} s"
+            )
         shutil.rmtree(self.staging, ignore_errors=True)
         self.data.close()
         self.result.phases = dict(self.phases.times)
@@ -453,8 +454,20 @@ class SourceMigration:
                 hint="upgrade the target agent: it does not move CUDA jobs",
             )
 
-    def _commit(self, last_progress: float) -> pb.CommitResponse:
-        req = pb.CommitRequest(migration_id=self.spec.migration_id, last_progress_at=last_progress)
+    def _downtime(self, resp: pb.CommitResponse) -> None:
+        """The job stopped running at its freeze (it was running: its CPU time grew) and ran again
+        when its CPU time grew on the target, which the target timed from the release."""
+        if resp.resumed_after_s < 0:
+            self.result.downtime_by = "not measured: the target did not see the job run within its look"
+            return
+        self.result.downtime_s = self.result.frozen_s + resp.resumed_after_s
+        self.result.downtime_by = (
+            f"CPU time: the job stopped at its freeze and ran again {resp.resumed_after_s * 1000:.1f} ms "
+            f"after its release on {self.result.target_node}"
+        )
+
+    def _commit(self) -> pb.CommitResponse:
+        req = pb.CommitRequest(migration_id=self.spec.migration_id)
         try:
             return self.peer.commit(req)
         except (UnavailableError, StepTimeoutError) as e:
@@ -464,7 +477,7 @@ class SourceMigration:
                 log.warning(
                     "migration %s: commit answer lost, but the target runs the job", self.spec.migration_id
                 )
-                return pb.CommitResponse(node_name=self.result.target_node)
+                return pb.CommitResponse(node_name=self.result.target_node, resumed_after_s=-1.0)
             if state in (None, pb.TARGET_STATE_RESTORING):
                 raise _Unresolved(str(e)) from e
             if state in (pb.TARGET_STATE_ABORTED, pb.TARGET_STATE_UNKNOWN):

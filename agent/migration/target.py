@@ -47,13 +47,13 @@ from agent.gpus.ledger import GpuLedger
 from agent.image import Manifest, StreamDigest
 from agent.jobs import procs
 from agent.jobs.network import carrying
-from agent.jobs.record import JobState
+from agent.jobs.record import JobRecord, JobState
 from agent.jobs.registry import JobRegistry
 from agent.migration.capture import default_cuda_jobs
 from agent.migration.datatls import DataIdentity, DataTls, check_peer_cert
 from agent.migration.journal import TARGET, Journal, MigrationRecord
 from agent.migration.pagestream import LazyTargetPages, TargetPages
-from agent.migration.restore import restore_tree, wait_for_output
+from agent.migration.restore import cpu_ns, restore_tree, resumed_after
 from agent.migration.staging import private_dir
 from agent.migration.states import TARGET_TRANSITIONS, TargetState
 from agent.migration.target_recovery import journaled, recover_incoming
@@ -62,8 +62,9 @@ from agent.rpc import pb
 
 log = logging.getLogger(__name__)
 
-#: How long a target waits after restore for the job's first output (for the downtime figure).
-PROGRESS_WAIT_S = 3.0
+#: How long a target looks, after the job's release, for it to run (for the downtime figure):
+#: a job runs within milliseconds of its release, so this bounds an answer that comes at once.
+RESUME_LOOK_S = 0.5
 LEASE_S = 600.0
 MAX_INCOMING = 2
 #: Staging must hold the estimate plus this share (page-aligned files, logs, the manifest).
@@ -498,6 +499,12 @@ class TargetMigrations:
             self._set(inc, TargetState.RESTORING)
         times: dict[str, float] = {}
 
+        held_ns = [0]  # the job's CPU time while it is still held, just before its release
+
+        def commit_point(rec: JobRecord) -> None:
+            self._commit_point(inc)
+            held_ns[0] = cpu_ns(procs.tree_pids(rec.pid))
+
         def criu_started(pid: int) -> None:
             inc.criu_pid, inc.criu_started = pid, procs.create_time(pid)
             self.journal.save(inc.record())
@@ -518,7 +525,7 @@ class TargetMigrations:
                 gpu_map=inc.gpu_map,
                 times=times,
                 on_criu_start=criu_started,
-                before_release=lambda _rec: self._commit_point(inc),
+                before_release=commit_point,
                 lazy_pages=inc.lazy,
                 log_dir=work_dir,
             )
@@ -534,19 +541,21 @@ class TargetMigrations:
                     self._drop(inc, f"restore failed: {e}")
                     raise
             rec = self.registry.get(inc.job)
+        released = time.monotonic()
+        resumed = resumed_after(rec, held_ns[0], RESUME_LOOK_S)
         if isinstance(inc.relay, LazyTargetPages):
             inc.relay.watch(rec.pid)
         if not inc.lazy:  # post-copy: the daemon reads the page maps there until it is done
             shutil.rmtree(inc.staging, ignore_errors=True)
             self._forget_data(inc)
             self.criu_logs.done(inc.migration_id)
-        first = wait_for_output(rec, PROGRESS_WAIT_S)
         log.info("migration %s: job %s runs here as pid %d", inc.migration_id, inc.job, rec.pid)
         return pb.CommitResponse(
             node_name=self.node,
             pid=rec.pid,
             phases=[pb.PhaseTiming(phase=k, seconds=v) for k, v in times.items()],
-            first_progress_at=first,
+            resumed_after_s=resumed,
+            answered_after_s=time.monotonic() - released,
         )
 
     def _commit_point(self, inc: Incoming) -> None:

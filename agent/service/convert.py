@@ -93,6 +93,7 @@ def result_pb(r: MigrationResult) -> pb.MigrationResult:
         gpu_bytes=r.gpu_bytes,
         frozen_s=r.frozen_s,
         downtime_s=r.downtime_s,
+        downtime_by=r.downtime_by,
         total_s=r.total_s,
         transfer_gbps=r.transfer_gbps,
         image_dir=r.image_dir,

@@ -360,7 +360,8 @@ class FakePeer:
             node_name=self.node_name,
             pid=4242,
             phases=[pb.PhaseTiming(phase="restore", seconds=0.25)],
-            first_progress_at=time.time(),
+            resumed_after_s=0.004,
+            answered_after_s=0.005,
         )
 
     def abort(self, migration_id: str, reason: str) -> None:

@@ -122,7 +122,7 @@ def quiet_target() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("FERRY_FAULTS", raising=False)
         mp.delenv("FERRY_PAUSE", raising=False)
-        mp.setattr(incoming, "PROGRESS_WAIT_S", 0.0)
+        mp.setattr(incoming, "RESUME_LOOK_S", 0.0)
         yield
 
 

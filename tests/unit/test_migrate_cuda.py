@@ -90,7 +90,7 @@ class TwoNodes:
 @pytest.fixture
 def nodes(tmp_path, sleeper, monkeypatch) -> Iterator[TwoNodes]:
     monkeypatch.delenv("FERRY_FAULTS", raising=False)
-    monkeypatch.setattr(incoming, "PROGRESS_WAIT_S", 0.5)
+    monkeypatch.setattr(incoming, "RESUME_LOOK_S", 0.2)
     n = TwoNodes(tmp_path, sleeper, CudaWorld([FakeGpu(GPU0)]), CudaWorld([FakeGpu(A100), FakeGpu(GPU1)]))
     n.dst_world.gpus[A100].name = "NVIDIA H200"  # two H200s on the target
     yield n
@@ -318,7 +318,7 @@ def test_a_target_without_the_chip_refuses_in_prepare(nodes: TwoNodes) -> None:
 
 def test_two_agents_on_one_host_share_the_gpu(tmp_path, sleeper, monkeypatch) -> None:
     """The tests' two-node setup: the job's own memory on the only GPU is freed by its checkpoint."""
-    monkeypatch.setattr(incoming, "PROGRESS_WAIT_S", 0.5)
+    monkeypatch.setattr(incoming, "RESUME_LOOK_S", 0.2)
     world = CudaWorld([FakeGpu(GPU0, total=3 * GIB)])
     n = TwoNodes(tmp_path, sleeper, world, world)
     try:

@@ -40,7 +40,7 @@ from agent.rpc import pb
 @pytest.fixture
 def target(tmp_path: Path, fake_criu: FakeCriu, monkeypatch: pytest.MonkeyPatch) -> TargetMigrations:
     monkeypatch.delenv("FERRY_FAULTS", raising=False)
-    monkeypatch.setattr(incoming, "PROGRESS_WAIT_S", 2.0)
+    monkeypatch.setattr(incoming, "RESUME_LOOK_S", 0.2)
     registry = incoming.JobRegistry(tmp_path / "tstate", "nodeb")
     return TargetMigrations(registry, fake_criu, tmp_path / "tstaging", "nodeb")
 

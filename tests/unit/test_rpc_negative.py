@@ -41,7 +41,7 @@ WIDE_ID = "\U0001d7d8" * 64  # MATHEMATICAL DOUBLE-STRUCK DIGIT ZERO
 def _no_faults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FERRY_FAULTS", raising=False)
     monkeypatch.delenv("FERRY_PAUSE", raising=False)
-    monkeypatch.setattr(incoming, "PROGRESS_WAIT_S", 2.0)
+    monkeypatch.setattr(incoming, "RESUME_LOOK_S", 0.2)
 
 
 @pytest.fixture
