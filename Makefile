@@ -78,6 +78,7 @@ demo: all
 
 bench: all
 	$(PY) scripts/bench_migrate.py
+	$(PY) scripts/bench_link.py
 	$(PY) scripts/bench_ranks.py
 
 lint: deps
