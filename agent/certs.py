@@ -54,6 +54,27 @@ def _crypto():
     return x509, hashes, serialization, ec, ExtendedKeyUsageOID, NameOID
 
 
+def self_signed(name: str, lifetime: datetime.timedelta):  # -> (EC key, x509.CertificateBuilder)
+    """A new P-256 key and the start of a certificate it signs for itself: a CA of one, valid
+    from 5 minutes ago (nodes' clocks differ a little) for `lifetime`. The caller adds its key
+    usages and signs."""
+    x509, _, _, ec, _, NameOID = _crypto()
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + lifetime)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+    )
+    return key, builder
+
+
 def check_name(name: str) -> str:
     if not _NAME.fullmatch(name):
         raise InvalidArgumentError(
@@ -78,24 +99,14 @@ def _write_new(path: Path, data: bytes, mode: int) -> None:
 
 def create_ca(directory: Path, name: str = "ferry cluster CA") -> Issued:
     """A new self-signed CA in directory (ca.pem, ca-key.pem)."""
-    x509, hashes, serialization, ec, _, NameOID = _crypto()
+    x509, hashes, serialization, _, _, _ = _crypto()
     directory.mkdir(parents=True, exist_ok=True)
     for f in (CA_CERT, CA_KEY):
         if (directory / f).exists():
             raise AlreadyExistsError(f"{directory / f} exists; a CA is created once", step="certs")
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    key, builder = self_signed(name, datetime.timedelta(days=CA_DAYS))
     cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=CA_DAYS))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
+        builder.add_extension(
             x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
         )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)

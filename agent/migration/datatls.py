@@ -24,16 +24,14 @@ from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
+from agent import certs
 from agent.criu.options import TlsFiles
 from agent.errors import InvalidArgumentError
 
 #: A one-time certificate outlives its migration's lease (600 s) by a wide margin, and no more.
 VALID_FOR = datetime.timedelta(hours=2)
-#: Clocks of two nodes may disagree a little: a certificate is valid from slightly before now.
-CLOCK_SKEW = datetime.timedelta(minutes=5)
 
 
 @dataclass(frozen=True)
@@ -43,20 +41,10 @@ class DataIdentity:
 
     @classmethod
     def new(cls, name: str) -> DataIdentity:
-        key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        now = datetime.datetime.now(datetime.UTC)
+        # Its own anchor: GnuTLS trusts it as a CA that signed itself.
+        key, builder = certs.self_signed(name, VALID_FOR)
         cert = (
-            x509.CertificateBuilder()
-            .subject_name(subject)
-            .issuer_name(subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - CLOCK_SKEW)
-            .not_valid_after(now + VALID_FOR)
-            # Its own anchor: GnuTLS trusts it as a CA that signed itself.
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(
+            builder.add_extension(
                 x509.KeyUsage(
                     digital_signature=True,
                     key_cert_sign=True,
