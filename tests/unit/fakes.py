@@ -360,8 +360,8 @@ class FakePeer:
             node_name=self.node_name,
             pid=4242,
             phases=[pb.PhaseTiming(phase="restore", seconds=0.25)],
-            resumed_after_s=0.004,
-            answered_after_s=0.005,
+            resumed_after_s=0.0001,
+            answered_after_s=0.0002,  # within the call, as a real target's is
         )
 
     def abort(self, migration_id: str, reason: str) -> None:
