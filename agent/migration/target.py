@@ -87,7 +87,7 @@ class Incoming:
     reserved_bytes: int = 0
     criu_pid: int = 0
     criu_started: float = 0.0
-    relay: TargetPages | LazyTargetPages | None = None  # the page stream while it runs
+    stream: TargetPages | LazyTargetPages | None = None  # the page stream's target side while it runs
     data_tls: DataTls | None = None  # the data connection's one-time TLS files (None: not leased)
     pages: StreamDigest | None = None  # what the page stream delivered
     lazy: bool = False  # post-copy: the memory comes after the restore, on demand
@@ -302,7 +302,7 @@ class TargetMigrations:
             raise InvalidArgumentError("a page stream must start with its migration id", step="transfer")
         inc = self._get(first.migration_id, caller)
         with self._lock:
-            if inc.pages is not None or inc.relay is not None:
+            if inc.pages is not None or inc.stream is not None:
                 raise RefusedError(
                     f"migration {inc.migration_id} already has its page stream",
                     step="transfer",
@@ -315,26 +315,26 @@ class TargetMigrations:
                 )
             tls = inc.data_tls.files
             if inc.lazy:
-                inc.relay = LazyTargetPages(self.node, tls, lambda why: self._post_copy_failed(inc, why))
+                inc.stream = LazyTargetPages(self.node, tls, lambda why: self._post_copy_failed(inc, why))
             else:
                 self._set(inc, TargetState.STREAMING)
                 log_dir = self.criu_logs.dir_for(inc.migration_id)
-                inc.relay = TargetPages(
+                inc.stream = TargetPages(
                     self.criu, inc.staging, inc.max_bytes, self.node, tls, self.data_host, log_dir
                 )
-        if isinstance(inc.relay, LazyTargetPages):
-            yield from self._post_copy(inc, inc.relay, requests)
+        if isinstance(inc.stream, LazyTargetPages):
+            yield from self._post_copy(inc, inc.stream, requests)
             return
         try:
-            digest = yield from inc.relay.run(requests)
+            digest = yield from inc.stream.run(requests)
         except BaseException as e:
-            inc.relay.kill()
+            inc.stream.kill()
             with self._lock:
                 if inc.state is TargetState.STREAMING:
                     self._drop(inc, f"page stream failed: {e}")
             self._stream_failed(e, "transfer", "the page stream")
         with self._lock:
-            inc.relay = None
+            inc.stream = None
             if inc.state is not TargetState.STREAMING:  # aborted while the last bytes came in
                 raise RefusedError(f"migration {inc.migration_id} was aborted", node=self.node)
             inc.pages = digest
@@ -352,18 +352,18 @@ class TargetMigrations:
         raise TransferError(f"{what} failed: {e!r}", step=step, node=self.node) from e
 
     def _post_copy(
-        self, inc: Incoming, relay: LazyTargetPages, requests: Iterator[pb.PageData]
+        self, inc: Incoming, stream: LazyTargetPages, requests: Iterator[pb.PageData]
     ) -> Iterator[pb.PageData]:
         """Post-copy: the stream stays open across push and commit and ends once the restored
         job has all its memory. Until then the job here needs the source's frozen copy."""
         try:
-            digest = yield from relay.run(requests)
+            digest = yield from stream.run(requests)
         except BaseException as e:
-            relay.kill()
+            stream.kill()
             self._post_copy_failed(inc, str(e) if isinstance(e, FerryError) else repr(e))
             self._stream_failed(e, "pages", "the post-copy transfer")
         with self._lock:
-            inc.relay = None
+            inc.stream = None
             inc.pages = digest
             if inc.state is TargetState.POSTCOPY:
                 self._set(inc, TargetState.RUNNING)
@@ -491,7 +491,7 @@ class TargetMigrations:
                 raise RefusedError(
                     f"migration {inc.migration_id} has no verified image to restore", node=self.node
                 )
-            if inc.lazy and not isinstance(inc.relay, LazyTargetPages):
+            if inc.lazy and not isinstance(inc.stream, LazyTargetPages):
                 raise RefusedError(
                     f"post-copy migration {inc.migration_id} has no page stream to take memory from",
                     node=self.node,
@@ -512,8 +512,8 @@ class TargetMigrations:
         try:
             faults.check("target-restore", self.node)
             work_dir = self.criu_logs.dir_for(inc.migration_id)  # CRIU's logs; a lazy daemon listens there
-            if isinstance(inc.relay, LazyTargetPages):
-                inc.relay.attach(self.criu, inc.staging, work_dir, START_TIMEOUT_S)
+            if isinstance(inc.stream, LazyTargetPages):
+                inc.stream.attach(self.criu, inc.staging, work_dir, START_TIMEOUT_S)
             rec = restore_tree(
                 self.registry,
                 self.criu,
@@ -543,8 +543,8 @@ class TargetMigrations:
             rec = self.registry.get(inc.job)
         released = time.monotonic()
         resumed = resumed_after(rec, held_ns[0], RESUME_LOOK_S)
-        if isinstance(inc.relay, LazyTargetPages):
-            inc.relay.watch(rec.pid)
+        if isinstance(inc.stream, LazyTargetPages):
+            inc.stream.watch(rec.pid)
         if not inc.lazy:  # post-copy: the daemon reads the page maps there until it is done
             shutil.rmtree(inc.staging, ignore_errors=True)
             self._forget_data(inc)
@@ -670,8 +670,8 @@ class TargetMigrations:
         if inc.state is TargetState.ABORTED:
             log.info("migration %s: already dropped; also %s", inc.migration_id, why)
             return
-        if inc.relay is not None:
-            inc.relay.kill()  # a page server still writing into staging
+        if inc.stream is not None:
+            inc.stream.kill()  # a page server still writing into staging
         self._forget_data(inc)
         # Staging first: "aborted" on disk then also means nothing is left (recovery cleans both ways).
         shutil.rmtree(inc.staging, ignore_errors=True)
