@@ -179,13 +179,6 @@ class SourceMigration:
             self._set(first, "dump", "freezing and dumping the job", cuda_pids=self.footprint.pids)
             faults.check("dump", self.node)
             self.staging.mkdir(mode=0o700, parents=True)
-            frozen_at = time.monotonic()
-            if self.footprint.processes:
-                self.emit(Progress("dump", f"copying {gib(self.footprint.gpu_bytes)} of GPU memory to host"))
-                self.cuda.freeze(self.footprint, self.phases.times, self.spec.lock_timeout_s, self._cuda_step)
-                self._to(MigrationState.CHECKPOINTED)
-                self._to(MigrationState.DUMPING)
-            shell_job = needs_shell_job(rec, procs.tree_pids(rec.pid))
             if self.direct:
                 # Post-copy sends the memory after the commit, as the target asks for it.
                 what = "streaming the job's memory to the target"
@@ -193,8 +186,15 @@ class SourceMigration:
                 self.data.open(
                     self.peer.stream_pages, rec.pid, step, lambda n: self.emit(Progress(step, what, n))
                 )
-                if not self.spec.lazy:  # before the link is cut: where the target's page server is
+                if not self.spec.lazy:  # before anything freezes: where the target's page server is
                     self.data.target(split_address(self.spec.target)[0])
+            frozen_at = time.monotonic()
+            if self.footprint.processes:
+                self.emit(Progress("dump", f"copying {gib(self.footprint.gpu_bytes)} of GPU memory to host"))
+                self.cuda.freeze(self.footprint, self.phases.times, self.spec.lock_timeout_s, self._cuda_step)
+                self._to(MigrationState.CHECKPOINTED)
+                self._to(MigrationState.DUMPING)
+            shell_job = needs_shell_job(rec, procs.tree_pids(rec.pid))
             if self.spec.lazy:
                 pids = procs.tree_pids(rec.pid)
                 self._journal(pids=pids)
