@@ -323,7 +323,7 @@ def run(args: argparse.Namespace, say: Progress) -> dict[str, Any]:
     projections = {
         f"move {move:.1f} s (measured), restart {restart:.1f} s (measured), checkpoints every "
         f"{args.interval_min:g} min": project(restart, interval, move),
-        f"move {args.gpu_move_s:g} s (an H200 rank today, estimated), restart {restart:.1f} s, "
+        f"move {args.gpu_move_s:g} s (an H200 rank today, modelled), restart {restart:.1f} s, "
         f"checkpoints every {args.interval_min:g} min": project(restart, interval, args.gpu_move_s),
     }
     return {
