@@ -169,7 +169,7 @@ class SourcePages:
         self._answers.join(timeout_s)
         return self.error
 
-    def finish(self, sent: int, timeout_s: float = DRAIN_S, *, compare: bool = True) -> StreamDigest:
+    def finish(self, sent: int, timeout_s: float = DRAIN_S) -> StreamDigest:
         self._out.put(pb.PageData(end=pb.PageStreamEnd(bytes=sent, check=CHECK)))
         self._out.put(None)
         self._answers.join(timeout_s)
@@ -181,7 +181,7 @@ class SourcePages:
             raise self.error
         if self.end is None:
             raise TransferError("the target ended the page stream without confirming it", step=self.step)
-        if compare and (self.end.bytes, self.end.check) != (sent, CHECK):
+        if (self.end.bytes, self.end.check) != (sent, CHECK):
             raise TransferError(
                 f"the page stream arrived incomplete: this node's CRIU sent {sent} bytes, the target's "
                 f"page server wrote {self.end.bytes}",
