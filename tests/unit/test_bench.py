@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from scriptload import load
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_migrate.py"
-_spec = importlib.util.spec_from_file_location("bench_migrate", SCRIPT)
-assert _spec and _spec.loader
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["bench_migrate"] = bench
-_spec.loader.exec_module(bench)
+bench = load("bench_migrate")
 
 
 def log(*steps: tuple[int, float], extra: str = "") -> str:

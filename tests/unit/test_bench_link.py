@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from scriptload import load
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_link.py"
-_spec = importlib.util.spec_from_file_location("bench_link", SCRIPT)
-assert _spec and _spec.loader
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["bench_link"] = bench
-_spec.loader.exec_module(bench)
+bench = load("bench_link")
 
 
 def test_the_report_names_both_paths_the_cipher_and_their_ratio() -> None:

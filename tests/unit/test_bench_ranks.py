@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from scriptload import load
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_ranks.py"
-_spec = importlib.util.spec_from_file_location("bench_ranks", SCRIPT)
-assert _spec and _spec.loader
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["bench_ranks"] = bench
-_spec.loader.exec_module(bench)
+bench = load("bench_ranks")
 
 
 def test_wall_time_runs_from_the_first_logs_first_step_to_the_last_logs_last() -> None:
