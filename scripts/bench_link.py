@@ -155,12 +155,6 @@ def _handshake(port: int, server_tls: Any) -> str:
 _PROBE: dict[str, str] = {}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if os.geteuid() != 0:
         raise BenchError("needs root: CRIU dumps a process")
@@ -168,6 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from agent.criu.runner import Criu, read_stats
     from agent.errors import FerryError
     from agent.migration.datatls import DataIdentity, DataTls
+    from agent.migration.sockets import free_port
 
     try:
         criu_bin = config.criu_binary()
@@ -182,7 +177,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         probe_dir = root / "probe"
         probe_dir.mkdir()
-        cipher = criu_cipher(criu_bin, dst_tls.files, free_port(), probe_dir)
+        cipher = criu_cipher(criu_bin, dst_tls.files, free_port("127.0.0.1"), probe_dir)
         # ferry's path: the holder's touched memory, dumped to a page server writing /dev/null.
         holder = subprocess.Popen(
             [sys.executable, "-c", HOLDER, str(nbytes)], stdout=subprocess.PIPE, start_new_session=True
@@ -214,7 +209,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if sent < nbytes:
             raise BenchError(f"the dump sent {sent} bytes, less than the {nbytes} the holder touched")
         # The raw TLS socket: the same bytes, the same cipher family, one process a side.
-        port = free_port()
+        port = free_port("127.0.0.1")
         files = [str(dst_tls.files.cert), str(dst_tls.files.key), str(dst_tls.files.cacert)]
         recv = subprocess.Popen(
             [sys.executable, "-c", RAW, "recv", str(port), str(sent), *files],

@@ -23,14 +23,13 @@ log = logging.getLogger(__name__)
 
 
 class SourceDataPath:
-    def __init__(self, migration_id: str, node: str) -> None:
+    def __init__(self, migration_id: str, node: str, criu: Callable[[], tuple[int, float]]) -> None:
         self.migration_id = migration_id
         self.node = node
+        self.criu = criu  # the CRIU at our end of the connection: its pid and start time, journaled
         self.identity = DataIdentity.new(f"{node} {migration_id}")
         self.tls: DataTls | None = None
         self.pages: SourcePages | None = None
-        self.criu_pid = 0  # the CRIU at our end of the connection
-        self.criu_started = 0.0
         self.job_pid = 0  # the job's root: its own sockets are never cut
         self.host = ""
         self.port = 0
@@ -73,10 +72,11 @@ class SourceDataPath:
 
     def cut(self) -> None:
         """CRIU's data connection, shut down: CRIU fails at once and lets the job go."""
-        if not (self.criu_pid and self.port and procs.alive(self.criu_pid, self.criu_started)):
+        pid, started = self.criu()
+        if not (pid and self.port and procs.alive(pid, started)):
             return
         job = procs.tree_pids(self.job_pid) if self.job_pid else []
-        n = cut_connection(self.criu_pid, self.port, spare=job)
+        n = cut_connection(pid, self.port, spare=job)
         if self.listening and not n:
             # Still waiting for the target to connect: a connection that fails its TLS ends the wait.
             with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), timeout=2):

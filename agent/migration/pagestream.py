@@ -32,13 +32,13 @@ from pathlib import Path
 from typing import Protocol
 
 from agent import faults
+from agent.client import split_address
 from agent.criu.lazy import LazyPagesDaemon
 from agent.criu.options import TlsFiles
 from agent.criu.runner import Criu, PageServer
 from agent.errors import FerryError, StepTimeoutError, TransferError
 from agent.image import PAGES_PREFIX, StreamDigest
 from agent.jobs import procs
-from agent.migration.sockets import split_address
 from agent.rpc import pb
 
 log = logging.getLogger(__name__)
@@ -50,9 +50,8 @@ CHECK = "tls"
 DRAIN_S = 120.0
 #: How long the target may take to say where its page server listens.
 ANSWER_S = 60.0
-#: How often the target looks at what its page server has written (the lease's cap).
-CAP_POLL_S = 0.1
-#: How often, and after how much more, the target tells the source what has arrived.
+#: How often the target looks at what its page server has written: against the lease's cap,
+#: and for the source's progress display, which hears of every PROGRESS_BYTES more.
 PROGRESS_S = 0.2
 PROGRESS_BYTES = 64 << 20
 #: Where the target's post-copy fault point fires (tests only): once this much of the restored
@@ -231,15 +230,11 @@ class TargetPages:
         self.tls = tls
         self.host = host
         self.log_dir = log_dir  # where the page server logs (kept if the migration fails)
-        self.refusal: FerryError | None = None  # the stream broke our rules (the cap)
         self.server: PageServer | None = None
-        self._stop = threading.Event()
 
     def run(self, requests: Iterator[pb.PageData]) -> Generator[pb.PageData, None, StreamDigest]:
         """Yield where the page server listens; return (via StopIteration) what it wrote."""
         self.server = self.criu.page_server(self.staging, self.log_dir, address=self.host, tls=self.tls)
-        watcher = threading.Thread(target=self._hold_cap, name="page-cap", daemon=True)
-        watcher.start()
         ends: queue.Queue[pb.PageStreamEnd | BaseException] = queue.Queue()
 
         def read_end() -> None:
@@ -254,29 +249,21 @@ class TargetPages:
             yield pb.PageData(data_address=f"{self.host}:{self.server.port}")
             threading.Thread(target=read_end, name="page-control", daemon=True).start()
             shown = 0
-            while True:  # what has arrived so far, for the source's progress display
+            while True:  # what has arrived so far: within the cap, and for the source's progress
                 try:
                     got = ends.get(timeout=PROGRESS_S)
                     break
                 except queue.Empty:
-                    if self.refusal is not None:  # said now: the source's failing dump waits for it
-                        raise self.refusal from None
-                    if (n := staged_page_bytes(self.staging)) - shown >= PROGRESS_BYTES:
+                    # Said at once: the source's dump, failing as the page server goes, waits for it.
+                    n = self._within_cap()
+                    if n - shown >= PROGRESS_BYTES:
                         shown = n
                         yield pb.PageData(written=n)
             if isinstance(got, BaseException):
                 raise got
             end = got
             self.server.wait(DRAIN_S)  # the dump has closed the connection: the server ends
-            self._stop.set()
-            if self.refusal is not None:
-                raise self.refusal
-            wrote = staged_page_bytes(self.staging)
-            if wrote > self.max_bytes:  # faster than the watcher looked
-                raise TransferError(
-                    f"the page stream exceeds the lease's cap of {self.max_bytes} bytes ({wrote} written)",
-                    step="transfer intake",
-                )
+            wrote = self._within_cap()  # the last bytes may have come after the last look
             if wrote != end.bytes:
                 raise TransferError(
                     f"the page stream arrived incomplete: the source's CRIU sent {end.bytes} bytes, "
@@ -284,27 +271,20 @@ class TargetPages:
                     step="transfer intake",
                 )
             return StreamDigest(wrote, CHECK)
-        except BaseException as e:
+        except BaseException:
             self.kill()
-            # Our own refusal (the cap) is the cause; the page server's failure would be its echo.
-            if self.refusal is not None and not isinstance(e, GeneratorExit):
-                raise self.refusal from None
             raise
-        finally:
-            self._stop.set()
 
-    def _hold_cap(self) -> None:
-        while not self._stop.wait(CAP_POLL_S):
-            if (n := staged_page_bytes(self.staging)) > self.max_bytes:
-                self.refusal = TransferError(
-                    f"the page stream exceeds the lease's cap of {self.max_bytes} bytes ({n} written)",
-                    step="transfer intake",
-                )
-                self.kill()
-                return
+    def _within_cap(self) -> int:
+        """What the page server has written so far; past the lease's cap, a refusal."""
+        if (n := staged_page_bytes(self.staging)) > self.max_bytes:
+            raise TransferError(
+                f"the page stream exceeds the lease's cap of {self.max_bytes} bytes ({n} written)",
+                step="transfer intake",
+            )
+        return n
 
     def kill(self) -> None:
-        self._stop.set()
         if self.server is not None:
             self.server.kill()
 

@@ -17,11 +17,6 @@ from pathlib import Path
 from agent.jobs.pidfd import dup_fd
 
 
-def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
 def route_address(host: str) -> str:
     """This node's own address toward host: where a CRIU there can reach one here."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -38,14 +33,15 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _socket_inodes(pid: int) -> set[str]:
-    out = set()
+def _socket_fds(pid: int) -> dict[str, int]:
+    """The process's socket fds, by their socket's inode."""
+    out = {}
     with contextlib.suppress(OSError):
         for fd in os.listdir(f"/proc/{pid}/fd"):
             with contextlib.suppress(OSError):
                 link = os.readlink(f"/proc/{pid}/fd/{fd}")
                 if link.startswith("socket:["):
-                    out.add(link[8:-1])
+                    out[link[8:-1]] = int(fd)
     return out
 
 
@@ -62,18 +58,12 @@ def cut_connection(pid: int, port: int, spare: Iterable[int] = ()) -> int:
                 if port in ends:
                     ours.add(f[9])
     for other in spare:
-        ours -= _socket_inodes(other)
+        ours -= _socket_fds(other).keys()
     cut = 0
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if not (link.startswith("socket:[") and link[8:-1] in ours):
-                    continue
-                dup = dup_fd(pid, int(fd))
-                if dup is None:
-                    continue
-                with socket.socket(fileno=dup) as s, contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
-                    cut += 1
+    for inode, fd in _socket_fds(pid).items():
+        if inode not in ours or (dup := dup_fd(pid, fd)) is None:
+            continue
+        with socket.socket(fileno=dup) as s, contextlib.suppress(OSError):
+            s.shutdown(socket.SHUT_RDWR)
+            cut += 1
     return cut

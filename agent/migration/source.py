@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from agent import faults
+from agent.client import split_address
 from agent.criu.dumpable import refuse_node_sockets, refuse_undumpable
 from agent.criu.lazy import LazyDump, lazy_dump_blocker
 from agent.criu.logs import CriuLogs
@@ -67,7 +68,6 @@ from agent.migration.journal import SOURCE, Journal, MigrationRecord
 from agent.migration.limits import RateLog, refuse_long_pause
 from agent.migration.model import Emit, MigrationResult, MigrationSpec, Peer, Progress, unresolved_note
 from agent.migration.pagestream import lazy_bytes, sent_bytes
-from agent.migration.sockets import split_address
 from agent.migration.states import SOURCE_TRANSITIONS, CudaLeft, MigrationState, cuda_left
 from agent.migration.transfer import SendStats, send_image
 from agent.rpc import pb
@@ -116,7 +116,9 @@ class SourceMigration:
         self.state = MigrationState.PREPARING
         self.lease = pb.Lease()
         #: The job's memory goes CRIU to CRIU on a data connection this owns (None: staged push).
-        self.data = SourceDataPath(spec.migration_id, node)
+        self.data = SourceDataPath(
+            spec.migration_id, node, lambda: (self.record.criu_pid, self.record.criu_started)
+        )
         self.direct = False
         self.lazy_dump: LazyDump | None = None
         self.estimated_bytes = 0
@@ -382,10 +384,7 @@ class SourceMigration:
         return None
 
     def _criu_started(self, pid: int) -> None:
-        started = procs.create_time(pid)
-        # The end of the data connection that a broken control call cuts.
-        self.data.criu_pid, self.data.criu_started = pid, started
-        self._journal(criu_pid=pid, criu_started=started)
+        self._journal(criu_pid=pid, criu_started=procs.create_time(pid))
 
     def _prepare(self, rec: JobRecord) -> None:
         if self.spec.lazy and (why := lazy_dump_blocker()):

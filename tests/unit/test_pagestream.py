@@ -20,6 +20,7 @@ import pytest
 from fakes import FakeCriu, LocalPageCall
 from test_migrate_target import MID, chunks_for, make_image, prepare_req, staged, state
 
+from agent.client import split_address
 from agent.errors import (
     CriuError,
     FerryError,
@@ -32,7 +33,7 @@ from agent.errors import (
 from agent.image import StreamDigest
 from agent.migration import target as incoming
 from agent.migration.pagestream import CHECK, SourcePages
-from agent.migration.sockets import cut_connection, split_address
+from agent.migration.sockets import cut_connection
 from agent.migration.target import TargetMigrations
 from agent.rpc import pb
 
