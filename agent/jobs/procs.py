@@ -31,11 +31,25 @@ def resume(pids: list[int]) -> None:
     signal_all(pids, signal.SIGCONT)
 
 
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+#: A start time above this is a wall-clock one (seconds since 1970), recorded by an older agent.
+_WALL_CLOCK_S = 1e8
+
+
 def create_time(pid: int) -> float:
+    """When pid started, in seconds since boot (0.0 if it does not exist).
+
+    The kernel's own count (/proc/PID/stat, field 22), not psutil's wall-clock create time:
+    that one is boot time plus this count, and the boot time it derives moves whenever the
+    wall clock is stepped (NTP, a VM resumed), so a record written before a step would no
+    longer match its own process after it.
+    """
     try:
-        return psutil.Process(pid).create_time()
-    except psutil.NoSuchProcess:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
         return 0.0
+    # comm, field 2, is in parentheses and may hold spaces; state, field 3, follows it.
+    return int(stat[stat.rindex(b")") + 2 :].split()[19]) / _CLK_TCK
 
 
 def alive(pid: int, started: float = 0.0) -> bool:
@@ -44,7 +58,10 @@ def alive(pid: int, started: float = 0.0) -> bool:
         proc = psutil.Process(pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
             return False
-        return not started or abs(proc.create_time() - started) < 0.05
+        if not started:
+            return True
+        now = proc.create_time() if started > _WALL_CLOCK_S else create_time(pid)
+        return abs(now - started) < 0.05
     except psutil.NoSuchProcess:
         return False
 

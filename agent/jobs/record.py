@@ -109,7 +109,7 @@ class JobRecord:
     stderr_path: str = ""
     started_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
-    pid_started: float = 0.0  # create time of pid, to tell it from a reused PID
+    pid_started: float = 0.0  # pid's start, seconds since boot (procs.create_time): not a reused PID
     exit_code: int | None = None
     moved_to: str = ""
     moved_to_node: str = ""

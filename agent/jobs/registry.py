@@ -293,7 +293,7 @@ class JobRegistry:
                 kind=JobKind.ADOPTED,
                 state=JobState.RUNNING,
                 pid=pid,
-                pid_started=proc.create_time(),
+                pid_started=procs.create_time(pid),
                 command=cmdline,
                 cwd=cwd,
                 stdout_path=fd_path(pid, 1),

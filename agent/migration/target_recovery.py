@@ -12,8 +12,6 @@ import shutil
 import signal
 from pathlib import Path
 
-import psutil
-
 from agent.errors import FerryError, NotFoundError
 from agent.jobs import procs
 from agent.jobs.record import JobState
@@ -60,7 +58,7 @@ def _kill_unfinished_restore(registry: JobRegistry, rec: MigrationRecord) -> lis
             "migration %s: waiting for its CRIU restore (pid %d) to end", rec.migration_id, rec.criu_pid
         )
         procs.end_within(rec.criu_pid, rec.criu_started, CRIU_WAIT_S)
-    victims = restored_processes(registry.job_dir(rec.job), rec.pids, rec.updated_at)
+    victims = restored_processes(registry.job_dir(rec.job), rec.pids, rec.criu_started)
     try:
         job = registry.get(rec.job)
     except NotFoundError:
@@ -81,14 +79,15 @@ def _kill_unfinished_restore(registry: JobRegistry, rec: MigrationRecord) -> lis
     return victims
 
 
-def restored_processes(job_dir: Path, adopted_pids: list[int], since: float) -> list[int]:
+def restored_processes(job_dir: Path, adopted_pids: list[int], criu_started: float) -> list[int]:
     """A restore's processes, found without CRIU's answer: a launched job's hold its log here
     open (no other process does: the job directory is this agent's); an adopted job's are its
-    own PIDs, created after the restore began."""
+    own PIDs, created after the restore's CRIU (seconds since boot, procs.create_time; 0 when
+    it never started, and then nothing was restored)."""
     found = set(procs.holders([job_dir / "stdout.log", job_dir / "stderr.log"]))
-    for p in psutil.process_iter(["pid", "create_time"]):
-        if p.info["pid"] in adopted_pids and p.info["create_time"] >= since - 1:
-            found.add(p.info["pid"])
+    for pid in adopted_pids if criu_started else []:
+        if procs.create_time(pid) >= criu_started:
+            found.add(pid)
     return sorted(found)
 
 
