@@ -7,6 +7,11 @@ pre-touched: the figure is the path's own rate, not the cost of memory the sink 
 The raw TLS socket is two Python processes, one sending a touched buffer and one receiving
 into one, over TLS 1.3 with the cipher CRIU's TLS chose (asked of a real page server). Both
 run on loopback, one core a side. Needs root and CRIU (`make criu`).
+
+The raw socket's clock runs from its first byte to the receiver's ack; the same span of the
+dump, from its first page sent to its last, is read from the dump's log (CRIU stamps each
+line). The ratio compares those two. The whole dump (start to exit, its freeze, parasite and
+the rest of the image included) is reported beside it.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import ssl
@@ -33,6 +39,8 @@ GIB = 1 << 30
 #: The page server names its pages file after the first pagemap id it is sent (CRIU counts a
 #: page server's ids from 0x10000); these point at /dev/null.
 SINK_IDS = range(0x10001, 0x10001 + 64)
+#: A CRIU log line's stamp (seconds since CRIU started) and the page transfer's lines.
+_STAMP = re.compile(rb"^\((\d+\.\d+)\) page-xfer: (Transferring pages:|Sending )", re.M)
 #: The holder: touch every page, say so, wait.
 HOLDER = """
 import sys, time
@@ -87,13 +95,21 @@ def ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
+def transfer_span_s(log: bytes) -> float | None:
+    """Seconds from the dump's first page transfer to its last send, from its log's stamps."""
+    stamps = [float(m[1]) for m in _STAMP.finditer(log)]
+    return stamps[-1] - stamps[0] if len(stamps) > 1 and stamps[-1] > stamps[0] else None
+
+
 def format_report(r: dict[str, Any]) -> str:
     lines = [
         f"link benchmark, {r['bytes'] / 1e9:.2f} GB on loopback, cipher {r['cipher']}",
         f"  ferry's data path (CRIU to CRIU, CRIU's TLS): {r['ferry_gbps']:.2f} GB/s "
-        f"({r['ferry_s']:.2f} s, the whole dump)",
+        f"({r['ferry_s']:.2f} s, first page to last)",
+        f"  the whole dump:                               {r['dump_gbps']:.2f} GB/s "
+        f"({r['dump_s']:.2f} s, freeze and the rest of the image included)",
         f"  raw TLS socket (two processes, OpenSSL):      {r['raw_gbps']:.2f} GB/s ({r['raw_s']:.2f} s)",
-        f"  ferry / raw: {r['ratio']:.2f}",
+        f"  ferry / raw: {r['ratio']:.2f} (whole dump / raw: {r['dump_ratio']:.2f})",
     ]
     return "\n".join(lines)
 
@@ -159,7 +175,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if os.geteuid() != 0:
         raise BenchError("needs root: CRIU dumps a process")
     from agent import config
-    from agent.criu.runner import Criu, read_stats
+    from agent.criu.runner import DUMP_LOG, Criu, read_stats
     from agent.errors import FerryError
     from agent.migration.datatls import DataIdentity, DataTls
     from agent.migration.sockets import free_port
@@ -203,7 +219,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             tls=src_tls.files,
         )
         server.wait(600)
-        ferry_s = time.perf_counter() - t
+        dump_s = time.perf_counter() - t
+        span = transfer_span_s((src / DUMP_LOG).read_bytes())
+        if span is None:
+            raise BenchError(f"no page transfer is logged in {src / DUMP_LOG}")
         stats = read_stats(src / "stats-dump", "dump") or done.stats
         sent = (stats.get("pages_written", 0)) * os.sysconf("SC_PAGE_SIZE")
         if sent < nbytes:
@@ -241,13 +260,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "bytes": sent,
         "cipher": cipher if cipher == raw_cipher else f"{cipher} (CRIU) / {raw_cipher} (raw)",
-        # The whole dump, its freeze and the rest of the image included: CRIU's own memory
-        # timers overlap each other, so they cannot be summed into the path's time.
-        "ferry_s": ferry_s,
-        "ferry_gbps": sent / ferry_s / 1e9,
+        # The path: first page to last, as the raw socket's clock runs from its first byte.
+        "ferry_s": span,
+        "ferry_gbps": sent / span / 1e9,
+        # The whole dump, its freeze and the rest of the image included.
+        "dump_s": dump_s,
+        "dump_gbps": sent / dump_s / 1e9,
+        "dump_ratio": ratio(sent / dump_s, sent / raw_s),
         "raw_s": raw_s,
         "raw_gbps": sent / raw_s / 1e9,
-        "ratio": ratio(sent / ferry_s, sent / raw_s),
+        "ratio": ratio(sent / span, sent / raw_s),
     }
 
 

@@ -5,8 +5,11 @@
 # Usage: scripts/install-criu.sh [PREFIX]
 #   PREFIX defaults to $FERRY_CRIU_PREFIX, else <repo>/.ferry/criu.
 #
-# Prefers a system CRIU (symlinked) when it is new enough and `criu check`
-# passes; otherwise builds CRIU from Debian's pristine source tarball.
+# Builds CRIU from Debian's pristine source tarball with ferry's data-path patch
+# (native/criu/data-path.patch: CRIU's TLS page transfer without a syscall per
+# record, post-copy with several requests in flight). FERRY_SYSTEM_CRIU=1 uses a
+# system CRIU instead (symlinked) when it is new enough and `criu check` passes;
+# it works, but moves memory over TLS at stock CRIU's speed.
 set -euo pipefail
 
 CRIU_VERSION=4.2.1
@@ -26,6 +29,9 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PREFIX="${1:-${FERRY_CRIU_PREFIX:-$REPO/.ferry/criu}}"
 BIN="$PREFIX/bin/criu"
 PROTO_DIR="$PREFIX/share/criu/proto"
+PATCH="$REPO/native/criu/data-path.patch"
+# Records which patch the installed binary was built with: a changed patch rebuilds.
+STAMP="$PREFIX/share/criu/ferry-patch.sha256"
 CACHE="$REPO/.ferry/cache"
 TARBALL="$CACHE/$CRIU_TARBALL"
 
@@ -43,9 +49,14 @@ version_ok() {
 }
 protos_ok() { [[ -s $PROTO_DIR/rpc.proto && -s $PROTO_DIR/stats.proto ]]; }
 
+sha_of() { sha256sum "$1" | cut -d' ' -f1; }
+# The stamp the binary must carry: the patch's sha256, or "system".
+want_stamp() { if [[ ${FERRY_SYSTEM_CRIU:-0} == 1 ]]; then echo system; else sha_of "$PATCH"; fi; }
+
 # Fast path (no network, no apt): a working install is already in place.
 have_bin=0
-if [[ -x $BIN ]] && ver="$(criu_version "$BIN")" && version_ok "$ver"; then
+if [[ -x $BIN ]] && ver="$(criu_version "$BIN")" && version_ok "$ver" \
+  && [[ -r $STAMP && $(cat "$STAMP") == "$(want_stamp)" ]]; then
   have_bin=1
   if protos_ok; then echo "criu $ver at $BIN (already installed)"; exit 0; fi
 fi
@@ -95,8 +106,6 @@ apt_uris() {
   done
 }
 
-sha_of() { sha256sum "$1" | cut -d' ' -f1; }
-
 # Fetch the source tarball into the cache (reused on reruns), verifying sha256.
 fetch_tarball() {
   [[ -f $TARBALL && $(sha_of "$TARBALL") == "$CRIU_SHA256" ]] && return 0
@@ -137,6 +146,8 @@ build_criu() {
   ensure_pkgs "${BUILD_DEPS[@]}"
   rm -rf "$src" && mkdir -p "$build"
   tar -xJf "$TARBALL" -C "$build"
+  patch -d "$src" -p1 --quiet --forward <"$PATCH" >"$build/patch.log" 2>&1 \
+    || { cat "$build/patch.log" >&2; die "$PATCH does not apply to criu $CRIU_VERSION"; }
   log "building criu $CRIU_VERSION in $src (log: $build/make.log)"
   make -C "$src" -j"$(nproc)" criu >"$build/make.log" 2>&1 \
     || { tail -n 25 "$build/make.log" >&2; die "criu build failed; full log: $build/make.log"; }
@@ -145,8 +156,8 @@ build_criu() {
 }
 
 did=""
-if (( ! have_bin )); then
-  # System CRIU first; skip our own PREFIX/bin/criu if PREFIX/bin is on PATH.
+if (( ! have_bin )) && [[ ${FERRY_SYSTEM_CRIU:-0} == 1 ]]; then
+  # Skip our own PREFIX/bin/criu if PREFIX/bin is on PATH.
   for cand in "$(command -v criu || true)" /usr/sbin/criu; do
     [[ -n $cand && -x $cand && ! $cand -ef $BIN ]] || continue
     ver="$(criu_version "$cand")"
@@ -156,6 +167,7 @@ if (( ! have_bin )); then
     did="using system criu $ver ($cand) -> $BIN"
     break
   done
+  [[ -n $did ]] || die "FERRY_SYSTEM_CRIU=1, but no system criu >= $MIN_VERSION passes 'criu check'; unset it to build one"
 fi
 
 fetch_tarball
@@ -176,4 +188,5 @@ if ! out="$("$BIN" check 2>&1)"; then
   with CONFIG_CHECKPOINT_RESTORE, CONFIG_NAMESPACES, CONFIG_MEM_SOFT_DIRTY,
   CONFIG_{UNIX,INET,PACKET,NETLINK}_DIAG and CONFIG_NETFILTER (see CRIU's output above)."
 fi
+mkdir -p "$(dirname "$STAMP")" && want_stamp >"$STAMP"
 echo "install-criu: $did"
