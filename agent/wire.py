@@ -15,6 +15,7 @@ from typing import Any, Generic, TypeVar
 from agent.errors import FerryError, InvalidArgumentError
 from agent.health.verdicts import State
 from agent.jobs.record import OnDegraded, Priority
+from agent.migration.model import Method
 from agent.migration.recovery import Resolution
 from agent.rpc import pb
 
@@ -88,6 +89,16 @@ RESOLUTIONS: EnumMap[Resolution] = EnumMap(
     },
     default=Resolution.ASK,
 )
+METHODS: EnumMap[Method] = EnumMap(
+    "migration method",
+    pb.MigrationMethod,
+    {
+        Method.PRE_COPY: pb.MIGRATION_METHOD_PRE_COPY,
+        Method.POST_COPY: pb.MIGRATION_METHOD_POST_COPY,
+        Method.STAGED: pb.MIGRATION_METHOD_STAGED,
+    },
+    default=Method.DEFAULT,
+)
 #: A GPU's state and an evidence's severity: a report always says which, so 0 has no meaning.
 HEALTH_STATES: EnumMap[State] = EnumMap(
     "health state",
@@ -112,4 +123,11 @@ EVENT_KINDS: EnumMap[str] = EnumMap(
         "alert": pb.EVENT_KIND_ALERT,
     },
 )
-ENUM_MAPS: tuple[EnumMap[Any], ...] = (PRIORITIES, DEGRADED_POLICIES, RESOLUTIONS, HEALTH_STATES, EVENT_KINDS)
+ENUM_MAPS: tuple[EnumMap[Any], ...] = (
+    PRIORITIES,
+    DEGRADED_POLICIES,
+    RESOLUTIONS,
+    METHODS,
+    HEALTH_STATES,
+    EVENT_KINDS,
+)

@@ -3,7 +3,8 @@
 For jobs holding S GiB of live training state (scripts/workloads/train_sized.py), all on
 this machine and in one run, it measures:
 
-  ferry               `ferry migrate` between two real agents on loopback (mutual TLS)
+  ferry               `ferry migrate --pre-copy` between two real agents on loopback
+                      (mutual TLS); lazy: `ferry migrate --post-copy`, the default method
   plain CRIU          `criu dump` to a directory on disk, `cp -a` of that directory,
                       `criu restore -d` from the copy: CRIU as people use it by hand
   checkpoint-restart  the job torch.saves model and optimizer and exits; a fresh
@@ -46,17 +47,18 @@ if str(REPO) not in sys.path:
 WORKLOAD = REPO / "scripts" / "workloads" / "train_sized.py"
 OUT_DIR = Path("bench-results")
 METHODS = ("ferry", "criu", "ckpt", "staged", "lazy")
-#: "staged" is ferry before memory streaming (`ferry migrate --staged`): what streaming bought.
-#: "lazy" is ferry's post-copy (`ferry migrate --lazy`), against its pre-copy default.
+#: "ferry" is ferry's pre-copy (`ferry migrate --pre-copy`); "lazy" its post-copy, the default
+#: (`ferry migrate --post-copy`, which does not fall back); "staged" is ferry before memory
+#: streaming (`ferry migrate --staged`): what streaming bought.
 LABELS = {
-    "ferry": "ferry",
+    "ferry": "ferry --pre-copy",
     "criu": "plain CRIU",
     "ckpt": "checkpoint-restart",
     "staged": "ferry --staged",
-    "lazy": "ferry --lazy",
+    "lazy": "ferry (post-copy)",
 }
 #: The ferry variants: their migrate flag.
-FERRY_FLAGS = {"ferry": (), "staged": ("--staged",), "lazy": ("--lazy",)}
+FERRY_FLAGS = {"ferry": ("--pre-copy",), "staged": ("--staged",), "lazy": ("--post-copy",)}
 GIB = 1 << 30
 #: Step intervals (the last ones before the move) whose median is "one normal step".
 STEP_WINDOW = 8
@@ -179,6 +181,8 @@ def size_summary(
         "total_ckpt_over_ferry": _ratio(total.get("ckpt"), total.get("ferry")),
         "staged_over_ferry": _ratio(down.get("staged"), down.get("ferry")),
         "lazy_over_ferry": _ratio(down.get("lazy"), down.get("ferry")),
+        "criu_over_lazy": _ratio(down.get("criu"), down.get("lazy")),
+        "ckpt_over_lazy": _ratio(down.get("ckpt"), down.get("lazy")),
     }
     return {"gib": gib, "median": med, "bandwidth": bandwidth, "bound": bound, "ratios": ratios}
 
@@ -227,14 +231,16 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
             )
         r = s["ratios"]
         notes.append(
-            f"{size}: downtime ferry/floor {_num(r.get('ferry_over_floor'), '.2f')}x, "
-            f"ferry --lazy/floor {_num(r.get('lazy_over_floor'), '.2f')}x; "
-            f"ferry/copy bound {_num(r['ferry_over_bound_fresh'], '.1f')}x (fresh), "
+            f"{size}: downtime post-copy/floor {_num(r.get('lazy_over_floor'), '.2f')}x, "
+            f"pre-copy/floor {_num(r.get('ferry_over_floor'), '.2f')}x; "
+            f"plain CRIU/post-copy {_num(r.get('criu_over_lazy'), '.1f')}x, "
+            f"checkpoint-restart/post-copy {_num(r.get('ckpt_over_lazy'), '.1f')}x; "
+            f"post-copy/pre-copy {_num(r.get('lazy_over_ferry'), '.2f')}x; "
+            f"pre-copy/copy bound {_num(r['ferry_over_bound_fresh'], '.1f')}x (fresh), "
             f"{_num(r['ferry_over_bound_touched'], '.1f')}x (pre-touched); "
-            f"plain CRIU/ferry {_num(r['criu_over_ferry'], '.1f')}x; "
-            f"checkpoint-restart/ferry {_num(r['ckpt_over_ferry'], '.1f')}x; "
-            f"ferry --staged/ferry {_num(r['staged_over_ferry'], '.1f')}x; "
-            f"ferry --lazy/ferry {_num(r.get('lazy_over_ferry'), '.2f')}x"
+            f"plain CRIU/pre-copy {_num(r['criu_over_ferry'], '.1f')}x; "
+            f"checkpoint-restart/pre-copy {_num(r['ckpt_over_ferry'], '.1f')}x; "
+            f"ferry --staged/pre-copy {_num(r['staged_over_ferry'], '.1f')}x"
         )
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     lines = [
@@ -753,9 +759,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_methods,
         default=list(METHODS),
         metavar="M,...",
-        help="which methods to run, a subset of ferry,criu,ckpt,staged,lazy (default all five; staged "
-        "is `ferry migrate --staged`, the pipeline before memory streaming; lazy is `ferry migrate "
-        "--lazy`, post-copy)",
+        help="which methods to run, a subset of ferry,criu,ckpt,staged,lazy (default all five; ferry "
+        "is `ferry migrate --pre-copy`; lazy is `ferry migrate --post-copy`, post-copy, the default "
+        "method; staged is `ferry migrate --staged`, the pipeline before memory streaming)",
     )
     p.add_argument(
         "--warmup-steps",
@@ -900,14 +906,14 @@ PIPE_MAX = Path("/proc/sys/fs/pipe-max-size")
 
 def allow_lazy_dumps(say: Progress) -> str | None:
     """Root without CAP_SYS_RESOURCE needs fs.pipe-max-size raised for post-copy (the agent
-    refuses --lazy otherwise): raise it for the run; return the value to put back."""
+    refuses --post-copy otherwise): raise it for the run; return the value to put back."""
     from agent.criu.lazy import LAZY_PIPE_BYTES, lazy_dump_blocker
 
     if not lazy_dump_blocker():
         return None
     old = PIPE_MAX.read_text()
     say(
-        f"raising fs.pipe-max-size from {old.strip()} to {LAZY_PIPE_BYTES} for ferry --lazy "
+        f"raising fs.pipe-max-size from {old.strip()} to {LAZY_PIPE_BYTES} for ferry --post-copy "
         "(put back at the end)"
     )
     PIPE_MAX.write_text(str(LAZY_PIPE_BYTES))

@@ -272,8 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--gpu-move-s",
         type=float,
-        default=360.0,
-        help="the modelled time to move one H200 rank today (docs/performance.md, default 360 s), "
+        default=120.0,
+        help="the modelled time to move one H200 rank today (docs/performance.md, default 120 s), "
         "for a second projection",
     )
     p.add_argument("--json", type=Path, default=OUT, help=f"where to write the figures (default {OUT})")

@@ -147,14 +147,14 @@ def _criu_checks() -> list[Check]:
         Check(
             "userfaultfd (lazy pages)",
             criu.feature("uffd-noncoop"),
-            "receiving a post-copy migration (ferry migrate --lazy)",
+            "receiving a post-copy migration (the default; else pre-copy)",
             "enable CONFIG_USERFAULTFD",
             required=False,
         ),
         Check(
             "lazy page server",
             not (blocker := lazy_dump_blocker()),
-            blocker or "sending a post-copy migration (ferry migrate --lazy)",
+            blocker or "sending a post-copy migration (the default; else pre-copy)",
             f"sysctl fs.pipe-max-size={LAZY_PIPE_BYTES}",
             required=False,
         ),

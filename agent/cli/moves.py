@@ -41,9 +41,18 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         split_address(args.to)
     except InvalidArgumentError as e:
         raise Usage(f"ferry migrate: --to: {e.cause}") from e
-    if args.lazy and args.staged:
-        raise Usage("ferry migrate: --lazy and --staged exclude each other (post-copy stages nothing)")
-    req = pb.MigrateRequest(name=args.name, target=args.to, staged=args.staged, lazy=args.lazy)
+    from agent.migration.model import Method
+    from agent.wire import METHODS
+
+    method = Method(args.method or Method.DEFAULT)
+    req = pb.MigrateRequest(
+        name=args.name,
+        target=args.to,
+        method=0 if method is Method.DEFAULT else METHODS.pb(method),
+        # An older agent reads these; it knows no default but pre-copy.
+        staged=method is Method.STAGED,
+        lazy=method is Method.POST_COPY,
+    )
     events = stream(args, "Migrate", req, 3600)
     return _follow_progress(events, args.json)
 

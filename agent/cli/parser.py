@@ -196,28 +196,43 @@ def build_parser() -> Parser:
     mg = sub.add_parser(
         "migrate",
         help="move a running job to another agent",
-        description="Prepare on the target, freeze and dump the job while its memory streams "
-        "into the target's staging, send the rest of the image, restore on the target, then end "
-        "the source copy. Any failure before the target runs the job resumes it on the source.",
+        description="Prepare on the target, freeze the job, move it, run it there, then end "
+        "the source copy. By default the move is post-copy where both nodes can serve it (the "
+        "faster method in docs/performance.md), else pre-copy; the summary says which ran and "
+        "why. A failure before the move completes resumes the job here: it never runs twice.",
     )
     _agent_arg(mg)
     mg.add_argument("name")
     mg.add_argument("--to", required=True, metavar="HOST:PORT", help="the target agent")
-    mg.add_argument(
-        "--staged",
-        action="store_true",
-        help="dump the whole image into staging on this node first, then copy it (slower: the "
-        "pipeline before memory streaming, kept for comparison)",
-    )
-    mg.add_argument(
+    how = mg.add_mutually_exclusive_group()
+    how.add_argument(
+        "--post-copy",
         "--lazy",
-        action="store_true",
-        help="post-copy: resume the job on the target before its memory has arrived; each page "
-        "follows when the job first touches it. Until its last page is in, the job needs both "
-        "nodes: if either fails, the target's copy is killed and the job resumes here from where "
-        "it froze. A job that touches all its memory at once (a training step) waits on every "
-        "page, which is slower than the default (docs/performance.md). Needs userfaultfd on the "
-        "target",
+        dest="method",
+        action="store_const",
+        const="post-copy",
+        help="post-copy, and fail rather than fall back: everything but the memory moves, the job "
+        "runs on the target at once and each page follows from this node's frozen copy (CRIU lazy "
+        "pages); the job's memory is written once, straight into it. Until its last page is in, "
+        "the job needs both nodes: if either fails, the target's copy is killed and the job "
+        "resumes here from where it froze. Needs userfaultfd on the target and, without "
+        "CAP_SYS_RESOURCE, fs.pipe-max-size >= 4 MiB here",
+    )
+    how.add_argument(
+        "--pre-copy",
+        dest="method",
+        action="store_const",
+        const="pre-copy",
+        help="pre-copy: the memory streams into the target's staging while the job is dumped and "
+        "the target restores from there; the job needs this node only until the target runs it",
+    )
+    how.add_argument(
+        "--staged",
+        dest="method",
+        action="store_const",
+        const="staged",
+        help="dump the whole image into staging on this node first, then copy it (slowest: the "
+        "pipeline before memory streaming, kept for comparison)",
     )
     _json_arg(mg)
 

@@ -153,6 +153,7 @@ def result_dict(r: pb.MigrationResult) -> dict[str, Any]:
         "total_s": round(r.total_s, 4),
         "transfer_gbps": round(r.transfer_gbps, 3),
         "image_dir": r.image_dir,
+        "method": r.method,
     }
 
 
@@ -173,6 +174,8 @@ def summary(r: pb.MigrationResult) -> str:
     if r.transfer_gbps:
         lines.append(f"transfer rate: {r.transfer_gbps:.2f} GB/s")
     if r.target_node:
+        if r.method:
+            lines.append(f"method: {r.method}")
         lines.append(f"frozen: {r.frozen_s:.3f} s (dump start -> released on the target)")
         down = f"{r.downtime_s:.3f} s" if r.downtime_s >= 0 else "not measured"
         lines.append(f"downtime: {down}" + (f" ({r.downtime_by})" if r.downtime_by else ""))

@@ -101,6 +101,12 @@ class Criu:
     def feature(self, name: str) -> bool:
         return self._probe("check", "check", "--feature", name).returncode == 0
 
+    def lazy_dump_blocker(self) -> str:
+        """Why this node cannot serve a post-copy dump now, or "" (agent.criu.lazy)."""
+        from agent.criu.lazy import lazy_dump_blocker  # lazy builds on this module
+
+        return lazy_dump_blocker()
+
     def require_usable(self) -> str:
         """Raise a precise refusal unless CRIU is present and new enough; return its version."""
         major, minor, patch = self.version()

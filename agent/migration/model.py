@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from enum import StrEnum
+from typing import Any, Protocol
 
 from agent.migration.pagestream import PageCall
 from agent.rpc import pb
@@ -18,6 +19,15 @@ class Progress:
     bytes_total: int = 0
 
 
+class Method(StrEnum):
+    """How a move carries the job's memory (MigrationMethod in the proto)."""
+
+    DEFAULT = "default"  # post-copy where both nodes can serve it, else pre-copy
+    PRE_COPY = "pre-copy"  # the memory streams into the target's staging during the dump
+    POST_COPY = "post-copy"  # the job resumes on the target first, its memory follows on demand
+    STAGED = "staged"  # the whole image into staging here, then copied
+
+
 @dataclass(frozen=True)
 class MigrationSpec:
     job: str
@@ -27,6 +37,26 @@ class MigrationSpec:
     lazy: bool = False  # post-copy: resume on the target first, its memory follows on demand
     reason: str = ""  # why it moves ("" by hand); the target's record says it
     lock_timeout_s: float | None = None  # the CUDA lock's bound; None: the agent's default
+    # Post-copy as the default, not asked for: pre-copy where either node cannot serve it.
+    fallback: bool = False
+
+    @classmethod
+    def by(cls, method: Method, job: str, target: str, migration_id: str, **kw: Any) -> MigrationSpec:
+        # The bench shows post-copy faster at every size (docs/performance.md): the default.
+        lazy = method in (Method.POST_COPY, Method.DEFAULT)
+        return cls(
+            job,
+            target,
+            migration_id,
+            staged=method is Method.STAGED,
+            lazy=lazy,
+            fallback=method is Method.DEFAULT,
+            **kw,
+        )
+
+    @property
+    def method(self) -> Method:
+        return Method.STAGED if self.staged else Method.POST_COPY if self.lazy else Method.PRE_COPY
 
 
 @dataclass
@@ -46,6 +76,7 @@ class MigrationResult:
     total_s: float = 0.0
     transfer_gbps: float = 0.0
     image_dir: str = ""
+    method: str = ""  # how the memory moved; when the default fell back to pre-copy, why
 
 
 Emit = Callable[[Progress], None]

@@ -3,9 +3,10 @@
 No byte of the job's memory passes through an agent. Pre-copy: the target starts `criu
 page-server` listening on its data address, the source's `criu dump` connects there and sends
 the pages while it dumps, and the page server writes them into the target's staging; the source
-never stages them. Post-copy (`--lazy`): the source's `criu dump --lazy-pages` listens, and at
-the restore the target's `criu lazy-pages` connects and fetches each page straight into the
-restored job's memory (userfaultfd) when the job touches it, and the rest in the background.
+never stages them. Post-copy (the default where both nodes can): the source's `criu dump
+--lazy-pages` listens, and at the restore the target's `criu lazy-pages` connects and fetches
+each page straight into the restored job's memory (userfaultfd) when the job touches it, and
+the rest in the background.
 
 The connection is CRIU's own TLS (GnuTLS), each side trusting only the other's one-time
 certificate (agent.migration.datatls), which the agents exchanged in Prepare over their

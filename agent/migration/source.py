@@ -19,12 +19,13 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from agent import faults
 from agent.client import split_address
 from agent.criu.dumpable import refuse_node_sockets, refuse_undumpable
-from agent.criu.lazy import LazyDump, lazy_dump_blocker
+from agent.criu.lazy import LazyDump
 from agent.criu.logs import CriuLogs
 from agent.criu.runner import Criu, DumpResult
 from agent.cuda import driver as cuda
@@ -66,7 +67,15 @@ from agent.migration.capture import (
 from agent.migration.datapath import SourceDataPath
 from agent.migration.journal import SOURCE, Journal, MigrationRecord
 from agent.migration.limits import RateLog, refuse_long_pause
-from agent.migration.model import Emit, MigrationResult, MigrationSpec, Peer, Progress, unresolved_note
+from agent.migration.model import (
+    Emit,
+    Method,
+    MigrationResult,
+    MigrationSpec,
+    Peer,
+    Progress,
+    unresolved_note,
+)
 from agent.migration.pagestream import lazy_bytes, sent_bytes
 from agent.migration.states import SOURCE_TRANSITIONS, CudaLeft, MigrationState, cuda_left
 from agent.migration.transfer import SendStats, send_image
@@ -386,10 +395,31 @@ class SourceMigration:
     def _criu_started(self, pid: int) -> None:
         self._journal(criu_pid=pid, criu_started=procs.create_time(pid))
 
+    def _choose_method(self, info: pb.NodeInfo) -> None:
+        """Post-copy by default where both nodes can serve it, else pre-copy; the result says
+        which ran and, for a fallback, why."""
+        if not self.spec.fallback:
+            self.result.method = str(self.spec.method)
+            return
+        here = self.criu.lazy_dump_blocker()
+        if here or not info.post_copy:
+            why = (
+                f"{self.node} cannot serve it: {here}"
+                if here
+                else f"target {info.node_name or self.spec.target} cannot restore lazily (its kernel "
+                "lacks non-cooperative userfaultfd, or its agent is older)"
+            )
+            self.spec = replace(self.spec, lazy=False, fallback=False)
+            self.result.method = f"{Method.PRE_COPY} (post-copy unavailable: {why})"
+            log.info("migration %s: %s", self.spec.migration_id, self.result.method)
+        else:
+            self.spec = replace(self.spec, fallback=False)
+            self.result.method = str(self.spec.method)
+
     def _prepare(self, rec: JobRecord) -> None:
-        if self.spec.lazy and (why := lazy_dump_blocker()):
+        if self.spec.lazy and not self.spec.fallback and (why := self.criu.lazy_dump_blocker()):
             raise RefusedError(
-                f"cannot serve post-copy from {self.node}: {why}", hint="or migrate without --lazy"
+                f"cannot serve post-copy from {self.node}: {why}", hint="or migrate with --pre-copy"
             )
         try:
             info = self.peer.info()
@@ -403,6 +433,7 @@ class SourceMigration:
         if info.agent_id == self.agent_id:
             raise InvalidArgumentError(f"{self.spec.target} is this agent; migrate to another node")
         self.result.target_node = info.node_name
+        self._choose_method(info)
         faults.check("prepare", self.node)
         pids = procs.tree_pids(rec.pid)
         if not pids:
@@ -445,7 +476,7 @@ class SourceMigration:
         if self.spec.lazy and not (lease.lazy and self.direct):
             raise RefusedError(
                 f"target {self.spec.target} does not offer post-copy",
-                hint="upgrade the target agent, or migrate without --lazy",
+                hint="upgrade the target agent, or migrate with --pre-copy",
             )
         if unmapped := sorted({g.uuid for g in self.footprint.gpus} - {p.old_uuid for p in lease.gpu_map}):
             raise RefusedError(

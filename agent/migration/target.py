@@ -204,7 +204,7 @@ class TargetMigrations:
         if req.lazy and not self.criu.feature("uffd-noncoop"):
             raise self._refuse(
                 "CRIU here cannot restore lazily: the kernel offers no non-cooperative userfaultfd",
-                "migrate without --lazy, or choose a target whose kernel has CONFIG_USERFAULTFD",
+                "migrate with --pre-copy, or choose a target whose kernel has CONFIG_USERFAULTFD",
             )
         # Before any lock: NVML and the driver may hang, and GetMigration (the source's fencing
         # query) must never wait on them.

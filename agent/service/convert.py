@@ -9,14 +9,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from agent.cuda.driver import DriverInfo
+from agent.errors import InvalidArgumentError
 from agent.gpus.inventory import Inventory
 from agent.gpus.quarantine import Quarantine
 from agent.health.events import Event
 from agent.health.monitor import GpuHealth
 from agent.jobs.record import JobRecord, JobState
-from agent.migration.model import MigrationResult, Progress
+from agent.migration.model import Method, MigrationResult, Progress
 from agent.rpc import pb
-from agent.wire import DEGRADED_POLICIES, EVENT_KINDS, HEALTH_STATES, PRIORITIES
+from agent.wire import DEGRADED_POLICIES, EVENT_KINDS, HEALTH_STATES, METHODS, PRIORITIES
 
 if TYPE_CHECKING:  # annotations only: these modules need none of this one at import
     from agent.health.healing import Holder
@@ -68,6 +69,15 @@ def job_pb(rec: JobRecord, node: str) -> pb.Job:
     )
 
 
+def method_of(req: pb.MigrateRequest) -> Method:
+    """The method a request asks for; an older client says it with the two booleans."""
+    if req.method:
+        return METHODS.py(req.method)
+    if req.lazy and req.staged:
+        raise InvalidArgumentError("--post-copy and --staged exclude each other (post-copy stages nothing)")
+    return Method.POST_COPY if req.lazy else Method.STAGED if req.staged else Method.DEFAULT
+
+
 def info_pb(i: NodeInfo) -> pb.NodeInfo:
     return pb.NodeInfo(
         node_name=i.node,
@@ -77,6 +87,7 @@ def info_pb(i: NodeInfo) -> pb.NodeInfo:
         staging_free_bytes=i.staging_free_bytes,
         agent_id=i.agent_id,
         peers=list(i.peers),
+        post_copy=i.post_copy,
     )
 
 
@@ -97,6 +108,7 @@ def result_pb(r: MigrationResult) -> pb.MigrationResult:
         total_s=r.total_s,
         transfer_gbps=r.transfer_gbps,
         image_dir=r.image_dir,
+        method=r.method,
     )
 
 

@@ -34,7 +34,7 @@ from agent.jobs.registry import JobRegistry
 from agent.migration.capture import default_cuda_jobs
 from agent.migration.journal import SOURCE, Journal
 from agent.migration.local import checkpoint, restore_image, resume_preempted
-from agent.migration.model import MigrationResult, MigrationSpec, Progress
+from agent.migration.model import Method, MigrationResult, MigrationSpec, Progress
 from agent.migration.recovery import Resolution, SourceRecovery
 from agent.migration.source import SourceMigration
 from agent.migration.target import TargetMigrations
@@ -54,6 +54,7 @@ class NodeInfo:
     staging_free_bytes: int
     agent_id: str
     peers: tuple[str, ...] = ()  # its config's peer agents, so a client can find a group's members
+    post_copy: bool = False  # its CRIU can restore lazily (non-cooperative userfaultfd)
 
 
 class AgentNode:
@@ -79,6 +80,7 @@ class AgentNode:
         self.agent_id = uuid.uuid4().hex
         self.staging_root = staging_root
         self.criu = criu or Criu(node=node)
+        self._can_post_copy: bool | None = None
         self.config = config or AgentConfig()
         self.cuda = cuda_jobs or default_cuda_jobs(node, self.config.cuda)
         self.registry = JobRegistry(state_dir, node, network=JobNetwork(self.config.network, node))
@@ -205,7 +207,9 @@ class AgentNode:
         )
 
     def _auto_migrate(self, job: str, target: str, reason: str, lock_timeout_s: float | None) -> object:
-        spec = MigrationSpec(job, target, uuid.uuid4().hex[:16], reason=reason, lock_timeout_s=lock_timeout_s)
+        spec = MigrationSpec.by(
+            Method.DEFAULT, job, target, uuid.uuid4().hex[:16], reason=reason, lock_timeout_s=lock_timeout_s
+        )
         return self._source_migration(spec).run()
 
     def _suspend(self, job: str, out_dir: Path) -> None:
@@ -247,8 +251,24 @@ class AgentNode:
         free = shutil.disk_usage(self.staging_root).free
         peers = tuple(p.address for p in self.config.peers)
         return NodeInfo(
-            self.node, __version__, criu_version, str(self.staging_root), free, self.agent_id, peers
+            self.node,
+            __version__,
+            criu_version,
+            str(self.staging_root),
+            free,
+            self.agent_id,
+            peers,
+            self._post_copy(),
         )
+
+    def _post_copy(self) -> bool:
+        """Whether this node can restore a post-copy move: asked of CRIU once (a kernel feature)."""
+        if self._can_post_copy is None:
+            try:
+                self._can_post_copy = self.criu.feature("uffd-noncoop")
+            except FerryError:
+                return False  # no usable CRIU now: asked again next time
+        return self._can_post_copy
 
     def run_job(
         self,
@@ -311,14 +331,10 @@ class AgentNode:
             )
         return chips.pop()
 
-    def migrate(
-        self, name: str, target: str, staged: bool, lazy: bool
-    ) -> Iterator[Progress | MigrationResult]:
+    def migrate(self, name: str, target: str, method: Method) -> Iterator[Progress | MigrationResult]:
         client.split_address(target)
         self.registry.get(name)  # NOT_FOUND before anything starts
-        if lazy and staged:
-            raise InvalidArgumentError("--lazy and --staged exclude each other (post-copy stages nothing)")
-        spec = MigrationSpec(name, target, uuid.uuid4().hex[:16], staged=staged, lazy=lazy)
+        spec = MigrationSpec.by(method, name, target, uuid.uuid4().hex[:16])
         return self.run_move(lambda emit: self._source_migration(spec, emit).run())
 
     def checkpoint(

@@ -20,6 +20,7 @@ from agent.service.convert import (
     info_pb,
     inventory_pb,
     job_pb,
+    method_of,
     progress_pb,
     result_pb,
 )
@@ -125,7 +126,7 @@ class AgentService(pb_grpc.AgentServicer):
     def Migrate(
         self, request: pb.MigrateRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.ProgressEvent]:
-        yield from self._moves(self.agent.migrate(request.name, request.target, request.staged, request.lazy))
+        yield from self._moves(self.agent.migrate(request.name, request.target, method_of(request)))
 
     @stream_rpc
     def Checkpoint(

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from agent import config as ferry_config
+from agent.criu.lazy import LAZY_PIPE_BYTES, lazy_dump_blocker
+
+PIPE_MAX = Path("/proc/sys/fs/pipe-max-size")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -23,3 +27,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _criu_present() -> None:
     # Fail loudly, not skip, when root lacks CRIU: `make test` installs it.
     ferry_config.criu_binary()
+
+
+@pytest.fixture
+def lazy_pipes() -> Iterator[None]:
+    """Root without CAP_SYS_RESOURCE (this test VM) needs fs.pipe-max-size raised for a lazy dump,
+    as an operator would; the agent refuses `--post-copy` with that advice otherwise, and its
+    default then moves pre-copy (tests/unit)."""
+    old = PIPE_MAX.read_text()
+    if lazy_dump_blocker():
+        PIPE_MAX.write_text(str(LAZY_PIPE_BYTES))
+    yield
+    PIPE_MAX.write_text(old)

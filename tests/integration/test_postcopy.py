@@ -1,29 +1,15 @@
-"""Post-copy (`ferry migrate --lazy`) between two real agents: CRIU lazy pages over userfaultfd,
-the page requests and answers relayed through the agents' StreamPages call."""
+"""Post-copy (`ferry migrate --post-copy`, also `--lazy`) between two real agents: CRIU lazy
+pages over userfaultfd, the pages going CRIU to CRIU over TLS, StreamPages only controlling."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from agent.criu.lazy import LAZY_PIPE_BYTES, lazy_dump_blocker
 from tests.integration.jobtools import assert_completed_exactly_once, job, run_training, steps_in, wait_steps
 
-PIPE_MAX = Path("/proc/sys/fs/pipe-max-size")
-
-
-@pytest.fixture(autouse=True)
-def lazy_pipes() -> Iterator[None]:
-    """Root without CAP_SYS_RESOURCE (this test VM) needs fs.pipe-max-size raised for a lazy dump,
-    as an operator would; the agent refuses with that advice otherwise (tests/unit)."""
-    old = PIPE_MAX.read_text()
-    if lazy_dump_blocker():
-        PIPE_MAX.write_text(str(LAZY_PIPE_BYTES))
-    yield
-    PIPE_MAX.write_text(old)
+pytestmark = pytest.mark.usefixtures("lazy_pipes")
 
 
 def test_job_resumes_on_the_target_before_its_memory_and_finishes_bit_identical(agents):
@@ -66,7 +52,7 @@ def test_lazy_and_staged_together_are_refused_before_anything_happens(agents):
 
     p = a.cli("migrate", "both", "--to", b.address, "--lazy", "--staged", check=False)
 
-    assert p.returncode == 2 and "exclude each other" in p.stderr
+    assert p.returncode == 2 and "not allowed with argument" in p.stderr
     assert job(a, "both")["state"] == "running"
 
 

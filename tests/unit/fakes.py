@@ -120,6 +120,8 @@ class FakeCriu:
         self.usable = True
         #: What `criu check --feature` would say (uffd-noncoop: post-copy restores).
         self.features: set[str] = {"uffd-noncoop"}
+        #: What lazy_dump_blocker would say: this fake runs no `criu dump --lazy-pages`.
+        self.lazy_blocker = "the fake CRIU serves no post-copy dump"
         #: Called inside restore (before it returns), to act while the target is RESTORING.
         self.during_restore: Callable[[], None] | None = None
         #: Pids of the children restore started; the fixture kills them.
@@ -130,6 +132,9 @@ class FakeCriu:
 
     def feature(self, name: str) -> bool:
         return name in self.features
+
+    def lazy_dump_blocker(self) -> str:
+        return self.lazy_blocker
 
     def require_usable(self) -> str:
         if not self.usable:

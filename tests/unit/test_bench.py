@@ -140,12 +140,22 @@ def test_size_summary_bound_and_ratios() -> None:
     assert r["total_ckpt_over_ferry"] == pytest.approx(13.0 / 3.0)
 
 
-def test_post_copy_is_compared_with_pre_copy_from_the_same_run() -> None:
-    runs = {"ferry": [run(4.0, 5.0, 4_000_000_000)], "lazy": [run(1.0, 6.0, 4_000_000_000)]}
+def test_post_copy_is_compared_with_pre_copy_and_the_baselines_from_the_same_run() -> None:
+    runs = {
+        "ferry": [run(4.0, 5.0, 4_000_000_000)],
+        "lazy": [run(1.0, 6.0, 4_000_000_000)],
+        "criu": [run(3.0, 4.0, 4_000_000_000)],
+        "ckpt": [run(2.5, 4.0, 3_000_000_000)],
+    }
     s = bench.size_summary(2.0, runs, {"fresh_gbps": 1.0, "touched_gbps": 4.0})
-    assert s["ratios"]["lazy_over_ferry"] == pytest.approx(0.25)
-    assert "ferry --lazy/ferry 0.25x" in bench.format_table([s])
-    assert "ferry --lazy" in bench.format_table([s]).splitlines()[2]
+    r = s["ratios"]
+    assert r["lazy_over_ferry"] == pytest.approx(0.25)
+    assert r["criu_over_lazy"] == pytest.approx(3.0) and r["ckpt_over_lazy"] == pytest.approx(2.5)
+    text = bench.format_table([s])
+    assert "post-copy/pre-copy 0.25x" in text
+    assert "plain CRIU/post-copy 3.0x, checkpoint-restart/post-copy 2.5x" in text
+    assert "ferry (post-copy)" in text.splitlines()[4] and "ferry --pre-copy" in text.splitlines()[1]
+    assert bench.FERRY_FLAGS["lazy"] == ("--post-copy",) and bench.FERRY_FLAGS["ferry"] == ("--pre-copy",)
 
 
 def test_size_summary_without_ferry_bounds_the_next_method_and_leaves_ratios_empty() -> None:
@@ -167,16 +177,17 @@ def test_format_table_rows_and_ratio_line() -> None:
     assert "copy bound (fresh)" in rows[4] and "4.00 s" in rows[4]
     assert "copy bound (pre-touched)" in rows[5] and "1.00 s" in rows[5]
     assert lines[-1] == (
-        "2 GiB: downtime ferry/floor 0.25x, ferry --lazy/floor -x; "
-        "ferry/copy bound 0.5x (fresh), 2.0x (pre-touched); plain CRIU/ferry 4.0x; "
-        "checkpoint-restart/ferry 6.0x; ferry --staged/ferry -x; ferry --lazy/ferry -x"  # not run here
+        "2 GiB: downtime post-copy/floor -x, pre-copy/floor 0.25x; "  # post-copy not run here
+        "plain CRIU/post-copy -x, checkpoint-restart/post-copy -x; post-copy/pre-copy -x; "
+        "pre-copy/copy bound 0.5x (fresh), 2.0x (pre-touched); plain CRIU/pre-copy 4.0x; "
+        "checkpoint-restart/pre-copy 6.0x; ferry --staged/pre-copy -x"
     )
 
 
 def test_format_table_marks_missing_figures() -> None:
     s = bench.size_summary(1.0, {"ckpt": [run(2.0, 3.0, 10**9)]}, {})
     text = bench.format_table([s])
-    assert "checkpoint-restart" in text and "ferry/floor -x" in text
+    assert "checkpoint-restart" in text and "pre-copy/floor -x" in text
 
 
 @pytest.mark.parametrize(

@@ -38,6 +38,7 @@ def one_line(err: str) -> str:
     [
         (["migrate", "job"], "--to"),
         (["migrate", "--to", "127.0.0.1:7071"], "name"),
+        (["migrate", "j", "--to", "127.0.0.1:7071", "--pre-copy", "--lazy"], "not allowed with argument"),
         (["run", "--name", "x"], "no command given"),
         (["run", "--name", "x", "--"], "no command given"),
         (["run", "--", "true"], "--name"),
@@ -271,6 +272,34 @@ def test_summary_of_a_migration() -> None:
     assert "transfer rate: 2.75 GB/s" in text
     assert "frozen: 2.000 s" in text
     assert "downtime: 2.500 s" in text
+
+
+def test_summary_names_the_method_that_ran() -> None:
+    assert "method: post-copy" in summary(_result(method="post-copy"))
+    assert "method" not in summary(_result())  # an older agent says nothing
+
+
+@pytest.mark.parametrize(
+    ("flags", "method", "staged", "lazy"),
+    [
+        ([], pb.MIGRATION_METHOD_DEFAULT, False, False),  # an older agent then does its pre-copy
+        (["--post-copy"], pb.MIGRATION_METHOD_POST_COPY, False, True),
+        (["--lazy"], pb.MIGRATION_METHOD_POST_COPY, False, True),
+        (["--pre-copy"], pb.MIGRATION_METHOD_PRE_COPY, False, False),
+        (["--staged"], pb.MIGRATION_METHOD_STAGED, True, False),
+    ],
+)
+def test_migrate_asks_for_the_method_and_says_it_to_older_agents_too(
+    capsys, monkeypatch: pytest.MonkeyPatch, flags: list[str], method: int, staged: bool, lazy: bool
+) -> None:
+    from agent.cli import moves
+
+    sent: list[pb.MigrateRequest] = []
+    monkeypatch.setattr(moves, "stream", lambda args, rpc, req, timeout: sent.append(req) or iter(()))
+    code, _, err = run(capsys, "migrate", "j", "--to", "127.0.0.1:7071", *flags)
+    assert code != 0 and "without a result" in err  # this stream sent nothing back
+    (req,) = sent
+    assert (req.method, req.staged, req.lazy) == (method, staged, lazy)
 
 
 def test_summary_without_a_downtime_measurement() -> None:

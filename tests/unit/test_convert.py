@@ -14,6 +14,7 @@ from agent.cli import render
 from agent.errors import FerryError, InvalidArgumentError
 from agent.health.verdicts import Evidence, GpuHealth, State
 from agent.jobs.record import JobKind, JobRecord, JobState, OnDegraded, Priority
+from agent.migration.model import Method
 from agent.migration.recovery import Resolution
 from agent.rpc import pb
 from agent.service import convert
@@ -23,6 +24,7 @@ from agent.wire import (
     ENUM_MAPS,
     EVENT_KINDS,
     HEALTH_STATES,
+    METHODS,
     PRIORITIES,
     RESOLUTIONS,
     EnumMap,
@@ -33,6 +35,7 @@ PRODUCT_VALUES: list[tuple[EnumMap, list[str]]] = [
     (PRIORITIES, list(Priority)),
     (DEGRADED_POLICIES, list(OnDegraded)),
     (RESOLUTIONS, list(Resolution)),
+    (METHODS, [Method.PRE_COPY, Method.POST_COPY, Method.STAGED]),
     (HEALTH_STATES, list(State)),
     (EVENT_KINDS, ["health", "decision", "migration", "preempt", "resume", "quarantine", "alert"]),
 ]
@@ -53,10 +56,24 @@ def test_every_value_maps_and_round_trips(table: EnumMap, values: list[str]) -> 
     assert {n for n in table.enum.values() if n} == set(table.from_pb_table)
 
 
+def test_a_migrate_request_says_its_method_or_an_older_client_says_it_with_booleans() -> None:
+    def of(**kw: object) -> Method:
+        return convert.method_of(pb.MigrateRequest(name="j", target="h:1", **kw))  # type: ignore[arg-type]
+
+    assert of() is Method.DEFAULT
+    assert of(lazy=True) is Method.POST_COPY and of(staged=True) is Method.STAGED
+    assert of(method=pb.MIGRATION_METHOD_PRE_COPY, lazy=True) is Method.PRE_COPY  # the field wins
+    with pytest.raises(InvalidArgumentError, match="exclude each other"):
+        of(lazy=True, staged=True)
+    with pytest.raises(InvalidArgumentError, match="unknown migration method 9"):
+        of(method=9)
+
+
 def test_unspecified_on_input_is_the_documented_default() -> None:
     assert PRIORITIES.py(pb.PRIORITY_UNSPECIFIED) is Priority.NORMAL
     assert DEGRADED_POLICIES.py(pb.ON_DEGRADED_UNSPECIFIED) is OnDegraded.MIGRATE
     assert RESOLUTIONS.py(pb.RESOLVE_ACTION_UNSPECIFIED) is Resolution.ASK  # ask the target
+    assert METHODS.py(pb.MIGRATION_METHOD_DEFAULT) is Method.DEFAULT  # post-copy, else pre-copy
     # A health report always says which state: nothing is assumed for a GPU.
     with pytest.raises(InvalidArgumentError, match=r"no health state \(0, unspecified\)"):
         HEALTH_STATES.py(pb.HEALTH_STATE_UNSPECIFIED)

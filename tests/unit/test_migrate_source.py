@@ -30,7 +30,7 @@ from agent.jobs import procs
 from agent.jobs.record import JobRecord, JobState
 from agent.jobs.registry import JobRegistry
 from agent.migration import source as migrate
-from agent.migration.model import MigrationSpec, Progress
+from agent.migration.model import Method, MigrationSpec, Progress
 from agent.migration.source import SourceMigration
 from agent.migration.states import MigrationState
 from agent.rpc import pb
@@ -78,9 +78,16 @@ class Harness:
         monkeypatch.setattr(migrate, "time", fake_time)
 
     def migration(
-        self, job: str = "train", agent_id: str = "source-agent", lazy: bool = False
+        self,
+        job: str = "train",
+        agent_id: str = "source-agent",
+        lazy: bool = False,
+        method: Method | None = None,
     ) -> SourceMigration:
-        spec = MigrationSpec(job, self.peer.address, MID, lazy=lazy)
+        if method is None:
+            spec = MigrationSpec(job, self.peer.address, MID, lazy=lazy)
+        else:
+            spec = MigrationSpec.by(method, job, self.peer.address, MID)
         return SourceMigration(
             spec,
             self.registry,
@@ -549,17 +556,54 @@ def test_os_error_after_the_freeze_still_resumes_the_job(h: Harness, monkeypatch
 # -- the source refuses before anything is frozen ------------------------------------------------
 
 
-def test_the_source_refuses_post_copy_it_cannot_serve(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(migrate, "lazy_dump_blocker", lambda: "fs.pipe-max-size is 1048576")
+def test_the_source_refuses_post_copy_it_cannot_serve(h: Harness) -> None:
+    h.criu.lazy_blocker = "fs.pipe-max-size is 1048576"
     with pytest.raises(RefusedError, match=r"cannot serve post-copy from nodea: fs\.pipe-max-size"):
         h.migration(lazy=True).run()
     assert h.peer.calls == []
     h.assert_untouched()
 
 
-def test_a_target_that_grants_no_post_copy_is_a_refusal(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(migrate, "lazy_dump_blocker", lambda: "")
+def test_a_target_that_grants_no_post_copy_is_a_refusal(h: Harness) -> None:
+    h.criu.lazy_blocker = ""
     with pytest.raises(RefusedError, match="does not offer post-copy"):
         h.migration(lazy=True).run()  # the fake target's lease has no `lazy`
     assert h.peer.prepare_req.lazy
     h.assert_untouched()
+
+
+def test_the_default_moves_pre_copy_where_this_node_cannot_serve_post_copy(h: Harness) -> None:
+    h.criu.lazy_blocker = "fs.pipe-max-size is 1048576"
+    result = h.migration(method=Method.DEFAULT).run()
+    assert not h.peer.prepare_req.lazy  # the target was asked for pre-copy
+    assert result.method == (
+        "pre-copy (post-copy unavailable: nodea cannot serve it: fs.pipe-max-size is 1048576)"
+    )
+    assert h.phases_emitted()[-1] == "done"
+
+
+def test_the_default_moves_pre_copy_to_a_target_that_cannot_restore_lazily(h: Harness) -> None:
+    h.criu.lazy_blocker = ""
+    result = h.migration(method=Method.DEFAULT).run()  # the fake target's info has no post_copy
+    assert not h.peer.prepare_req.lazy
+    assert result.method.startswith("pre-copy (post-copy unavailable: target nodeb cannot restore lazily")
+
+
+def test_the_default_asks_for_post_copy_where_both_nodes_can(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h.criu.lazy_blocker = ""
+    info = h.peer.info
+    monkeypatch.setattr(h.peer, "info", lambda: pb.NodeInfo(**_fields(info()), post_copy=True))
+    with pytest.raises(RefusedError, match="does not offer post-copy"):
+        h.migration(method=Method.DEFAULT).run()  # the fake's lease grants none: a refusal, no fallback
+    assert h.peer.prepare_req.lazy
+    h.assert_untouched()
+
+
+def test_an_explicit_method_is_what_the_result_names(h: Harness) -> None:
+    assert h.migration(method=Method.PRE_COPY).run().method == "pre-copy"
+
+
+def _fields(m: pb.NodeInfo) -> dict[str, object]:
+    return {f.name: v for f, v in m.ListFields()}

@@ -1,4 +1,4 @@
-"""Where post-copy (`ferry migrate --lazy`) can be served from. The source's and target's
+"""Where post-copy (`ferry migrate --post-copy`) can be served from. The source's and target's
 refusals and failure handling are in test_migrate_source.py and test_migrate_target.py; the
 transfer itself runs against real CRIU in tests/integration/test_postcopy.py."""
 
