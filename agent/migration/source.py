@@ -401,14 +401,19 @@ class SourceMigration:
         if not self.spec.fallback:
             self.result.method = str(self.spec.method)
             return
-        here = self.criu.lazy_dump_blocker()
-        if here or not info.post_copy:
+        why = ""
+        if self.footprint.processes:
+            # The CUDA restore reads all of the host copy at once, through the target's page faults;
+            # no GPU has run that yet (docs/gpu.md), so a CUDA job moves the way that has.
+            why = "a CUDA job's post-copy has not run on a GPU yet"
+        elif here := self.criu.lazy_dump_blocker():
+            why = f"{self.node} cannot serve it: {here}"
+        elif not info.post_copy:
             why = (
-                f"{self.node} cannot serve it: {here}"
-                if here
-                else f"target {info.node_name or self.spec.target} cannot restore lazily (its kernel "
+                f"target {info.node_name or self.spec.target} cannot restore lazily (its kernel "
                 "lacks non-cooperative userfaultfd, or its agent is older)"
             )
+        if why:
             self.spec = replace(self.spec, lazy=False, fallback=False)
             self.result.method = f"{Method.PRE_COPY} (post-copy unavailable: {why})"
             log.info("migration %s: %s", self.spec.migration_id, self.result.method)
@@ -433,7 +438,6 @@ class SourceMigration:
         if info.agent_id == self.agent_id:
             raise InvalidArgumentError(f"{self.spec.target} is this agent; migrate to another node")
         self.result.target_node = info.node_name
-        self._choose_method(info)
         faults.check("prepare", self.node)
         pids = procs.tree_pids(rec.pid)
         if not pids:
@@ -450,6 +454,7 @@ class SourceMigration:
         # Before anything is frozen: what CUDA state there is, and whether the driver can take it.
         self.footprint = self.cuda.inspect(pids)
         require_host_memory(self.footprint, self.node)
+        self._choose_method(info)
         own = {rec.stdout_path, rec.stderr_path} if rec.kind is JobKind.LAUNCHED else set()
         self.estimated_bytes = procs.tree_rss(rec.pid) + self.footprint.gpu_bytes
         # A member of a distributed job: its peers wait only so long (agent.migration.limits).

@@ -40,7 +40,7 @@ from agent.jobs.registry import JobRegistry
 from agent.migration import capture
 from agent.migration import target as incoming
 from agent.migration.local import checkpoint, restore_image
-from agent.migration.model import MigrationSpec
+from agent.migration.model import Method, MigrationSpec
 from agent.migration.source import SourceMigration
 from agent.migration.target import TargetMigrations
 from agent.rpc import pb
@@ -66,9 +66,14 @@ class TwoNodes:
         )
         self.staging = tmp_path / "a" / "staging"
 
-    def migration(self, staged: bool = False) -> SourceMigration:
+    def migration(self, staged: bool = False, method: Method | None = None) -> SourceMigration:
+        spec = (
+            MigrationSpec("train", LocalPeer.address, MID, staged=staged)
+            if method is None
+            else MigrationSpec.by(method, "train", LocalPeer.address, MID)
+        )
         return SourceMigration(
-            MigrationSpec("train", LocalPeer.address, MID, staged=staged),
+            spec,
             self.src_reg,
             self.src_criu,
             LocalPeer(self.target),
@@ -122,6 +127,18 @@ def test_a_cuda_job_moves_onto_a_gpu_of_the_target(nodes: TwoNodes) -> None:
         "target cuda unlock",
     ):
         assert phase in result.phases, phase
+
+
+def test_the_default_moves_a_cuda_job_pre_copy_even_where_both_nodes_serve_post_copy(
+    nodes: TwoNodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nodes.src_criu.lazy_blocker = ""
+    monkeypatch.setattr(LocalPeer, "info", lambda self: pb.NodeInfo(node_name="nodeb", post_copy=True))
+    result = nodes.migration(method=Method.DEFAULT).run()
+    assert (
+        result.method == "pre-copy (post-copy unavailable: a CUDA job's post-copy has not run on a GPU yet)"
+    )
+    assert nodes.job.state is JobState.MOVED
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["streamed", "staged"])
