@@ -413,13 +413,12 @@ class SourceMigration:
                 f"target {info.node_name or self.spec.target} cannot restore lazily (its kernel "
                 "lacks non-cooperative userfaultfd, or its agent is older)"
             )
-        if why:
-            self.spec = replace(self.spec, lazy=False, fallback=False)
-            self.result.method = f"{Method.PRE_COPY} (post-copy unavailable: {why})"
-            log.info("migration %s: %s", self.spec.migration_id, self.result.method)
-        else:
-            self.spec = replace(self.spec, fallback=False)
+        if not why:
             self.result.method = str(self.spec.method)
+            return
+        self.spec = replace(self.spec, lazy=False)
+        self.result.method = f"{Method.PRE_COPY} (post-copy unavailable: {why})"
+        log.info("migration %s: %s", self.spec.migration_id, self.result.method)
 
     def _prepare(self, rec: JobRecord) -> None:
         if self.spec.lazy and not self.spec.fallback and (why := self.criu.lazy_dump_blocker()):

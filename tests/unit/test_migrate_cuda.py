@@ -66,14 +66,9 @@ class TwoNodes:
         )
         self.staging = tmp_path / "a" / "staging"
 
-    def migration(self, staged: bool = False, method: Method | None = None) -> SourceMigration:
-        spec = (
-            MigrationSpec("train", LocalPeer.address, MID, staged=staged)
-            if method is None
-            else MigrationSpec.by(method, "train", LocalPeer.address, MID)
-        )
+    def migration(self, method: Method = Method.PRE_COPY) -> SourceMigration:
         return SourceMigration(
-            spec,
+            MigrationSpec.by(method, "train", LocalPeer.address, MID),
             self.src_reg,
             self.src_criu,
             LocalPeer(self.target),
@@ -143,7 +138,7 @@ def test_the_default_moves_a_cuda_job_pre_copy_even_where_both_nodes_serve_post_
 
 @pytest.mark.parametrize("staged", [False, True], ids=["streamed", "staged"])
 def test_memory_streams_to_the_target_unless_the_migration_is_staged(nodes: TwoNodes, staged: bool) -> None:
-    result = nodes.migration(staged=staged).run()
+    result = nodes.migration(Method.STAGED if staged else Method.PRE_COPY).run()
 
     assert nodes.src_criu.dumps[0]["streamed"] is not staged
     files = nodes.dst_criu.restores[0]["files"]

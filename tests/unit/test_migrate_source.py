@@ -81,15 +81,10 @@ class Harness:
         self,
         job: str = "train",
         agent_id: str = "source-agent",
-        lazy: bool = False,
-        method: Method | None = None,
+        method: Method = Method.PRE_COPY,
     ) -> SourceMigration:
-        if method is None:
-            spec = MigrationSpec(job, self.peer.address, MID, lazy=lazy)
-        else:
-            spec = MigrationSpec.by(method, job, self.peer.address, MID)
         return SourceMigration(
-            spec,
+            MigrationSpec.by(method, job, self.peer.address, MID),
             self.registry,
             self.criu,
             self.peer,
@@ -559,7 +554,7 @@ def test_os_error_after_the_freeze_still_resumes_the_job(h: Harness, monkeypatch
 def test_the_source_refuses_post_copy_it_cannot_serve(h: Harness) -> None:
     h.criu.lazy_blocker = "fs.pipe-max-size is 1048576"
     with pytest.raises(RefusedError, match=r"cannot serve post-copy from nodea: fs\.pipe-max-size"):
-        h.migration(lazy=True).run()
+        h.migration(method=Method.POST_COPY).run()
     assert h.peer.calls == []
     h.assert_untouched()
 
@@ -567,7 +562,7 @@ def test_the_source_refuses_post_copy_it_cannot_serve(h: Harness) -> None:
 def test_a_target_that_grants_no_post_copy_is_a_refusal(h: Harness) -> None:
     h.criu.lazy_blocker = ""
     with pytest.raises(RefusedError, match="does not offer post-copy"):
-        h.migration(lazy=True).run()  # the fake target's lease has no `lazy`
+        h.migration(method=Method.POST_COPY).run()  # the fake target's lease has no `lazy`
     assert h.peer.prepare_req.lazy
     h.assert_untouched()
 
