@@ -67,8 +67,15 @@ STEP_WINDOW = 8
 FRESH_PAUSE_S = 3.0
 COPY_TRIALS = 3
 #: This VM backs memory that has been free for a while at a fraction of the copy rate; a second
-#: node's memory is such memory. The floor writes into memory left idle at least this long.
+#: node's memory is such memory. The floor's probe starts after at least this long idle...
 IDLE_PAUSE_S = 12.0
+#: ...and writes chunks of this size until it has written this much memory the host had
+#: reclaimed: a chunk written below this fraction of the first chunk's rate.
+IDLE_CHUNK = 64 << 20
+IDLE_SAMPLE_MAX = 2 * GIB
+RECLAIMED_FRACTION = 1 / 3
+#: What the probe leaves free of the memory available when it starts.
+IDLE_MARGIN_BYTES = 4 * GIB
 #: The copy-bandwidth buffers are sized like the image, but no larger than this.
 COPY_MAX_BYTES = 4 * GIB
 STEP_RE = re.compile(r"^step (\d+) t=([0-9.]+)", re.M)
@@ -666,9 +673,10 @@ def copy_bandwidth(nbytes: int, say: Progress) -> dict[str, Any]:
         dst.copy_(src)
         touched.append(n / (time.perf_counter() - t) / 1e9)
     del dst, src
-    idle = idle_write_gbps(n)
+    idle = idle_write(n)
     out = {
-        "idle_gbps": idle,
+        "idle_gbps": idle["gbps"],
+        "idle": idle,
         "buffer_bytes": n,
         "threads": torch.get_num_threads(),
         "fresh_gbps": max(fresh),
@@ -680,23 +688,62 @@ def copy_bandwidth(nbytes: int, say: Progress) -> dict[str, Any]:
         f"  copy bandwidth ({n / GIB:.2f} GiB, {out['threads']} threads): "
         f"fresh {out['fresh_gbps']:.2f} GB/s, "
         f"pre-touched {out['touched_gbps']:.2f} GB/s (best of {COPY_TRIALS}); "
-        f"one write into memory idle {IDLE_PAUSE_S:g} s: {idle:.2f} GB/s"
+        f"one write into idle memory ({idle['kind']}): {_num(idle['gbps'], '.2f')} GB/s "
+        f"(the first {idle['backed_bytes'] / 1e9:.1f} GB of fresh memory was still backed, "
+        f"{_num(idle['backed_gbps'], '.2f')} GB/s)"
     )
     return out
 
 
-def idle_write_gbps(n: int) -> float:
-    """The rate of one write of n bytes into memory nobody has touched for IDLE_PAUSE_S: what a
-    restore on a node that did not just free the same memory pays per byte (the floor)."""
+def idle_write(n: int) -> dict[str, Any]:
+    """The rate of one write into memory the host has reclaimed: what a restore on a second node,
+    whose memory has been idle, pays per byte (the floor).
+
+    Fresh memory on this VM comes in two kinds: a pool the host still backs (memory freed in the
+    last seconds, and some it never takes back) and memory it has reclaimed, which it backs again
+    at a fraction of the rate on the first write. How big the pool is depends on what ran before,
+    so waiting IDLE_PAUSE_S alone does not reach idle memory. The probe writes fresh chunks until
+    it has written min(n, IDLE_SAMPLE_MAX) bytes of reclaimed memory (a chunk written slower than
+    RECLAIMED_FRACTION of the first), and reports that rate. On a host that reclaims nothing every
+    chunk is backed and the rate is the whole write's."""
+    import psutil
     import torch
 
     time.sleep(IDLE_PAUSE_S)
-    t = time.perf_counter()
-    dst = torch.empty(n, dtype=torch.uint8)
-    dst.fill_(1)
-    rate = n / (time.perf_counter() - t) / 1e9
-    del dst
-    return rate
+    want = min(n, IDLE_SAMPLE_MAX)
+    # Never push the machine into swap or the OOM killer: stop a margin short of what is free.
+    budget = psutil.virtual_memory().available - IDLE_MARGIN_BYTES
+    held: list[Any] = []
+    durations: list[float] = []
+    try:
+        while len(durations) * IDLE_CHUNK + IDLE_CHUNK <= budget:
+            t = time.perf_counter()
+            chunk = torch.empty(IDLE_CHUNK, dtype=torch.uint8)
+            chunk.fill_(1)
+            durations.append(time.perf_counter() - t)
+            held.append(chunk)
+            if idle_rate(IDLE_CHUNK, durations)["reclaimed_bytes"] >= want:
+                break
+    finally:
+        del held
+    return idle_rate(IDLE_CHUNK, durations)
+
+
+def idle_rate(chunk_bytes: int, durations: list[float]) -> dict[str, Any]:
+    """Split the probe's chunk write times into backed and reclaimed memory (slower than
+    RECLAIMED_FRACTION of the first chunk) and give the floor's rate: the reclaimed memory's, or
+    the whole write's where none was reclaimed (a host that backs all memory)."""
+    first = chunk_bytes / durations[0] if durations else 0.0
+    reclaimed = [d for d in durations if chunk_bytes / d < RECLAIMED_FRACTION * first]
+    backed = [d for d in durations if chunk_bytes / d >= RECLAIMED_FRACTION * first]
+    out: dict[str, Any] = {
+        "backed_bytes": chunk_bytes * len(backed),
+        "backed_gbps": gbps(chunk_bytes * len(backed), sum(backed)),
+        "reclaimed_bytes": chunk_bytes * len(reclaimed),
+        "reclaimed_gbps": gbps(chunk_bytes * len(reclaimed), sum(reclaimed)),
+    }
+    kind = "reclaimed" if reclaimed else "backed"
+    return {**out, "kind": kind, "gbps": out[f"{kind}_gbps"]}
 
 
 # -- the plot --------------------------------------------------------------------------

@@ -93,6 +93,21 @@ def test_gbps() -> None:
     assert bench.gbps(1, 0) is None
 
 
+def test_idle_rate_is_the_rate_of_memory_the_host_had_reclaimed() -> None:
+    # Two chunks of backed memory at 2 GB/s, then three the host had to back again at 0.2 GB/s.
+    r = bench.idle_rate(1_000_000_000, [0.5, 0.5, 5.0, 5.0, 5.0])
+    assert (r["kind"], r["gbps"]) == ("reclaimed", pytest.approx(0.2))
+    assert (r["backed_bytes"], r["reclaimed_bytes"]) == (2e9, 3e9)
+    assert r["backed_gbps"] == pytest.approx(2.0)
+
+
+def test_idle_rate_where_the_host_reclaims_nothing_is_the_whole_write() -> None:
+    # A slower chunk that stays above a third of the first is still backed memory.
+    r = bench.idle_rate(1_000_000_000, [0.5, 1.0, 1.4])
+    assert (r["kind"], r["reclaimed_bytes"], r["reclaimed_gbps"]) == ("backed", 0, None)
+    assert r["gbps"] == pytest.approx(3e9 / 2.9 / 1e9)
+
+
 def test_median_run_takes_medians_of_numbers_and_nested_dicts() -> None:
     runs = [
         {"downtime_s": 3.0, "phases_s": {"dump": 1.0, "restore": 2.0}, "id": "a", "ferry_downtime_s": None},
