@@ -19,6 +19,7 @@ from agent.errors import (
     AlreadyExistsError,
     BusyError,
     FerryError,
+    ImageError,
     InvalidArgumentError,
     NotFoundError,
     PermissionDeniedError,
@@ -54,6 +55,9 @@ CHANNEL_OPTIONS = [
 ]
 SERVER_OPTIONS = [
     *CHANNEL_OPTIONS,
+    # gRPC sets SO_REUSEPORT by default: a second agent on a served address would start without
+    # complaint and take half of the connections. Without it, its bind fails.
+    ("grpc.so_reuseport", 0),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
     ("grpc.http2.max_ping_strikes", 0),
 ]
@@ -69,6 +73,7 @@ _ERROR_BY_CODE: dict[grpc.StatusCode, type[FerryError]] = {
     grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: BusyError,
+    grpc.StatusCode.DATA_LOSS: ImageError,
 }
 
 

@@ -104,9 +104,10 @@ class BusyError(FerryError):
 
 
 class ImageError(FerryError):
-    """An image is missing, malformed or does not match its manifest."""
+    """An image is missing, malformed or does not match its manifest: bad data, not a bad
+    argument (exit status 1, not 2)."""
 
-    kind = "invalid_argument"
+    kind = "data_loss"
 
 
 class TransferError(FerryError):

@@ -11,8 +11,10 @@ from typing import Any
 def dial(args: argparse.Namespace) -> Any:
     """Credentials for --agent: none for the unix socket or --insecure, else our client certificate."""
     from agent import tls
-    from agent.client import Dial
+    from agent.client import Dial, split_address
 
+    if not args.agent.startswith("unix:"):
+        split_address(args.agent)  # a bad --agent is named as such, before any TLS file is read
     if args.agent.startswith("unix:") or args.insecure:
         return Dial(insecure=args.insecure)
     return Dial(tls.load(args.tls_dir or tls.default_dir(), args.tls_name))

@@ -31,8 +31,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         max_pause_s=args.max_pause,
     )
     job = call(args, "Run", req, 30)
-    job_out(job, args.json, f"job {job.name} running as pid {job.pid} on {job.node_name}")
-    return EXIT_OK
+    if not args.attach:
+        job_out(job, args.json, f"job {job.name} running as pid {job.pid} on {job.node_name}")
+        return EXIT_OK
+    return _attach(args, job.name)
+
+
+def _attach(args: argparse.Namespace, name: str) -> int:
+    """Block while the job runs, wherever it moves; its output on ours; its exit status ours."""
+    from agent.cli.follow import Followed, StopOnSignal, exit_status, follow
+
+    where = Followed(agent=args.agent)
+    with StopOnSignal(args, name, where):
+        last = follow(args, name, after_moves=True, into=where)
+    code, why = exit_status(last.job)
+    if why:
+        print(f"ferry: {why}", file=sys.stderr)
+    return code
 
 
 def cmd_ps(args: argparse.Namespace) -> int:
@@ -84,8 +99,13 @@ def _ps_group(args: argparse.Namespace) -> int:
 def cmd_logs(args: argparse.Namespace) -> int:
     from agent.rpc import pb
 
-    req = pb.LogsRequest(name=args.name, follow=args.follow)
-    for chunk in stream(args, "Logs", req, None if args.follow else 60):
+    if args.follow:
+        from agent.cli.follow import follow
+
+        follow(args, args.name, after_moves=True)
+        return EXIT_OK
+    req = pb.LogsRequest(name=args.name)
+    for chunk in stream(args, "Logs", req, 60):
         out = sys.stdout if chunk.stream == pb.LOG_STREAM_STDOUT else sys.stderr
         out.buffer.write(chunk.data)
         out.flush()
@@ -97,6 +117,14 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
     job = call(args, "StopJob", pb.StopJobRequest(name=args.name, timeout_s=args.timeout), args.timeout + 30)
     job_out(job, args.json, f"job {job.name} stopped")
+    return EXIT_OK
+
+
+def cmd_forget(args: argparse.Namespace) -> int:
+    from agent.rpc import pb
+
+    job = call(args, "ForgetJob", pb.ForgetJobRequest(name=args.name), 30)
+    job_out(job, args.json, f"job {job.name}: its record and logs are gone from {job.node_name}")
     return EXIT_OK
 
 

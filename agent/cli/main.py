@@ -9,12 +9,13 @@ agent.cli.render (text and JSON shapes).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
 from agent.cli import gpus, jobs, moves, node
 from agent.cli.parser import EXIT_ERROR, EXIT_OK, EXIT_USAGE, Usage, build_parser
-from agent.errors import FerryError
+from agent.errors import FerryError, InvalidArgumentError
 
 __all__ = ["COMMANDS", "EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "Usage", "build_parser", "main"]
 
@@ -24,6 +25,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "ps": jobs.cmd_ps,
     "logs": jobs.cmd_logs,
     "stop": jobs.cmd_stop,
+    "forget": jobs.cmd_forget,
     "adopt": jobs.cmd_adopt,
     "migrate": moves.cmd_migrate,
     "checkpoint": moves.cmd_checkpoint,
@@ -41,9 +43,17 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        # gRPC's C core logs a failed handshake, a failed bind and the like on stderr, repeating
+        # our one-line error in its own format. GRPC_VERBOSITY=error brings them back for
+        # debugging. gRPC reads it when first imported, which is later than this.
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
         return COMMANDS[args.cmd](args)
     except Usage as e:
         print(str(e), file=sys.stderr)
+        return EXIT_USAGE
+    except InvalidArgumentError as e:
+        # Bad input is exit status 2 wherever it is caught: here, or by the agent.
+        print(f"ferry: {e}", file=sys.stderr)
         return EXIT_USAGE
     except FerryError as e:
         print(f"ferry: {e}", file=sys.stderr)

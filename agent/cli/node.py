@@ -51,6 +51,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         identity,
         socket_path,
         settings,
+        metrics_listen=args.metrics_listen,
     )
     return EXIT_OK
 

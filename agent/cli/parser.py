@@ -99,7 +99,20 @@ def build_parser() -> Parser:
         help="TOML file with the health thresholds ([health]), the self-healing policy ([policy]) and "
         'the peers jobs may move to ([[peers]] address = "HOST:PORT", spare = true); see docs/health.md',
     )
-    a.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    a.add_argument(
+        "--metrics-listen",
+        default="",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any). Plain HTTP on "
+        "loopback; any other address is served over mutual TLS with --tls-dir's certificate, so the "
+        "scraper needs a certificate of the cluster CA (docs/operations.md). Default: no metrics",
+    )
+    a.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="how much the agent logs on stderr (default info)",
+    )
 
     r = sub.add_parser(
         "run",
@@ -149,8 +162,20 @@ def build_parser() -> Parser:
         help="what the agent does when the job's GPU degrades or fails: migrate it to a peer by itself "
         "(default), or only record an alert (`ferry events`)",
     )
+    r.add_argument(
+        "--attach",
+        action="store_true",
+        help="block while the job runs, wherever it moves; print its output and exit with its exit "
+        "status (128+N if killed by signal N). SIGTERM or Ctrl-C stops the job. For a scheduler's "
+        "batch step or a pod's main container: docs/slurm.md",
+    )
     _json_arg(r)
-    r.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
+    r.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        metavar="-- CMD [ARGS...]",
+        help="the command to run, after `--`",
+    )
 
     ps = sub.add_parser(
         "ps",
@@ -173,14 +198,32 @@ def build_parser() -> Parser:
 
     lg = sub.add_parser("logs", help="print a job's output", description="Print a job's stdout and stderr.")
     _agent_arg(lg)
-    lg.add_argument("name")
-    lg.add_argument("-f", "--follow", action="store_true", help="keep printing while the job runs")
+    lg.add_argument("name", help="the job's name (see `ferry ps`)")
+    lg.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="keep printing while the job runs; when it moves, say where and go on printing there "
+        "(reaching that agent needs --insecure on loopback or a client certificate)",
+    )
 
     st = sub.add_parser("stop", help="stop a job", description="SIGTERM the job, SIGKILL after --timeout.")
     _agent_arg(st)
-    st.add_argument("name")
+    st.add_argument("name", help="the job to stop")
     st.add_argument("--timeout", type=float, default=10.0, help="seconds before SIGKILL (default 10)")
     _json_arg(st)
+
+    fg = sub.add_parser(
+        "forget",
+        help="drop an ended job's record and logs",
+        description="Remove the record and the logs of a job that ended here (exited, stopped, moved, "
+        "checkpointed or lost), so that `ferry ps` no longer lists it. A running or preempted job is "
+        "refused. A checkpoint's image directory is kept. An arriving job replaces an ended record "
+        "of its name by itself.",
+    )
+    _agent_arg(fg)
+    fg.add_argument("name", help="the ended job to forget")
+    _json_arg(fg)
 
     ad = sub.add_parser(
         "adopt",
@@ -189,8 +232,8 @@ def build_parser() -> Parser:
         "target must have them free (checked before anything is frozen).",
     )
     _agent_arg(ad)
-    ad.add_argument("--pid", type=int, required=True)
-    ad.add_argument("--name", required=True)
+    ad.add_argument("--pid", type=int, required=True, help="the process to take over (its whole tree)")
+    ad.add_argument("--name", required=True, help="the name to give it, unique on the node")
     _json_arg(ad)
 
     mg = sub.add_parser(
@@ -202,7 +245,7 @@ def build_parser() -> Parser:
         "why. A failure before the move completes resumes the job here: it never runs twice.",
     )
     _agent_arg(mg)
-    mg.add_argument("name")
+    mg.add_argument("name", help="the job to move (see `ferry ps`)")
     mg.add_argument("--to", required=True, metavar="HOST:PORT", help="the target agent")
     how = mg.add_mutually_exclusive_group()
     how.add_argument(
@@ -243,7 +286,7 @@ def build_parser() -> Parser:
         "The job ends afterwards unless --leave-running.",
     )
     _agent_arg(ck)
-    ck.add_argument("name")
+    ck.add_argument("name", help="the job to save")
     ck.add_argument("--out", required=True, type=Path, metavar="DIR", help="a new or empty directory")
     ck.add_argument("--leave-running", action="store_true", help="keep the job running after the dump")
     _json_arg(ck)
@@ -252,7 +295,7 @@ def build_parser() -> Parser:
         "restore", help="resume a saved job", description="Resume a job saved by `checkpoint`."
     )
     _agent_arg(rs)
-    rs.add_argument("dir", type=Path, metavar="DIR")
+    rs.add_argument("dir", type=Path, metavar="DIR", help="an image saved by `ferry checkpoint`")
     rs.add_argument("--name", default="", help="run it under another name")
     _json_arg(rs)
 
@@ -277,7 +320,7 @@ def build_parser() -> Parser:
         help="describe a saved image",
         description="Show an image's manifest and check its digests.",
     )
-    ins.add_argument("dir", type=Path, metavar="DIR")
+    ins.add_argument("dir", type=Path, metavar="DIR", help="an image saved by `ferry checkpoint`")
     ins.add_argument("--no-verify", action="store_true", help="skip the digest check")
     _json_arg(ins)
 

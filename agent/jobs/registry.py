@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -360,6 +361,29 @@ class JobRegistry:
             procs.signal_all(procs.tree_pids(rec.pid), signal.SIGKILL)
         log.info("job %s: stopped", name)
         return rec
+
+    def forget(self, name: str) -> JobRecord:
+        """Drop a final job's record and its directory (its logs): `ferry ps` no longer lists it."""
+        with self._lock:
+            rec = self.get(name)
+            if rec.state.holds_name:
+                raise RefusedError(
+                    f"job {name!r} is {rec.state.value}; only an ended job's record can be forgotten",
+                    node=self.node,
+                    hint=f"`ferry stop {name}` first",
+                )
+            del self._jobs[name]
+            shutil.rmtree(self.job_dir(name), ignore_errors=True)
+        log.info("job %s: record forgotten (it was %s)", name, rec.state.value)
+        return rec
+
+    def forget_final(self, name: str) -> None:
+        """A job of this name is arriving: an older, final record of it must not answer for it
+        (`ferry ps`, `ferry logs`) while it does."""
+        with self._lock:
+            rec = self._jobs.get(name)
+            if rec is not None and not rec.state.holds_name:
+                self.forget(name)
 
     def kill_tree(self, rec: JobRecord, pids: list[int]) -> None:
         """SIGKILL a (frozen) tree: PID 1 takes a launched job's namespace with it."""

@@ -40,6 +40,7 @@ from agent.criu.runner import Criu, PageServer
 from agent.errors import FerryError, StepTimeoutError, TransferError
 from agent.image import PAGES_PREFIX, StreamDigest
 from agent.jobs import procs
+from agent.migration.staging import is_full, no_space
 from agent.rpc import pb
 
 log = logging.getLogger(__name__)
@@ -256,6 +257,8 @@ class TargetPages:
                     break
                 except queue.Empty:
                     # Said at once: the source's dump, failing as the page server goes, waits for it.
+                    if is_full(self.staging):
+                        raise no_space(self.staging, self.node) from None
                     n = self._within_cap()
                     if n - shown >= PROGRESS_BYTES:
                         shown = n

@@ -6,7 +6,7 @@ import os
 import stat
 from pathlib import Path
 
-from agent.errors import RefusedError
+from agent.errors import RefusedError, TransferError
 
 
 def private_dir(path: Path, node: str) -> Path:
@@ -39,3 +39,33 @@ def private_dir(path: Path, node: str) -> Path:
             hint="remove it, or point --staging-dir at a directory only root can write",
         )
     return path
+
+
+#: Less than this left where an image lands: the writer is failing for lack of space.
+FULL_BYTES = 1 << 20
+
+
+def free_bytes(path: Path) -> int:
+    """What root may still write on path's filesystem (root may use the reserved blocks)."""
+    st = os.statvfs(path)
+    return st.f_bfree * st.f_frsize
+
+
+def no_space(path: Path, node: str, step: str = "transfer intake") -> TransferError:
+    """A staging area that filled up, named as such: its writer only sees a failed write, and the
+    source a connection reset."""
+    st = os.statvfs(path)
+    total = st.f_blocks * st.f_frsize
+    return TransferError(
+        f"no space left in the staging area {path} ({total >> 20} MiB, all in use)",
+        step=step,
+        node=node,
+        hint="free space there, or start the agent with a --staging-dir on a larger filesystem",
+    )
+
+
+def is_full(path: Path) -> bool:
+    try:
+        return free_bytes(path) < FULL_BYTES
+    except OSError:  # staging already removed: an abort, not a full disk
+        return False

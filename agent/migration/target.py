@@ -14,6 +14,7 @@ lock discipline is checked most easily in one place. Recovery after a restart
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -21,7 +22,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
@@ -54,7 +55,7 @@ from agent.migration.datatls import DataIdentity, DataTls, check_peer_cert
 from agent.migration.journal import TARGET, Journal, MigrationRecord
 from agent.migration.pagestream import LazyTargetPages, TargetPages
 from agent.migration.restore import cpu_ns, restore_tree, resumed_after
-from agent.migration.staging import private_dir
+from agent.migration.staging import no_space, private_dir
 from agent.migration.states import TARGET_TRANSITIONS, TargetState
 from agent.migration.target_recovery import journaled, recover_incoming
 from agent.migration.transfer import Intake
@@ -140,6 +141,8 @@ class TargetMigrations:
         #: Every GPU claim on this node (agent.gpus.ledger); a lease's GPUs are held there until
         #: its restore ends. The agent gives the node's one ledger.
         self.ledger = ledger or self.cuda.ledger
+        #: Told how each incoming migration ended: "committed" (the job runs here) or "aborted".
+        self.on_end: Callable[[str], None] = lambda result: None
         #: Where this node's page servers listen for a source's CRIU (the agent's own address).
         self.data_host = "0.0.0.0"
 
@@ -244,6 +247,9 @@ class TargetMigrations:
         except BaseException:
             self.ledger.release(inc.lease_owner)
             raise
+        # Outside our lock (the registry's may be held across a launch): no ended record of the
+        # name answers for the arriving job from here on.
+        self.registry.forget_final(req.job)
         data_cert = b""
         if req.data_cert:
             identity = DataIdentity.new(f"{self.node} {req.migration_id}")
@@ -471,7 +477,9 @@ class TargetMigrations:
                 raise e from None
             with self._lock:  # an Abort may have dropped it meanwhile: then this is a no-op
                 self._drop(inc, f"intake failed: {e}")
-            if isinstance(e, OSError):  # a full staging tmpfs, say: a transfer failure, not a crash
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                raise no_space(inc.staging, self.node) from e
+            if isinstance(e, OSError):  # a transfer failure, not a crash
                 raise TransferError(
                     f"cannot write the image into {inc.staging}: {e.strerror}", node=self.node
                 ) from e
@@ -614,6 +622,16 @@ class TargetMigrations:
         with self._lock:
             self._expire_locked()
 
+    def shutdown(self) -> int:
+        """The agent stops, its server already closed: every incoming migration that has not
+        begun its restore is dropped with its staging (its source, fencing, finds it aborted and
+        resumes the job). Returns how many were dropped."""
+        with self._lock:
+            waiting = [i for i in self._incoming.values() if i.state in _BEFORE_RESTORE]
+            for inc in waiting:
+                self._drop(inc, f"the agent on {self.node} stopped")
+        return len(waiting)
+
     # -- internals -------------------------------------------------------------------
 
     def _get(self, mid: str, caller: str = "") -> Incoming:
@@ -663,6 +681,8 @@ class TargetMigrations:
         if not state.in_flight:  # RUNNING: the job's record holds its GPUs now
             self.ledger.release(inc.lease_owner)
         self.journal.save(inc.record())
+        if state is TargetState.RUNNING:
+            self.on_end("committed")
 
     def _drop(self, inc: Incoming, why: str) -> None:
         """Under the lock: end the migration here (ABORTED) with nothing left of it. Dropping
@@ -682,6 +702,7 @@ class TargetMigrations:
         rec.note = why
         self.journal.save(rec)
         log.info("migration %s: dropped (%s)", inc.migration_id, why)
+        self.on_end("aborted")
 
     @staticmethod
     def _forget_data(inc: Incoming) -> None:
@@ -697,6 +718,18 @@ class TargetMigrations:
             if inc.state in waiting and now > inc.expires_at:
                 log.warning("migration %s: lease expired; dropping its staged image", inc.migration_id)
                 self._drop(inc, "lease expired")
+
+
+#: Incoming states whose image is still only in staging: safe to drop at any time.
+_BEFORE_RESTORE = frozenset(
+    {
+        TargetState.PREPARED,
+        TargetState.STREAMING,
+        TargetState.STREAMED,
+        TargetState.RECEIVING,
+        TargetState.VERIFIED,
+    }
+)
 
 
 def _safe_id(mid: str) -> str:

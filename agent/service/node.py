@@ -38,6 +38,7 @@ from agent.migration.model import Method, MigrationResult, MigrationSpec, Progre
 from agent.migration.recovery import Resolution, SourceRecovery
 from agent.migration.source import SourceMigration
 from agent.migration.target import TargetMigrations
+from agent.service.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,8 @@ class AgentNode:
         self.monitor = HealthMonitor(
             nvml_module(), self.config.health, node=node, on_poll=self.healing.on_poll
         )
+        self.metrics = AgentMetrics(self)
+        self.targets.on_end = self.metrics.target_ended
 
     # -- start and housekeeping ----------------------------------------------------------
 
@@ -210,7 +213,7 @@ class AgentNode:
         spec = MigrationSpec.by(
             Method.DEFAULT, job, target, uuid.uuid4().hex[:16], reason=reason, lock_timeout_s=lock_timeout_s
         )
-        return self._source_migration(spec).run()
+        return self._send(spec)
 
     def _suspend(self, job: str, out_dir: Path) -> None:
         checkpoint(self.registry, self.criu, job, out_dir, self.node, False, cuda_jobs=self.cuda)
@@ -335,7 +338,19 @@ class AgentNode:
         client.split_address(target)
         self.registry.get(name)  # NOT_FOUND before anything starts
         spec = MigrationSpec.by(method, name, target, uuid.uuid4().hex[:16])
-        return self.run_move(lambda emit: self._source_migration(spec, emit).run())
+        return self.run_move(lambda emit: self._send(spec, emit))
+
+    def _send(
+        self, spec: MigrationSpec, emit: Callable[[Progress], None] = lambda p: None
+    ) -> MigrationResult:
+        """One move away from here, counted in the metrics however it ends."""
+        try:
+            result = self._source_migration(spec, emit).run()
+        except BaseException:
+            self.metrics.source_ended(None)
+            raise
+        self.metrics.source_ended(result)
+        return result
 
     def checkpoint(
         self, name: str, out_dir: str, leave_running: bool

@@ -68,15 +68,37 @@ def create_server(
         reflection.SERVICE_NAME,
     )
     reflection.enable_server_reflection(names, server)
-    if identity is not None:
-        port = server.add_secure_port(address, identity.server_credentials())
-    else:
-        port = server.add_insecure_port(address)
+    try:
+        if identity is not None:
+            port = server.add_secure_port(address, identity.server_credentials())
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
     if port == 0:
-        raise InvalidArgumentError(f"cannot listen on {address} (in use or not a local address)")
+        raise InvalidArgumentError(
+            f"cannot listen on {address}: {bind_error(address)}",
+            hint="another process (another ferry agent?) may serve it: stop it, or pick another --listen",
+        )
     if socket_path is not None:
         bind_local_socket(server, socket_path)
     return server, port
+
+
+def bind_error(address: str) -> str:
+    """Why gRPC could not bind `address`, from a plain bind of our own (gRPC only says it failed)."""
+    host, port = client.split_address(address, listen=True)
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"cannot resolve {host}: {e.strerror}"
+    family, kind, proto, _, sockaddr = infos[0]
+    try:
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(sockaddr)
+    except OSError as e:
+        return e.strerror or str(e)
+    return "gRPC could not bind it"
 
 
 def bind_local_socket(server: grpc.Server, path: Path) -> None:
@@ -114,6 +136,7 @@ def serve(
     identity: tls.Identity | None = None,
     socket_path: Path | None = None,
     config: AgentConfig | None = None,
+    metrics_listen: str = "",
 ) -> None:
     """Run until SIGTERM/SIGINT; in-flight moves finish (or abort) before the agent exits."""
     check_listen(address, insecure, identity)
@@ -128,6 +151,9 @@ def serve(
     if listen_host not in ("", "0.0.0.0", "::"):  # page servers listen where the agent does
         service.targets.data_host = listen_host
     server, port = create_server(address, service, identity=identity, socket_path=socket_path)
+    stop_metrics = service.metrics.serve(metrics_listen, identity) if metrics_listen else None
+    if stop_metrics is not None:  # before "listening on", which tells a launcher the agent is up
+        print(f"ferry agent: metrics on {service.metrics.address}/metrics", flush=True)
     service.recover()
     server.start()
     host, _ = client.split_address(address, listen=True)
@@ -163,6 +189,10 @@ def serve(
         log.warning("in-flight migrations did not finish in 600 s; stopping anyway")
     service.stop_housekeeping()
     server.stop(grace=10).wait()
+    if dropped := service.targets.shutdown():
+        log.info("dropped %d incoming migration(s) that had not begun to restore, and their staging", dropped)
     if socket_path is not None:
         socket_path.unlink(missing_ok=True)
+    if stop_metrics is not None:
+        stop_metrics()
     log.info("stopped")

@@ -101,6 +101,10 @@ class AgentService(pb_grpc.AgentServicer):
             )
         return job_pb(self.agent.registry.stop(request.name, timeout), self.node)
 
+    @rpc
+    def ForgetJob(self, request: pb.ForgetJobRequest, context: grpc.ServicerContext) -> pb.Job:
+        return job_pb(self.agent.registry.forget(request.name), self.node)
+
     @stream_rpc
     def Logs(self, request: pb.LogsRequest, context: grpc.ServicerContext) -> Iterator[pb.LogChunk]:
         registry = self.agent.registry

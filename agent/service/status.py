@@ -26,6 +26,7 @@ STATUS_BY_KIND = {
     "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
     "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "data_loss": grpc.StatusCode.DATA_LOSS,
 }
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -27,6 +27,7 @@ from pathlib import Path
 from agent.jobs import procs
 
 _LISTENING = re.compile(r"listening on ([0-9.]+:\d+)")
+_METRICS = re.compile(r"metrics on ([0-9.]+:\d+)/metrics")
 _SEQ = count()
 #: CLI commands that run on their own, not through the agent's socket.
 _LOCAL_COMMANDS = ("inspect", "doctor", "certs")
@@ -43,8 +44,11 @@ class LocalAgent:
         staging_dir: Path | None = None,
         config: Path | None = None,
         nvml_replay: Path | None = None,
+        metrics: bool = False,
     ) -> None:
         self.root = root / node
+        self.metrics = metrics  # serve Prometheus metrics on a free loopback port
+        self.metrics_address = ""
         self.config = config  # `ferry agent --config`: health thresholds, policy, peers
         self.nvml_replay = nvml_replay  # NVML answered from this telemetry file (None: the real one)
         self.node = node
@@ -79,6 +83,7 @@ class LocalAgent:
             str(self.socket),
             *(["--tls-dir", str(self.tls_dir)] if self.tls_dir else ["--insecure"]),
             *(["--config", str(self.config)] if self.config else []),
+            *(["--metrics-listen", "127.0.0.1:0"] if self.metrics else []),
         ]
         log = open(self.log_path, "ab")  # noqa: SIM115 - the agent owns it until it exits
         seen = log.tell()  # a restarted agent appends: read only what this start writes
@@ -86,8 +91,11 @@ class LocalAgent:
         log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if m := _LISTENING.search(self.log_path.read_bytes()[seen:].decode(errors="replace")):
+            started = self.log_path.read_bytes()[seen:].decode(errors="replace")
+            if m := _LISTENING.search(started):
                 self.address = m[1]
+                if self.metrics and (mm := _METRICS.search(started)):
+                    self.metrics_address = mm[1]
                 return self
             if self.proc.poll() is not None:
                 break
@@ -143,6 +151,23 @@ class LocalAgent:
                 f"`ferry {' '.join(args)}` on {self.node} failed ({p.returncode}): {p.stderr.strip()}"
             )
         return p
+
+    def scrape(self) -> str:
+        """This agent's /metrics, fetched from its node (the address is loopback there)."""
+        assert self.metrics_address, f"agent {self.node} serves no metrics"
+        fetch = (
+            "import sys, urllib.request; "
+            f"sys.stdout.write(urllib.request.urlopen('http://{self.metrics_address}/metrics', timeout=10)"
+            ".read().decode())"
+        )
+        p = subprocess.run(
+            [*self.cli_prefix(), sys.executable, "-c", fetch],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return p.stdout
 
     def ferry(self, nvml: bool = True) -> list[str]:
         """The `ferry` command line: the CLI, or, for a command that reads NVML itself (the agent, and

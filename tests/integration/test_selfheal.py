@@ -65,7 +65,7 @@ def run_on_gpu(agent, name: str, gpu: str, steps: int, *extra: str) -> None:
 
 
 def events(agent) -> list[dict]:
-    return [json.loads(line) for line in agent.cli("events", "--json", "-n", "500").stdout.splitlines()]
+    return json.loads(agent.cli("events", "--json", "-n", "500").stdout)
 
 
 def wait_event(agent, kind: str, text: str, timeout_s: float = 120) -> dict:

@@ -124,7 +124,7 @@ def test_unreachable_agent_is_one_line_naming_the_address(capsys, argv: list[str
 
 def test_non_loopback_agent_is_refused(capsys) -> None:
     code, out, err = run(capsys, "ps", "--agent", "10.1.2.3:7070")
-    assert code == 1
+    assert code == 2  # a bad --agent for --insecure
     line = one_line(err)
     assert "10.1.2.3:7070 is not a loopback address" in line
     assert out == ""
@@ -140,7 +140,7 @@ def test_agent_address_from_the_environment(capsys, monkeypatch: pytest.MonkeyPa
 def test_agent_refuses_plaintext_off_loopback(capsys, tmp_path: Path) -> None:
     argv = ["agent", "--listen", "0.0.0.0:7070", "--state-dir", str(tmp_path / "s"), "--insecure"]
     code, _, err = run(capsys, *argv)
-    assert code == 1
+    assert code == 2
     assert "only on loopback" in one_line(err)
 
 

@@ -42,7 +42,7 @@ EXPECTED = {
     StepTimeoutError: S.DEADLINE_EXCEEDED,
     UnavailableError: S.UNAVAILABLE,
     CriuError: S.INTERNAL,
-    ImageError: S.INVALID_ARGUMENT,
+    ImageError: S.DATA_LOSS,
     TransferError: S.ABORTED,
     MigrationAbortedError: S.ABORTED,
     CudaCheckpointError: S.ABORTED,
@@ -160,6 +160,7 @@ class FakeRpcError(grpc.RpcError):
         (S.UNAVAILABLE, UnavailableError),
         (S.ABORTED, TransferError),
         (S.RESOURCE_EXHAUSTED, BusyError),
+        (S.DATA_LOSS, ImageError),
     ],
 )
 def test_from_rpc_error_maps_codes_back(code: grpc.StatusCode, cls: type[FerryError]) -> None:
@@ -167,7 +168,7 @@ def test_from_rpc_error_maps_codes_back(code: grpc.StatusCode, cls: type[FerryEr
     assert type(e) is cls
 
 
-@pytest.mark.parametrize("code", [S.INTERNAL, S.UNKNOWN, S.CANCELLED, S.DATA_LOSS])
+@pytest.mark.parametrize("code", [S.INTERNAL, S.UNKNOWN, S.CANCELLED])
 def test_from_rpc_error_other_codes_are_plain_ferry_errors(code: grpc.StatusCode) -> None:
     e = from_rpc_error(FakeRpcError(code, "boom"), "127.0.0.1:7071", "commit")
     assert type(e) is FerryError

@@ -80,8 +80,8 @@ def test_run_gives_a_job_its_gpu_and_health_shows_it(gpu_agent, capsys):
 @pytest.mark.parametrize(
     ("argv", "code", "words"),
     [
-        (["--gpu", "GPU-zz"], 1, "no GPU GPU-zz on nodea; its GPUs: GPU-a0 (index 0), GPU-a1 (index 1)"),
-        (["--gpu", "GPU-a0", "--gpu", "GPU-a0"], 1, "lists a GPU twice"),
+        (["--gpu", "GPU-zz"], 2, "no GPU GPU-zz on nodea; its GPUs: GPU-a0 (index 0), GPU-a1 (index 1)"),
+        (["--gpu", "GPU-a0", "--gpu", "GPU-a0"], 2, "lists a GPU twice"),
         (["--priority", "high"], 2, "invalid choice: 'high'"),
         (["--on-degraded", "panic"], 2, "invalid choice: 'panic'"),
     ],
@@ -103,7 +103,7 @@ def test_quarantine_blocks_placement_until_cleared(gpu_agent, capsys):
     code, out, _ = run(capsys, "gpus", "--clear", "GPU-a1")
     assert code == 0 and "GPU GPU-a1 cleared" in out and "(now healthy)" in out
     assert svc.quarantine.all() == {}
-    events = [json.loads(line) for line in run(capsys, "events", "--json")[1].splitlines()]
+    events = json.loads(run(capsys, "events", "--json")[1])
     assert (
         events[-1]["kind"] == "quarantine"
         and "cleared by an operator (quarantined since" in events[-1]["message"]
@@ -118,6 +118,8 @@ def test_clearing_an_unknown_gpu_is_not_found(gpu_agent, capsys):
 
 def test_events_when_there_are_none(gpu_agent, capsys):
     assert run(capsys, "events") == (0, "no events yet\n", "")
+    code, out, _ = run(capsys, "events", "--json")
+    assert code == 0 and json.loads(out) == []
     code, _, err = run(capsys, "events", "--limit", "0")
     assert code == 2 and "--limit 0" in err
 

@@ -241,6 +241,23 @@ def test_prepare_allows_the_name_of_a_finished_job(target: TargetMigrations) -> 
     assert state(target) == pb.TARGET_STATE_PREPARED
 
 
+def test_a_job_arriving_again_is_never_answered_by_its_old_moved_record(target: TargetMigrations) -> None:
+    # train moved away from here once; now it comes back. Until its restore registers it, `ps`
+    # and `logs` must not show the old "moved" record (nor its old logs) as if it were the job.
+    target.registry.save(running_record("train", JobState.MOVED))
+    (target.registry.job_dir("train") / "stdout.log").write_text("old output\n")
+    target.prepare(prepare_req())
+    assert [r.name for r in target.registry.list()] == []
+    assert not target.registry.job_dir("train").exists()
+
+
+def test_a_refused_prepare_keeps_the_old_record(target: TargetMigrations) -> None:
+    target.registry.save(running_record("train", JobState.MOVED))
+    with pytest.raises(RefusedError):
+        target.prepare(prepare_req(cwd="/nonexistent-dir"))
+    assert target.registry.get("train").state is JobState.MOVED
+
+
 def test_prepare_refuses_without_usable_criu(target: TargetMigrations, fake_criu: FakeCriu) -> None:
     fake_criu.usable = False
     with pytest.raises(RefusedError, match="criu not found"):

@@ -493,9 +493,7 @@ def test_checkpoint_refuses_an_out_dir_it_cannot_use(stub, job, tmp_path, what) 
 def test_restore_of_a_directory_without_a_manifest(stub, tmp_path: Path) -> None:
     d = tmp_path / "empty"
     d.mkdir()
-    refused(
-        stub.Restore, pb.RestoreRequest(image_dir=str(d)), S.INVALID_ARGUMENT, str(d), "not a ferry image"
-    )
+    refused(stub.Restore, pb.RestoreRequest(image_dir=str(d)), S.DATA_LOSS, str(d), "not a ferry image")
 
 
 def test_restore_of_a_file_instead_of_a_directory(stub, tmp_path: Path) -> None:
@@ -513,7 +511,7 @@ def test_restore_refuses_an_unsafe_name_in_the_manifest(stub, agent, tmp_path: P
     refused(
         stub.Restore,
         pb.RestoreRequest(image_dir=str(d)),
-        S.INVALID_ARGUMENT,
+        S.DATA_LOSS,
         "unsafe file name",
         "'../etc/passwd'",
     )
@@ -525,7 +523,7 @@ def test_restore_refuses_a_malformed_manifest(stub, agent, tmp_path: Path, what:
     d = tmp_path / "img"
     d.mkdir()
     (d / MANIFEST).write_bytes(CRASHING_MANIFESTS[what])
-    refused(stub.Restore, pb.RestoreRequest(image_dir=str(d)), S.INVALID_ARGUMENT, "manifest")
+    refused(stub.Restore, pb.RestoreRequest(image_dir=str(d)), S.DATA_LOSS, "manifest")
 
 
 # -- Resolve --------------------------------------------------------------------------------------
@@ -674,7 +672,7 @@ def test_push_of_another_jobs_image(stub, agent, tmp_path: Path) -> None:
     refused(
         stub.PushImage,
         iter(chunks_for(make_image(tmp_path), mid="m1")),
-        S.INVALID_ARGUMENT,
+        S.DATA_LOSS,
         "'train'",
         "'other'",
     )

@@ -182,12 +182,12 @@ def test_restore_of_a_missing_image_is_not_found(stub, tmp_path: Path) -> None:
     assert "no-such-image" in err.details()
 
 
-def test_restore_of_a_tampered_image_is_invalid_argument(stub, tmp_path: Path) -> None:
+def test_restore_of_a_tampered_image_is_data_loss(stub, tmp_path: Path) -> None:
     d = tmp_path / "img"
     d.mkdir()
     (d / "manifest.json").write_text("{not json")
     err = rpc_error(stub.Restore, pb.RestoreRequest(image_dir=str(d)))
-    assert err.code() is S.INVALID_ARGUMENT
+    assert err.code() is S.DATA_LOSS  # bad data, not a bad argument: the CLI exits 1
     assert "malformed manifest" in err.details()
 
 

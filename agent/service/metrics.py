@@ -1,0 +1,213 @@
+"""The agent's Prometheus metrics (`ferry agent --metrics-listen`), with the standard client.
+
+Counters and histograms are updated where a migration ends (agent.service.node for the source
+side, TargetMigrations.on_end for the target side); jobs, GPU health and staging are read from
+their owners at scrape time, so a scrape always shows what is true now.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import ssl
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from agent import __version__, client
+from agent.errors import FerryError, InvalidArgumentError
+from agent.health.verdicts import State
+from agent.jobs.record import JobState
+from agent.migration.model import MigrationResult
+
+if TYPE_CHECKING:
+    from agent.service.node import AgentNode
+    from agent.tls import Identity
+
+log = logging.getLogger(__name__)
+
+#: Seconds: from a sub-second post-copy freeze to a many-minute move of a GPU node's memory.
+SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600, 1800, float("inf"))
+
+
+class AgentMetrics:
+    """One agent's metrics, in a registry of its own (two agents in one process stay apart)."""
+
+    def __init__(self, agent: AgentNode) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.migrations = Counter(
+            "ferry_migrations",
+            "Migrations that ended on this node, by its role in them and how they ended",
+            ["role", "result"],
+            registry=r,
+        )
+        self.phase = Histogram(
+            "ferry_migration_phase_seconds",
+            "How long each phase of the migrations this node sent took",
+            ["phase"],
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.downtime = Histogram(
+            "ferry_migration_downtime_seconds",
+            "How long the job made no progress, per migration this node sent (where measured)",
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.frozen = Histogram(
+            "ferry_migration_frozen_seconds",
+            "How long the job was frozen, per migration this node sent",
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.moved = Counter(
+            "ferry_migration_bytes",
+            "Bytes of job state this node sent in migrations that committed: host memory and GPU memory",
+            ["kind"],
+            registry=r,
+        )
+        Info("ferry_build", "This agent's build", registry=r).info(
+            {"version": __version__, "node": agent.node, "criu": _criu_version(agent)}
+        )
+        r.register(_Now(agent))
+
+    def source_ended(self, result: MigrationResult | None, error: BaseException | None = None) -> None:
+        if result is None:
+            self.migrations.labels("source", "failed").inc()
+            return
+        self.migrations.labels("source", "committed").inc()
+        for phase, seconds in result.phases.items():
+            self.phase.labels(phase).observe(seconds)
+        if result.downtime_s >= 0:
+            self.downtime.observe(result.downtime_s)
+        self.frozen.observe(result.frozen_s)
+        self.moved.labels("host").inc(result.host_bytes)
+        self.moved.labels("gpu").inc(result.gpu_bytes)
+
+    def target_ended(self, result: str) -> None:
+        """An incoming migration ran the job here ("committed") or was dropped ("aborted")."""
+        self.migrations.labels("target", result).inc()
+
+    def serve(self, address: str, identity: Identity | None) -> Callable[[], None]:
+        """Serve /metrics on address: loopback in plain HTTP, any other address only over mutual
+        TLS with the agent's certificate (the scraper needs one of the cluster CA's). Returns
+        what stops it."""
+        from prometheus_client import start_http_server
+
+        host, port = client.split_address(address, listen=True)
+        tls: dict[str, Any] = {}
+        if not client.is_loopback(host):
+            if identity is None:
+                raise InvalidArgumentError(
+                    f"--metrics-listen {address} is not loopback: metrics off loopback are served only "
+                    "over mutual TLS, and this agent has no certificate (--insecure)",
+                    hint="serve metrics on 127.0.0.1, or run the agent with --tls-dir",
+                )
+            tls = {
+                "certfile": str(identity.cert_path),
+                "keyfile": str(identity.key_path),
+                "client_cafile": str(identity.directory / "ca.pem"),
+                "client_auth_required": True,
+                "tls_min_version": ssl.TLSVersion.TLSv1_2,
+            }
+        try:
+            server, thread = start_http_server(port, host, self.registry, **tls)
+        except OSError as e:
+            raise InvalidArgumentError(
+                f"cannot serve metrics on {address}: {e.strerror or e}",
+                hint="pick another --metrics-listen",
+            ) from e
+        self.address = f"{host}:{server.server_address[1]}"
+        log.info("metrics on %s://%s/metrics", "https" if tls else "http", self.address)
+
+        def stop() -> None:
+            server.shutdown()
+            server.server_close()
+            thread.join(5)
+
+        return stop
+
+
+def _criu_version(agent: AgentNode) -> str:
+    try:
+        return agent.criu.require_usable()
+    except FerryError as e:
+        return f"unusable: {e.cause}"
+
+
+def _dir_bytes(root: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            with contextlib.suppress(OSError):  # removed while we walked: an ended migration
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+    return total
+
+
+class _Now(Collector):
+    """What is true at scrape time: jobs by state, GPU health and its evidence, staging in use."""
+
+    def __init__(self, agent: AgentNode) -> None:
+        self.agent = agent
+
+    def collect(self) -> Iterator[Any]:
+        jobs = GaugeMetricFamily("ferry_jobs", "Jobs this agent has a record of, by state", labels=["state"])
+        counts = dict.fromkeys((s.value for s in JobState), 0)
+        for rec in self.agent.registry.list():
+            counts[rec.state.value] += 1
+        for state, n in counts.items():
+            jobs.add_metric([state], n)
+        yield jobs
+
+        health = GaugeMetricFamily(
+            "ferry_gpu_health_state",
+            "1 for each GPU's current health state (healthy, degraded, failing)",
+            labels=["gpu", "index", "state"],
+        )
+        evidence = GaugeMetricFamily(
+            "ferry_gpu_health_evidence",
+            "1 for each piece of evidence that holds against a GPU now, by signal and severity",
+            labels=["gpu", "signal", "severity"],
+        )
+        readings = GaugeMetricFamily(
+            "ferry_gpu_reading",
+            "The latest raw value NVML gave for each GPU reading the health judge uses (counters "
+            "such as ECC errors and XIDs as counted by the driver)",
+            labels=["gpu", "reading"],
+        )
+        for g in self.agent.monitor.snapshot():
+            for state in State:
+                health.add_metric([g.uuid, str(g.index), state.value], 1 if g.state is state else 0)
+            for e in g.evidence:
+                evidence.add_metric([g.uuid, e.signal, e.severity.value], 1)
+            for name, value in g.readings.items():
+                readings.add_metric([g.uuid, name], value)
+        yield health
+        yield evidence
+        yield readings
+
+        quarantined = GaugeMetricFamily(
+            "ferry_gpus_quarantined", "GPUs quarantined after a job was moved off them"
+        )
+        quarantined.add_metric([], len(self.agent.quarantine.all()))
+        yield quarantined
+
+        root = self.agent.staging_root
+        staging = GaugeMetricFamily(
+            "ferry_staging_bytes", "Bytes of incoming images in this agent's staging area now"
+        )
+        staging.add_metric([], _dir_bytes(root) if root.is_dir() else 0)
+        yield staging
+        free = GaugeMetricFamily("ferry_staging_free_bytes", "Free bytes on the staging area's filesystem")
+        try:
+            st = os.statvfs(root)
+            free.add_metric([], st.f_bfree * st.f_frsize)
+        except OSError:
+            free.add_metric([], 0)
+        yield free
