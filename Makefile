@@ -3,14 +3,17 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PREFIX := .ferry
-CRIU := $(PREFIX)/criu/bin/criu
-CRIU_PROTO := $(PREFIX)/criu/share/criu/proto
-INIT := $(PREFIX)/bin/ferry-init
+# What `make` builds lives here; `make install PREFIX=...` copies it to a node.
+BUILD := .ferry
+PREFIX ?= /opt/ferry
+UNIT_DIR ?= /etc/systemd/system
+CRIU := $(BUILD)/criu/bin/criu
+CRIU_PROTO := $(BUILD)/criu/share/criu/proto
+INIT := $(BUILD)/bin/ferry-init
 STUBS := ferry/v1/agent_pb2.py agent/criu_pb/rpc_pb2.py
 PYTEST_ARGS ?=
 
-.PHONY: all deps proto native criu test unit integration gpu demo bench lint doctor clean
+.PHONY: all deps proto native criu test unit integration gpu demo bench lint doctor install clean
 
 all: deps criu proto native
 
@@ -24,7 +27,7 @@ $(VENV)/.installed: pyproject.toml
 # CRIU >= 4.2.1: the system's when it works, else built from Debian's source tarball.
 criu: $(CRIU)
 $(CRIU) $(CRIU_PROTO)/rpc.proto: scripts/install-criu.sh native/criu/data-path.patch
-	scripts/install-criu.sh $(PREFIX)/criu
+	scripts/install-criu.sh $(BUILD)/criu
 	touch -h $(CRIU)
 
 # Generated stubs: ferry's API and CRIU's RPC/stats protos (never committed).
@@ -49,7 +52,7 @@ NVCC ?= $(firstword $(shell command -v nvcc 2>/dev/null) $(wildcard /usr/local/c
 NVCC_FLAGS ?= -O2 -std=c++17 -cudart static \
 	-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90 \
 	-Xcompiler -Wall,-Wextra -Werror all-warnings -Xcompiler -static-libstdc++,-static-libgcc
-CUDA_COUNTER := $(PREFIX)/bin/cuda-counter
+CUDA_COUNTER := $(BUILD)/bin/cuda-counter
 ifneq ($(NVCC),)
 native: $(CUDA_COUNTER)
 $(CUDA_COUNTER): native/cuda_counter.cu
@@ -73,6 +76,10 @@ integration: all
 gpu: all
 	$(PY) -m pytest tests/gpu -rs $(PYTEST_ARGS)
 
+# ferry on this node as a service: PREFIX (default /opt/ferry) and the systemd unit in UNIT_DIR.
+install: all
+	scripts/install.sh $(abspath $(PREFIX)) $(UNIT_DIR)
+
 demo: all
 	$(PY) scripts/demo.py
 
@@ -89,4 +96,4 @@ doctor: all
 	$(VENV)/bin/ferry doctor
 
 clean:
-	rm -rf $(VENV) $(PREFIX) ferry agent/criu_pb build *.egg-info
+	rm -rf $(VENV) $(BUILD) ferry agent/criu_pb build *.egg-info
