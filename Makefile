@@ -13,7 +13,7 @@ INIT := $(BUILD)/bin/ferry-init
 STUBS := ferry/v1/agent_pb2.py agent/criu_pb/rpc_pb2.py
 PYTEST_ARGS ?=
 
-.PHONY: all deps proto native criu test unit integration gpu demo bench lint doctor install clean
+.PHONY: all deps proto native criu slurm test unit integration gpu demo bench lint doctor install clean
 
 all: deps criu proto native
 
@@ -63,13 +63,21 @@ native:
 	@echo "nvcc not found: skipping the CUDA counter ($(CUDA_COUNTER)); set NVCC=/path/to/nvcc to build it"
 endif
 
-test: all
+# Slurm's controller and node daemon (Debian's packages), for tests/integration/test_slurm.py.
+SLURM_PKGS := slurmctld slurmd slurm-client
+slurm:
+	@command -v slurmctld >/dev/null && command -v slurmd >/dev/null || { \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q --no-install-recommends $(SLURM_PKGS) >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $(SLURM_PKGS) >/dev/null; }; }
+
+test: all slurm
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 unit: all
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
-integration: all
+integration: all slurm
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
 
 # GPU tests (skipped, with the reason, where there is no GPU).

@@ -76,7 +76,7 @@ from agent.migration.model import (
     Progress,
     unresolved_note,
 )
-from agent.migration.pagestream import lazy_bytes, sent_bytes
+from agent.migration.pagestream import lazy_bytes, sent_bytes, staged_page_bytes
 from agent.migration.states import SOURCE_TRANSITIONS, CudaLeft, MigrationState, cuda_left
 from agent.migration.transfer import SendStats, send_image
 from agent.rpc import pb
@@ -90,6 +90,8 @@ LAZY_READY_S = 300.0
 POSTCOPY_MIN_BPS = 20e6
 #: After a broken post-copy: how long the target may take to kill its copy and say so.
 POSTCOPY_SETTLE_S = 30.0
+#: A lazy dump's image beyond this in pages files: CRIU left memory eager (a warning, logs kept).
+EAGER_WARN_BYTES = 64 << 20
 
 
 class SourceMigration:
@@ -130,6 +132,8 @@ class SourceMigration:
         )
         self.direct = False
         self.lazy_dump: LazyDump | None = None
+        #: CRIU's logs outlive a success that looked wrong (a lazy dump that went eager).
+        self.keep_criu_logs = False
         self.estimated_bytes = 0
         self.phases = Phases()
         #: How fast this agent's moves froze jobs: a member's expected pause is judged by it.
@@ -296,7 +300,8 @@ class SourceMigration:
         xfer = sum(self.phases.times.get(p, 0.0) for p in copy_phases)
         self.result.transfer_gbps = self.result.image_bytes / xfer / 1e9 if xfer > 0 else 0.0
         self._set(MigrationState.COMMITTED, "done", f"job {rec.name} runs on {self.result.target_node}")
-        self.criu_logs.done(self.spec.migration_id)
+        if not self.keep_criu_logs:
+            self.criu_logs.done(self.spec.migration_id)
         return self.result
 
     def _externals(self) -> list[str]:
@@ -347,7 +352,24 @@ class SourceMigration:
                 raise err from None
             raise
         self.data.pages.announce(self.data.host, self.data.port)
+        self._check_lazy(staged_page_bytes(self.staging))
         return DumpResult()  # CRIU's stats come once the last page is out
+
+    def _check_lazy(self, eager: int) -> None:
+        """A lazy dump should leave the memory behind; CRIU has been seen to write it all into the
+        image instead (the move then crosses the gRPC relay as a staged pre-copy). Said in the
+        result and the log, and CRIU's logs are kept to find out why."""
+        if eager < EAGER_WARN_BYTES:
+            return
+        self.keep_criu_logs = True
+        note = f"CRIU dumped {eager / 1e9:.2f} GB of the memory eagerly instead of leaving it lazy"
+        self.result.method = f"{self.result.method} ({note})"
+        log.warning(
+            "migration %s: %s; its CRIU logs are kept in %s",
+            self.spec.migration_id,
+            note,
+            self.criu_logs.dir_for(self.spec.migration_id),
+        )
 
     def _post_copy(self, rec: JobRecord, pids: list[int]) -> StreamDigest:
         """The job runs on the target; serve its memory from the frozen tree until all is there."""

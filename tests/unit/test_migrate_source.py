@@ -602,3 +602,15 @@ def test_an_explicit_method_is_what_the_result_names(h: Harness) -> None:
 
 def _fields(m: pb.NodeInfo) -> dict[str, object]:
     return {f.name: v for f, v in m.ListFields()}
+
+
+def test_a_lazy_dump_that_went_eager_is_said_and_its_criu_logs_kept(h: Harness) -> None:
+    m = h.migration(method=Method.POST_COPY)
+    m.result.method = "post-copy"
+    m._check_lazy(1 << 20)  # a few pages that cannot be lazy (the stacks): as it should be
+    assert (m.result.method, m.keep_criu_logs) == ("post-copy", False)
+    m._check_lazy(4_600_000_000)
+    assert m.result.method == (
+        "post-copy (CRIU dumped 4.60 GB of the memory eagerly instead of leaving it lazy)"
+    )
+    assert m.keep_criu_logs
