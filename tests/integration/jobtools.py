@@ -107,3 +107,21 @@ def assert_completed_exactly_once(agent: LocalAgent, name: str, steps: int, work
     assert final_digest(log) == reference_digest(steps, workers), first_difference(
         log, reference_output(steps, workers)
     )
+
+
+def on_own_node(
+    setup: str, env: dict[str, str], *args: str, timeout_s: float = 600
+) -> subprocess.CompletedProcess[str]:
+    """Run bash `setup` (then `args` as its $0...) from the repository in private mount and network
+    namespaces, a node of its own: what it mounts and the ports it takes vanish with it. The
+    caller's FERRY_* variables are left out."""
+    env = {k: v for k, v in env.items() if not k.startswith("FERRY_")}
+    return subprocess.run(
+        ["unshare", "--mount", "--net", "--fork", "bash", "-c", setup, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+        check=False,
+    )

@@ -165,17 +165,23 @@ def wait_for(pred, timeout_s: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_a_stopping_agent_drops_the_staging_of_an_image_waiting_for_its_commit(two, tmp_path: Path) -> None:
-    a = two("node-a", env={"FERRY_PAUSE": "commit=60"}).start()
-    b = two("node-b").start()
-    a.cli("run", "--name", "hog", "--", *hog(tmp_path, 64))
+def start_hog_move(a: LocalAgent, b: LocalAgent, tmp_path: Path, mib: int) -> subprocess.Popen[str]:
+    """A job holding mib MiB on a, and `ferry migrate --pre-copy` of it to b, in the background."""
+    a.cli("run", "--name", "hog", "--", *hog(tmp_path, mib))
     wait_for(lambda: "ready" in a.cli("logs", "hog").stdout, 60, "the job to start")
-    mover = subprocess.Popen(
+    return subprocess.Popen(
         [*a.ferry(), "migrate", "hog", "--agent", f"unix:{a.socket}", "--to", b.address, "--pre-copy"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        text=True,
         env=a.env,
     )
+
+
+def test_a_stopping_agent_drops_the_staging_of_an_image_waiting_for_its_commit(two, tmp_path: Path) -> None:
+    a = two("node-a", env={"FERRY_PAUSE": "commit=60"}).start()
+    b = two("node-b").start()
+    mover = start_hog_move(a, b, tmp_path, 64)
     try:
         # The source pauses before its commit: the whole image waits in the target's staging.
         staged = lambda: sum(f.stat().st_size for f in b.staging_dir.rglob("*") if f.is_file())  # noqa: E731
@@ -200,15 +206,7 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
 def test_a_staging_area_that_fills_during_the_transfer_is_named_as_full(two, tmp_path, small_tmpfs) -> None:
     a = two("node-a", env={"FERRY_PAUSE": "dump=5"}).start()
     b = two("node-b", staging_dir=small_tmpfs / "staging").start()
-    a.cli("run", "--name", "hog", "--", *hog(tmp_path, 96))
-    wait_for(lambda: "ready" in a.cli("logs", "hog").stdout, 60, "the job to start")
-    mover = subprocess.Popen(
-        [*a.ferry(), "migrate", "hog", "--agent", f"unix:{a.socket}", "--to", b.address, "--pre-copy"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=a.env,
-    )
+    mover = start_hog_move(a, b, tmp_path, 96)
     # Space was there when the lease was granted; something else takes it before the dump.
     wait_for(lambda: "lease granted" in b.log_path.read_text(), 60, "the target's lease")
     free = os.statvfs(small_tmpfs).f_bfree * os.statvfs(small_tmpfs).f_frsize

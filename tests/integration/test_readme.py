@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 from pathlib import Path
+
+from tests.integration.jobtools import on_own_node
 
 REPO = Path(__file__).resolve().parents[2]
 MARK = "<!-- walkthrough -->"
@@ -33,16 +34,7 @@ exec bash -e -o pipefail -x "$0"
 def test_the_readme_walkthrough_runs_as_written(tmp_path: Path) -> None:
     script = tmp_path / "walkthrough.sh"
     script.write_text(walkthrough() + "\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
-    p = subprocess.run(
-        ["unshare", "--mount", "--net", "--fork", "bash", "-c", NODE, str(script)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        check=False,
-    )
+    p = on_own_node(NODE, dict(os.environ), str(script))
     out = p.stdout
     assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     assert re.search(r"^train\s+moved\b.*-> b \(127\.0\.0\.1:7071\)", out, re.M), out

@@ -8,11 +8,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.integration.jobtools import on_own_node
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -99,17 +100,9 @@ def test_a_slurm_batch_step_attached_to_a_ferry_job(tmp_path: Path) -> None:
         "    time.sleep(0.1)\n"
         "sys.exit(int(sys.argv[2]))\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FERRY_", "SLURM_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env |= {"PY": sys.executable, "COUNT": str(count), "PATH": f"{REPO / '.venv' / 'bin'}:{env['PATH']}"}
-    p = subprocess.run(
-        ["unshare", "--mount", "--net", "--fork", "bash", "-c", NODE],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        check=False,
-    )
+    p = on_own_node(NODE, env, timeout_s=300)
     out = p.stdout
     assert p.returncode == 0, f"{out[-3000:]}\n{p.stderr[-3000:]}"
     # The step ran the job through ferry and ended with its status, as Slurm recorded.
