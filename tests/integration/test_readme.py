@@ -1,6 +1,6 @@
 """The README's walkthrough runs as written: its shell block, command for command, from the
-repository, on a node of its own (private mount and network namespaces: its /run, /var/lib,
-/var/tmp and /dev/shm are fresh, and ports 7070/7071 its own)."""
+repository, on a node of its own (private mount and network namespaces: its /run,
+/var/lib/ferry and /dev/shm are fresh, and ports 7070/7071 its own)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ def walkthrough() -> str:
 NODE = """\
 set -e
 mount --make-rprivate /
-for d in /run /var/lib /var/tmp /dev/shm; do mount -t tmpfs tmpfs "$d"; done
+# Only where the walkthrough writes: the repository itself may live under /var or /tmp.
+mkdir -p /var/lib/ferry
+for d in /run /var/lib/ferry /dev/shm; do mount -t tmpfs tmpfs "$d"; done
 ip link set lo up
 exec bash -e -o pipefail -x "$0"
 """

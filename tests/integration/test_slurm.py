@@ -20,13 +20,13 @@ REPO = Path(__file__).resolve().parents[2]
 NODE = r"""
 set -e
 mount --make-rprivate /
-for d in /run /var/tmp; do mount -t tmpfs tmpfs "$d"; done
+mount -t tmpfs tmpfs /run  # the cluster's files go here: the repository may live under /var or /tmp
 ip link set lo up
 # getaddrinfo(AI_ADDRCONFIG), which slurmctld uses, wants one non-loopback address.
 ip link add s0 type veth peer name s1; ip addr add 10.199.0.1/24 dev s0; ip link set s0 up; ip link set s1 up
 H=$(hostname -s)
 printf '127.0.0.1 localhost %s\n' "$H" > /run/hosts; mount --bind /run/hosts /etc/hosts
-W=/var/tmp/slurm; mkdir -p $W/state $W/spool
+W=/run/slurm; mkdir -p $W/state $W/spool
 cat > $W/slurm.conf <<CONF
 ClusterName=ferrytest
 SlurmctldHost=$H
@@ -53,8 +53,8 @@ CONF
 export SLURM_CONF=$W/slurm.conf
 slurmctld -i
 slurmd -N "$H"
-ferry agent --listen 127.0.0.1:7070 --state-dir /var/tmp/ferry --node-name "$H" --insecure \
-    2>/var/tmp/agent.log &
+ferry agent --listen 127.0.0.1:7070 --state-dir /run/ferry-state --node-name "$H" --insecure \
+    2>/run/ferry-agent.log &
 for i in $(seq 100); do
     sinfo -h -o %T 2>/dev/null | grep -qx idle && [ -S /run/ferry/agent.sock ] && break; sleep 0.2
 done
