@@ -53,8 +53,12 @@ def free_bytes(path: Path) -> int:
 
 def no_space(path: Path, node: str, step: str = "transfer intake") -> TransferError:
     """A staging area that filled up, named as such: its writer only sees a failed write, and the
-    source a connection reset."""
-    st = os.statvfs(path)
+    source a connection reset. `path` may be gone already (the migration was dropped): its
+    filesystem is then read at the nearest directory above it."""
+    where = path
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    st = os.statvfs(where)
     total = st.f_blocks * st.f_frsize
     return TransferError(
         f"no space left in the staging area {path} ({total >> 20} MiB, all in use)",

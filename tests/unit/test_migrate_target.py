@@ -7,6 +7,7 @@ and then damaged on purpose where a test needs it.
 from __future__ import annotations
 
 import collections
+import errno
 import hashlib
 import os
 import signal
@@ -757,3 +758,30 @@ def test_a_stream_broken_before_the_restore_drops_the_lease(target: TargetMigrat
         list(target.stream_pages(broken_stream(MID)))
     assert state(target) == pb.TARGET_STATE_ABORTED
     assert staged(target) == []
+
+
+def test_no_space_names_the_staging_area_even_once_it_was_dropped(tmp_path: Path) -> None:
+    from agent.migration.staging import no_space
+
+    gone = tmp_path / "staging" / "in-m1"  # dropped with the migration before the error is told
+    e = no_space(gone, "nodeb")
+    assert f"no space left in the staging area {gone} (" in str(e) and "--staging-dir" in str(e)
+
+
+def test_a_push_into_a_full_staging_area_says_no_space(
+    target: TargetMigrations, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agent.migration import transfer
+
+    target.prepare(prepare_req())
+    chunks = chunks_for(make_image(tmp_path))
+
+    def full(self, chunk) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(transfer.Intake, "feed", full)
+    with pytest.raises(TransferError, match=r"no space left in the staging area .*in-") as exc:
+        target.push(iter(chunks))
+    assert exc.value.node == "nodeb" and "--staging-dir" in str(exc.value)
+    assert staged(target) == []
+    assert state(target) == pb.TARGET_STATE_ABORTED
