@@ -8,6 +8,11 @@ from collections.abc import Iterator
 from typing import Any
 
 
+def at(args: argparse.Namespace, agent: str) -> argparse.Namespace:
+    """The same command's arguments, aimed at another agent."""
+    return argparse.Namespace(**{**vars(args), "agent": agent})
+
+
 def dial(args: argparse.Namespace) -> Any:
     """Credentials for --agent: none for the unix socket or --insecure, else our client certificate."""
     from agent import tls

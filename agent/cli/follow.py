@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.cli.calls import call, stream
+from agent.cli.calls import at, call, stream
 from agent.errors import FerryError
 
 #: How many moves one follower goes after (a loop of moves is a bug somewhere, not progress).
@@ -31,10 +31,6 @@ class Followed:
     printed: dict[int, int] = field(default_factory=dict)
     #: Bytes read from the current agent, per stream.
     read: dict[int, int] = field(default_factory=dict)
-
-
-def _at(args: argparse.Namespace, agent: str) -> argparse.Namespace:
-    return argparse.Namespace(**{**vars(args), "agent": agent})
 
 
 def find_job(args: argparse.Namespace, name: str) -> Any:
@@ -72,7 +68,7 @@ def follow(
 
     f = into or Followed(agent=args.agent)
     for _ in range(MAX_HOPS):
-        here = _at(args, f.agent)
+        here = at(args, f.agent)
         f.read.clear()  # an agent's copy of the logs is read from its start
         for chunk in stream(here, "Logs", pb.LogsRequest(name=name, follow=True), None):
             _print_new(f, chunk)
@@ -89,7 +85,7 @@ def follow(
             return f
         print(f"ferry: job {name} moved to {where}; following it there", file=sys.stderr, flush=True)
         try:
-            find_job(_at(args, f.job.moved_to), name)
+            find_job(at(args, f.job.moved_to), name)
         except FerryError as e:
             e.hint = e.hint or f"follow it there: ferry logs {name} --follow --agent {f.job.moved_to}"
             raise
@@ -137,7 +133,7 @@ class StopOnSignal:
         def stop() -> None:
             try:
                 call(
-                    _at(self.args, self.followed.agent),
+                    at(self.args, self.followed.agent),
                     "StopJob",
                     pb.StopJobRequest(name=self.name, timeout_s=10),
                     40,

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from agent.cli.calls import call, stream
+from agent.cli.calls import at, call, stream
 from agent.cli.output import job_out, print_json
 from agent.cli.parser import EXIT_OK, Usage
 
@@ -76,9 +76,7 @@ def _ps_group(args: argparse.Namespace) -> int:
     silent = 0
     for address in agents:
         try:
-            jobs = call(
-                argparse.Namespace(**{**vars(args), "agent": address}), "ListJobs", pb.ListJobsRequest(), 10
-            )
+            jobs = call(at(args, address), "ListJobs", pb.ListJobsRequest(), 10)
         except FerryError as e:
             print(f"ferry ps: {e}", file=sys.stderr)
             silent += 1

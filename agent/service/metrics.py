@@ -20,10 +20,11 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from agent import __version__, client
-from agent.errors import FerryError, InvalidArgumentError
+from agent.errors import InvalidArgumentError
 from agent.health.verdicts import State
 from agent.jobs.record import JobState
 from agent.migration.model import MigrationResult
+from agent.migration.staging import free_bytes
 
 if TYPE_CHECKING:
     from agent.service.node import AgentNode
@@ -73,7 +74,7 @@ class AgentMetrics:
             registry=r,
         )
         Info("ferry_build", "This agent's build", registry=r).info(
-            {"version": __version__, "node": agent.node, "criu": _criu_version(agent)}
+            {"version": __version__, "node": agent.node, "criu": agent.criu_version()}
         )
         r.register(_Now(agent))
 
@@ -132,13 +133,6 @@ class AgentMetrics:
             thread.join(5)
 
         return stop
-
-
-def _criu_version(agent: AgentNode) -> str:
-    try:
-        return agent.criu.require_usable()
-    except FerryError as e:
-        return f"unusable: {e.cause}"
 
 
 def _dir_bytes(root: Path) -> int:
@@ -206,8 +200,7 @@ class _Now(Collector):
         yield staging
         free = GaugeMetricFamily("ferry_staging_free_bytes", "Free bytes on the staging area's filesystem")
         try:
-            st = os.statvfs(root)
-            free.add_metric([], st.f_bfree * st.f_frsize)
+            free.add_metric([], free_bytes(root))
         except OSError:
             free.add_metric([], 0)
         yield free

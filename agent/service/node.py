@@ -245,11 +245,15 @@ class AgentNode:
 
     # -- operations the servicer calls ---------------------------------------------------
 
-    def info(self) -> NodeInfo:
+    def criu_version(self) -> str:
+        """CRIU's version, or why it cannot be used (GetInfo and the metrics' build info)."""
         try:
-            criu_version = self.criu.require_usable()
+            return self.criu.require_usable()
         except FerryError as e:
-            criu_version = f"unusable: {e.cause}"
+            return f"unusable: {e.cause}"
+
+    def info(self) -> NodeInfo:
+        criu_version = self.criu_version()
         self.staging_root.mkdir(mode=0o700, parents=True, exist_ok=True)
         free = shutil.disk_usage(self.staging_root).free
         peers = tuple(p.address for p in self.config.peers)

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -31,6 +31,7 @@ from tests.integration.jobtools import (
     run_training,
     steps_in,
     train_args,
+    wait_for,
     wait_state,
     wait_steps,
 )
@@ -45,16 +46,6 @@ FINAL = ("exited", "stopped", "moved", "checkpointed", "lost")
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def wait_for(what: str, probe: Callable[[], object], timeout_s: float = DEADLINE_S) -> object:
-    """Poll until probe() returns something truthy; fail naming `what` otherwise."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if got := probe():
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 def records(agent: LocalAgent, role: str) -> list[dict]:

@@ -12,7 +12,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from agent import certs
 from agent.jobs import procs
 from agent.testing.bed import node_bed
 from agent.testing.localcluster import LocalAgent
-from tests.integration.jobtools import wait_state
+from tests.integration.jobtools import wait_for, wait_state
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -91,7 +90,7 @@ def test_attach_and_follow_go_with_the_job_and_metrics_count_the_move(bed) -> No
     )
     try:
         started = lambda: attach.poll() is not None or "counter" in a.cli("ps").stdout  # noqa: E731
-        wait_for(started, 60, "the attached job to start")
+        wait_for("the attached job to start", started, 60)
         assert attach.poll() is None, attach.communicate()
         a.wait_log("counter", r"^step 5$")
         follow = cli_popen(a, "logs", "counter", "--follow", env=env)
@@ -156,19 +155,10 @@ def hog(tmp_path: Path, mib: int) -> list[str]:
     return [sys.executable, str(script)]
 
 
-def wait_for(pred, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def start_hog_move(a: LocalAgent, b: LocalAgent, tmp_path: Path, mib: int) -> subprocess.Popen[str]:
     """A job holding mib MiB on a, and `ferry migrate --pre-copy` of it to b, in the background."""
     a.cli("run", "--name", "hog", "--", *hog(tmp_path, mib))
-    wait_for(lambda: "ready" in a.cli("logs", "hog").stdout, 60, "the job to start")
+    wait_for("the job to start", lambda: "ready" in a.cli("logs", "hog").stdout, 60)
     return subprocess.Popen(
         [*a.ferry(), "migrate", "hog", "--agent", f"unix:{a.socket}", "--to", b.address, "--pre-copy"],
         stdout=subprocess.PIPE,
@@ -185,7 +175,7 @@ def test_a_stopping_agent_drops_the_staging_of_an_image_waiting_for_its_commit(t
     try:
         # The source pauses before its commit: the whole image waits in the target's staging.
         staged = lambda: sum(f.stat().st_size for f in b.staging_dir.rglob("*") if f.is_file())  # noqa: E731
-        wait_for(lambda: staged() > 64 << 20, 60, "the image in the target's staging")
+        wait_for("the image in the target's staging", lambda: staged() > 64 << 20, 60)
         assert b.stop() == 0
         assert staged() == 0, sorted(b.staging_dir.rglob("*"))
         assert "dropped 1 incoming migration(s) that had not begun to restore" in b.log_path.read_text()
@@ -208,7 +198,7 @@ def test_a_staging_area_that_fills_during_the_transfer_is_named_as_full(two, tmp
     b = two("node-b", staging_dir=small_tmpfs / "staging").start()
     mover = start_hog_move(a, b, tmp_path, 96)
     # Space was there when the lease was granted; something else takes it before the dump.
-    wait_for(lambda: "lease granted" in b.log_path.read_text(), 60, "the target's lease")
+    wait_for("the target's lease", lambda: "lease granted" in b.log_path.read_text(), 60)
     free = os.statvfs(small_tmpfs).f_bfree * os.statvfs(small_tmpfs).f_frsize
     with open(small_tmpfs / "filler", "wb") as f:
         f.truncate(0)
@@ -294,7 +284,7 @@ def test_the_units_command_line_runs_an_agent(installed: Path, tmp_path: Path) -
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={"PATH": "/usr/bin:/bin"})
     try:
-        wait_for(lambda: "listening on" in log.read_text(), 60, "the agent to listen")
+        wait_for("the agent to listen", lambda: "listening on" in log.read_text(), 60)
         m = re.search(r"metrics on ([0-9.:]+)/metrics", log.read_text())
         assert m, log.read_text()
         ferry = [str(installed / "bin/ferry")]
