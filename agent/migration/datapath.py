@@ -12,6 +12,7 @@ import contextlib
 import logging
 import socket
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from agent.jobs import procs
 from agent.migration.datatls import DataIdentity, DataTls, check_peer_cert
@@ -23,9 +24,12 @@ log = logging.getLogger(__name__)
 
 
 class SourceDataPath:
-    def __init__(self, migration_id: str, node: str, criu: Callable[[], tuple[int, float]]) -> None:
+    def __init__(
+        self, migration_id: str, node: str, criu: Callable[[], tuple[int, float]], staging_root: Path
+    ) -> None:
         self.migration_id = migration_id
         self.node = node
+        self.staging_root = staging_root  # where the one-time key goes (datatls.KEYS_DIR)
         self.criu = criu  # the CRIU at our end of the connection: its pid and start time, journaled
         self.identity = DataIdentity.new(f"{node} {migration_id}")
         self.tls: DataTls | None = None
@@ -44,7 +48,7 @@ class SourceDataPath:
         if not (lease.page_stream and lease.data_cert):
             return False
         check_peer_cert(lease.data_cert, f"target {lease.node_name}")
-        self.tls = DataTls(self.identity, lease.data_cert)
+        self.tls = DataTls(self.identity, lease.data_cert, self.staging_root)
         return True
 
     def open(

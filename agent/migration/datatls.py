@@ -78,13 +78,30 @@ def check_peer_cert(pem: bytes, who: str) -> None:
         raise InvalidArgumentError(f"{who}'s one-time data certificate does not parse: {e}") from None
 
 
-class DataTls:
-    """The files of one migration's data connection, in a private directory of their own (under
-    the system's temporary directory, never in staging: the source sends its staging to the
-    target, and a target's staging holds images only) that `close()` removes."""
+#: One-time keys live in the staging root, each in a directory of its own named so: beside the
+#: migrations' staging (never in one: the source sends its staging to the target, and a target's
+#: staging holds images only), on the staging filesystem, which a restart of the agent sweeps.
+KEYS_PREFIX = "keys-"
 
-    def __init__(self, ours: DataIdentity, peer_cert: bytes, parent: Path | None = None) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="ferry-data-tls-", dir=parent))
+
+def sweep_keys(staging_root: Path) -> int:
+    """Remove the keys an agent that stopped mid-move left behind (a killed agent closes nothing);
+    their moves were resolved by recovery, and a CRIU reads its files only as it connects."""
+    if not staging_root.is_dir():
+        return 0
+    stale = [d for d in staging_root.iterdir() if d.name.startswith(KEYS_PREFIX)]
+    for d in stale:
+        shutil.rmtree(d, ignore_errors=True)
+    return len(stale)
+
+
+class DataTls:
+    """The files of one migration's data connection, in a private directory of their own in the
+    staging root (`KEYS_PREFIX`), which `close()` removes."""
+
+    def __init__(self, ours: DataIdentity, peer_cert: bytes, staging_root: Path) -> None:
+        staging_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.dir = Path(tempfile.mkdtemp(prefix=KEYS_PREFIX, dir=staging_root))
         self.files = TlsFiles(self.dir / "peer.pem", self.dir / "ours.pem", self.dir / "ours-key.pem")
         for path, data in ((self.files.cacert, peer_cert), (self.files.cert, ours.cert_pem)):
             path.write_bytes(data)

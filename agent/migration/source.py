@@ -128,7 +128,7 @@ class SourceMigration:
         self.lease = pb.Lease()
         #: The job's memory goes CRIU to CRIU on a data connection this owns (None: staged push).
         self.data = SourceDataPath(
-            spec.migration_id, node, lambda: (self.record.criu_pid, self.record.criu_started)
+            spec.migration_id, node, lambda: (self.record.criu_pid, self.record.criu_started), staging_root
         )
         self.direct = False
         self.lazy_dump: LazyDump | None = None

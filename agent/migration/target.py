@@ -254,7 +254,7 @@ class TargetMigrations:
         if req.data_cert:
             identity = DataIdentity.new(f"{self.node} {req.migration_id}")
             try:
-                inc.data_tls = DataTls(identity, req.data_cert)
+                inc.data_tls = DataTls(identity, req.data_cert, self.staging_root)
             except OSError as e:
                 with self._lock:
                     self._drop(inc, f"cannot write its data connection's TLS files: {e}")

@@ -32,6 +32,7 @@ from agent.jobs.network import JobNetwork
 from agent.jobs.record import JobRecord, OnDegraded, Priority, check_job_name
 from agent.jobs.registry import JobRegistry
 from agent.migration.capture import default_cuda_jobs
+from agent.migration.datatls import sweep_keys
 from agent.migration.journal import SOURCE, Journal
 from agent.migration.local import checkpoint, restore_image, resume_preempted
 from agent.migration.model import Method, MigrationResult, MigrationSpec, Progress
@@ -141,6 +142,8 @@ class AgentNode:
         self.journal.load(SOURCE, strict=True)
         for line in self.targets.recover():
             log.warning("recovered incoming migration %s", line)
+        if n := sweep_keys(self.staging_root):
+            log.info("removed %d one-time data key(s) that the last run left", n)
 
         def loop() -> None:
             for line in self.recovery.recover():

@@ -98,10 +98,10 @@ def move(tmp_path: Path, cap: int) -> Move:
     job = start_job(tmp_path, log)
     criu = Criu()
     source, target = DataIdentity.new("source m1"), DataIdentity.new("target m1")
-    theirs = DataTls(target, source.cert_pem)
+    theirs = DataTls(target, source.cert_pem, tmp_path)
     pages = TargetPages(criu, dst, cap, "target", theirs.files, "127.0.0.1")
     ours = SourcePages(lambda reqs: InProcessCall(pages, reqs), "m1", "source")
-    return Move(src, dst, log, job, criu, ours, DataTls(source, target.cert_pem), target.cert_pem)
+    return Move(src, dst, log, job, criu, ours, DataTls(source, target.cert_pem, tmp_path), target.cert_pem)
 
 
 def wait_for_steps(log: Path, more_than: int, timeout_s: float) -> list[int]:
@@ -160,7 +160,7 @@ def test_a_dump_holding_another_key_is_refused_by_the_page_server(tmp_path: Path
     """Only the holder of the lease's other one-time key may connect: a stranger's certificate
     (a node of the cluster, say) fails CRIU's TLS handshake, and the job runs on."""
     m = move(tmp_path, 1 << 34)
-    stranger = DataTls(DataIdentity.new("stranger"), m.target_cert)
+    stranger = DataTls(DataIdentity.new("stranger"), m.target_cert, tmp_path)
     try:
         with pytest.raises(CriuError):
             m.dump(stranger)

@@ -331,7 +331,7 @@ class FakePeer:
         assert first is not None and first.migration_id, "a page stream starts with its migration id"
         assert self.prepare_req is not None and self.prepare_req.data_cert
         self.staging.mkdir(parents=True, exist_ok=True)
-        tls = DataTls(self.data_identity, self.prepare_req.data_cert)
+        tls = DataTls(self.data_identity, self.prepare_req.data_cert, self.staging.parent)
         pages = TargetPages(
             FakeCriu(self.node_name), self.staging, 1 << 30, self.node_name, tls.files, "127.0.0.1"
         )

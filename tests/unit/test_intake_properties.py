@@ -43,6 +43,7 @@ from agent.jobs.record import JobState
 from agent.jobs.registry import JobRegistry
 from agent.migration import target as incoming
 from agent.migration import transfer
+from agent.migration.datatls import KEYS_PREFIX
 from agent.migration.target import TargetMigrations
 from agent.migration.transfer import Intake
 from agent.rpc import pb
@@ -383,12 +384,14 @@ def snapshot(root: Path, staging: Path) -> dict[str, tuple[object, ...]]:
     """Every entry under root outside staging: kind, and for files size, mtime and content.
 
     Directories are listed without their mtime: staging's parent changes when staging comes and goes.
+    The one-time key beside staging (datatls.KEYS_PREFIX) is the migration's too, and goes with it.
     """
     out: dict[str, tuple[object, ...]] = {}
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
             p = Path(dirpath) / name
-            if p == staging or staging in p.parents:
+            key = any(q.parent == staging.parent and q.name.startswith(KEYS_PREFIX) for q in (p, *p.parents))
+            if p == staging or staging in p.parents or key:
                 continue
             st_ = p.lstat()
             if p.is_symlink():

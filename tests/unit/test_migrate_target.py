@@ -47,7 +47,7 @@ from agent.jobs.record import JobKind, JobRecord, JobState
 from agent.jobs.registry import JobRegistry
 from agent.migration import source as migrate
 from agent.migration import target as incoming
-from agent.migration.datatls import DataIdentity
+from agent.migration.datatls import KEYS_PREFIX, DataIdentity
 from agent.migration.states import TargetState
 from agent.migration.target import TargetMigrations
 from agent.migration.transfer import SendStats, send_image
@@ -171,7 +171,8 @@ def test_prepare_grants_a_lease(target: TargetMigrations) -> None:
     assert lease.node_name == "nodeb"
     assert lease.max_bytes >= 2 * (1 << 20)
     assert lease.expires_at > before
-    assert staged(target) == [f"in-{MID}"]
+    staging, key = staged(target)
+    assert staging == f"in-{MID}" and key.startswith(KEYS_PREFIX)  # the data connection's one-time key
     assert state(target) == pb.TARGET_STATE_PREPARED
 
 
