@@ -187,7 +187,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     nbytes = int(args.gib * GIB)
     root = Path(tempfile.mkdtemp(prefix="ferry-bench-link-", dir=args.workdir))
     src_id, dst_id = DataIdentity.new("source"), DataIdentity.new("target")
-    src_tls, dst_tls = DataTls(src_id, dst_id.cert_pem), DataTls(dst_id, src_id.cert_pem)
+    src_tls, dst_tls = (
+        DataTls(src_id, dst_id.cert_pem, root / "keys"),
+        DataTls(dst_id, src_id.cert_pem, root / "keys"),
+    )
     _PROBE.update(cert=str(src_tls.files.cert), key=str(src_tls.files.key))
     holder = None
     try:
