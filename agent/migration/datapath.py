@@ -29,7 +29,7 @@ class SourceDataPath:
     ) -> None:
         self.migration_id = migration_id
         self.node = node
-        self.staging_root = staging_root  # where the one-time key goes (datatls.KEYS_DIR)
+        self.staging_root = staging_root  # where the one-time key goes (datatls.KEYS_PREFIX)
         self.criu = criu  # the CRIU at our end of the connection: its pid and start time, journaled
         self.identity = DataIdentity.new(f"{node} {migration_id}")
         self.tls: DataTls | None = None
