@@ -20,6 +20,7 @@ sys.path.insert(0, str(REPO))
 
 from agent import certs  # noqa: E402
 from agent.testing.localcluster import LocalAgent  # noqa: E402
+from agent.testing.poll import wait_for  # noqa: E402
 
 WORKLOAD = REPO / "scripts" / "workloads" / "train_mlp.py"
 STEPS = 60
@@ -32,15 +33,6 @@ def say(text: str) -> None:
 
 def steps_in(log: str) -> list[int]:
     return [int(m[1]) for m in re.finditer(r"^step (\d+) ", log, re.M)]
-
-
-def wait_for(pred, timeout_s: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := pred():
-            return value
-        time.sleep(0.1)
-    raise SystemExit(f"demo: timed out waiting for {what}")
 
 
 def main() -> int:
@@ -70,7 +62,7 @@ def main() -> int:
 
         say(f"ferry run: {WORKLOAD.name} {' '.join(ARGS)} on node-a")
         print(a.cli("run", "--name", "train", "--", sys.executable, str(WORKLOAD), *ARGS).stdout.strip())
-        wait_for(lambda: len(steps_in(a.cli("logs", "train").stdout)) >= 15, 120, "step 15")
+        wait_for("step 15", lambda: len(steps_in(a.cli("logs", "train").stdout)) >= 15, 120)
         print(a.cli("ps").stdout)
 
         say(f"ferry migrate train --to {b.address}")
@@ -82,7 +74,7 @@ def main() -> int:
         say("after the move")
         print("node-a:\n" + a.cli("ps").stdout)
         print("node-b:\n" + b.cli("ps").stdout)
-        wait_for(lambda: "exited" in b.cli("ps").stdout, 180, "the job to finish on node-b")
+        wait_for("the job to finish on node-b", lambda: "exited" in b.cli("ps").stdout, 180)
         log = b.cli("logs", "train").stdout
         steps = steps_in(log)
         digest = re.search(r"final digest (\w+)", log)[1]  # type: ignore[index]
@@ -104,4 +96,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except AssertionError as e:  # wait_for timed out: one line, not a traceback
+        sys.exit(f"demo: {e}")

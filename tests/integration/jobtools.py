@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from agent.testing.localcluster import LocalAgent
@@ -126,13 +125,3 @@ def on_own_node(
         env=env,
         check=False,
     )
-
-
-def wait_for(what: str, probe: Callable[[], object], timeout_s: float = 120.0) -> object:
-    """Poll until probe() returns something truthy (returned); fail naming `what` otherwise."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if got := probe():
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")

@@ -22,6 +22,7 @@ import pytest
 from agent import certs
 from agent.jobs import procs
 from agent.testing.localcluster import LocalAgent
+from agent.testing.poll import wait_for
 from tests.integration.jobtools import (
     WORKLOAD,
     assert_completed_exactly_once,
@@ -31,7 +32,6 @@ from tests.integration.jobtools import (
     run_training,
     steps_in,
     train_args,
-    wait_for,
     wait_state,
     wait_steps,
 )

@@ -22,7 +22,8 @@ from agent import certs
 from agent.jobs import procs
 from agent.testing.bed import node_bed
 from agent.testing.localcluster import LocalAgent
-from tests.integration.jobtools import wait_for, wait_state
+from agent.testing.poll import wait_for
+from tests.integration.jobtools import wait_state
 
 REPO = Path(__file__).resolve().parents[2]
 
