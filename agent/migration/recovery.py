@@ -11,10 +11,11 @@ possible:
   outlived us, and resume; the journaled state says how far the CUDA freeze got
   (states.cuda_left), so only a call cut off half-way needs the driver's word.
 - restoring, paging, unresolved (states.MAYBE_SENT): commit may have reached the
-  target. Ask it. RUNNING:
-  end the frozen copy. ABORTED or UNKNOWN: resume. No answer: stay frozen,
-  marked UNRESOLVED with the reason and the command that settles it, and ask
-  again every few seconds.
+  target. Ask it, fencing it if it has not begun restoring, and act on the one
+  decision (agent.migration.fencing.decide): RUNNING ends the frozen copy, a
+  confirmed FENCED resumes it, and anything else (no answer, an error, a restore
+  not settled, a refused fence) keeps it frozen, marked UNRESOLVED with the
+  reason and the command that settles it, and asked again every few seconds.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ from agent.jobs.network import LinkLock
 from agent.jobs.record import JobState
 from agent.jobs.registry import JobRegistry
 from agent.migration import rollback
+from agent.migration.fencing import TargetAnswer, Verdict, ask_target, decide
 from agent.migration.journal import SOURCE, Journal, MigrationRecord
 from agent.migration.model import Peer, unresolved_note
 from agent.migration.states import MAYBE_SENT, NOT_SENT, SOURCE_TRANSITIONS, MigrationState, cuda_left
-from agent.rpc import pb
 
 log = logging.getLogger(__name__)
 
@@ -139,26 +140,28 @@ class SourceRecovery:
 
     def _settle(self, rec: MigrationRecord, restarted: bool) -> str:
         why = "the agent restarted" if restarted else "asked again"
-        if rec.state in _NOT_SENT:
+        state = _journaled(rec)
+        if state in NOT_SENT:
             self._wait_for_criu(rec)
             self._tell_target_abort(rec, f"source {self.node} restarted while {rec.state}")
-            return self._resume(
-                rec, f"{why} while {rec.state}; commit was never sent, so the target cannot run it"
+            answer = TargetAnswer.UNKNOWN  # moot: commit was never sent
+        else:
+            answer = self._ask_target(rec)
+        verdict = decide(state, answer)
+        if verdict is not Verdict.HOLD:
+            self._wait_for_criu(rec)  # a lazy dump still serving holds the tree: it goes first
+        if verdict is Verdict.RESUME:
+            said = (
+                f"{why} while {rec.state}; commit was never sent, so the target cannot run it"
+                if state in NOT_SENT
+                else f"{why}: the target confirmed that it does not run the job"
             )
-        state = self._ask_target(rec)
-        if state == pb.TARGET_STATE_RUNNING:
+            return self._resume(rec, said)
+        if verdict is Verdict.FINISH:
             return self._finish(rec, f"{why}: the target reports that it runs the job")
-        if state in (pb.TARGET_STATE_ABORTED, pb.TARGET_STATE_UNKNOWN):
-            what = "aborted it" if state == pb.TARGET_STATE_ABORTED else "has no record of it"
-            return self._resume(rec, f"{why}: the target {what}")
-        if state in (pb.TARGET_STATE_PREPARED, pb.TARGET_STATE_RECEIVING, pb.TARGET_STATE_VERIFIED):
-            # It never started restoring: fence it, then the copy here is the only one.
-            self._tell_target_abort(rec, "source settles an interrupted commit")
-            if self._ask_target(rec) == pb.TARGET_STATE_ABORTED:
-                return self._resume(rec, f"{why}: the target had not started restoring; aborted there")
-        if rec.state != MigrationState.UNRESOLVED.value:
+        if state is not MigrationState.UNRESOLVED:
             subject = f"{rec.migration_id} (job {rec.job})"
-            SOURCE_TRANSITIONS.check(MigrationState(rec.state), MigrationState.UNRESOLVED, subject)
+            SOURCE_TRANSITIONS.check(state, MigrationState.UNRESOLVED, subject)
             rec.state = MigrationState.UNRESOLVED.value
             rec.note = unresolved_note(rec.job, rec.peer)
             self.journal.save(rec)
@@ -190,7 +193,7 @@ class SourceRecovery:
             gone=JobState.LOST,
             cuda_back=lambda: self.ledger.release_frozen(rec.cuda_pids),
         )
-        shutil.rmtree(rec.staging, ignore_errors=True)
+        self._drop_files(rec)
         self._settled(rec, MigrationState.ABORTED, say(done))
         return say(done)
 
@@ -201,9 +204,16 @@ class SourceRecovery:
         copy = rollback.FrozenCopy(job, pids, LinkLock(self.registry.network, job.veth))
         gone = lambda: self.ledger.release_frozen(rec.cuda_pids)  # noqa: E731
         rollback.finish(self.registry, copy, JobState.MOVED, note, cuda_gone=gone, moved_to=rec.peer)
-        shutil.rmtree(rec.staging, ignore_errors=True)
+        self._drop_files(rec)
         self._settled(rec, MigrationState.COMMITTED, note)
         return note
+
+    @staticmethod
+    def _drop_files(rec: MigrationRecord) -> None:
+        """Its staging and its one-time data key: of no use once it is settled."""
+        for d in (rec.staging, rec.keys):
+            if d:
+                shutil.rmtree(d, ignore_errors=True)
 
     def _settled(self, rec: MigrationRecord, state: MigrationState, note: str) -> None:
         subject = f"{rec.migration_id} (job {rec.job})"
@@ -214,12 +224,14 @@ class SourceRecovery:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _ask_target(self, rec: MigrationRecord) -> int | None:
+    def _ask_target(self, rec: MigrationRecord) -> TargetAnswer:
+        """The target's word, fencing it if it has not begun restoring (agent.migration.fencing)."""
         try:
-            return self.peer_for(rec.peer).status(rec.migration_id)
-        except FerryError as e:
-            log.info("migration %s: target %s gave no answer: %s", rec.migration_id, rec.peer, e)
-            return None
+            peer = self.peer_for(rec.peer)
+        except FerryError as e:  # no way to reach it (its TLS files, say): no answer
+            log.warning("migration %s: cannot reach target %s: %s", rec.migration_id, rec.peer, e)
+            return TargetAnswer.UNKNOWN
+        return ask_target(peer, rec.migration_id, fence="source settles an interrupted commit", tries=1)
 
     def _tell_target_abort(self, rec: MigrationRecord, reason: str) -> None:
         try:
@@ -236,3 +248,15 @@ class SourceRecovery:
             "migration %s: waiting for CRIU (pid %d) to finish its dump", rec.migration_id, rec.criu_pid
         )
         procs.end_within(rec.criu_pid, rec.criu_started, CRIU_WAIT_S)
+
+
+def _journaled(rec: MigrationRecord) -> MigrationState:
+    """A source record's state; one this agent cannot read is refused, never guessed."""
+    try:
+        return MigrationState(rec.state)
+    except ValueError as e:
+        raise FerryError(
+            f"migration record {rec.migration_id} has the unknown source state {rec.state!r}",
+            step="journal",
+            hint="settle it by hand: see docs/architecture.md, recovery",
+        ) from e

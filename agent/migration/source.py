@@ -37,10 +37,8 @@ from agent.errors import (
     MigrationAbortedError,
     NotFoundError,
     RefusedError,
-    StepTimeoutError,
     TransferError,
     UnauthenticatedError,
-    UnavailableError,
     as_ferry_error,
 )
 from agent.gpus.inventory import gib
@@ -65,6 +63,7 @@ from agent.migration.capture import (
     require_host_memory,
 )
 from agent.migration.datapath import SourceDataPath
+from agent.migration.fencing import TargetAnswer, Verdict, ask_target, decide
 from agent.migration.journal import SOURCE, Journal, MigrationRecord
 from agent.migration.limits import RateLog, refuse_long_pause
 from agent.migration.model import (
@@ -77,7 +76,13 @@ from agent.migration.model import (
     unresolved_note,
 )
 from agent.migration.pagestream import lazy_bytes, sent_bytes, staged_page_bytes
-from agent.migration.states import SOURCE_TRANSITIONS, CudaLeft, MigrationState, cuda_left
+from agent.migration.states import (
+    NOT_SENT,
+    SOURCE_TRANSITIONS,
+    CudaLeft,
+    MigrationState,
+    cuda_left,
+)
 from agent.migration.transfer import SendStats, send_image
 from agent.rpc import pb
 
@@ -126,6 +131,7 @@ class SourceMigration:
         self.emit = emit
         self.state = MigrationState.PREPARING
         self.lease = pb.Lease()
+        self.prepare_sent = False
         #: The job's memory goes CRIU to CRIU on a data connection this owns (None: staged push).
         self.data = SourceDataPath(
             spec.migration_id, node, lambda: (self.record.criu_pid, self.record.criu_started), staging_root
@@ -176,6 +182,7 @@ class SourceMigration:
             self.phases.run("prepare", lambda: self._prepare(rec))
         except Exception as exc:
             e = as_ferry_error(exc, "prepare", self.node)
+            self._release_lease(e)
             self.registry.update(
                 rec.name, state=JobState.RUNNING, migration_id="", note=f"migration refused: {e}"
             )
@@ -384,15 +391,15 @@ class SourceMigration:
             err = as_ferry_error(exc, "pages", self.node)
         # The transfer broke after the target resumed the job. The tree here is stopped: it runs
         # nowhere until the target says whether its copy (missing pages, so it kills it) is gone.
-        state = self._target_settled()
-        if state == pb.TARGET_STATE_RUNNING:
+        verdict = decide(MigrationState.PAGING, self._target_settled())
+        if verdict is Verdict.FINISH:
             log.warning(
                 "migration %s: post-copy reported %s, but the target has every page",
                 self.spec.migration_id,
                 err,
             )
             return StreamDigest(0, "")
-        if state in (pb.TARGET_STATE_ABORTED, pb.TARGET_STATE_UNKNOWN):
+        if verdict is Verdict.RESUME:
             err = _TargetAborted(
                 f"post-copy to {self.result.target_node} failed ({err}); the target killed its copy, so "
                 "the job goes on here from where it froze",
@@ -404,15 +411,14 @@ class SourceMigration:
         self._abort(rec, pids, err)
         raise AssertionError("unreachable")
 
-    def _target_settled(self) -> int | None:
-        """The target's state once it has left POSTCOPY (None: no answer in time)."""
+    def _target_settled(self) -> TargetAnswer:
+        """The target's word once it has left POSTCOPY (UNKNOWN: none in time)."""
         deadline = time.monotonic() + POSTCOPY_SETTLE_S
-        while time.monotonic() < deadline:
-            state = self._ask_target()
-            if state is not None and state != pb.TARGET_STATE_POSTCOPY:
-                return state
+        while True:
+            answer = self._ask_target()
+            if answer is not TargetAnswer.UNKNOWN or time.monotonic() >= deadline:
+                return answer
             time.sleep(0.5)
-        return None
 
     def _criu_started(self, pid: int) -> None:
         self._journal(criu_pid=pid, criu_started=procs.create_time(pid))
@@ -497,8 +503,11 @@ class SourceMigration:
             address=rec.address,
             data_cert=self.data.cert,
         )
+        self.prepare_sent = True  # from here the target may hold a lease, answered or not
         lease = self.lease = self.peer.prepare(req)
         self.direct = not self.spec.staged and self.data.accept(lease)
+        if self.data.tls is not None:  # whoever settles this move removes it (recovery too)
+            self._journal(keys=str(self.data.tls.dir))
         if self.spec.lazy and not (lease.lazy and self.direct):
             raise RefusedError(
                 f"target {self.spec.target} does not offer post-copy",
@@ -526,49 +535,66 @@ class SourceMigration:
         req = pb.CommitRequest(migration_id=self.spec.migration_id)
         try:
             return self.peer.commit(req)
-        except (UnavailableError, StepTimeoutError) as e:
-            # No answer: the target may or may not run the job. Ask before anything else.
-            state = self._ask_target()
-            if state == pb.TARGET_STATE_RUNNING:
+        except Exception as exc:
+            # Whatever the failure, the commit may have reached the target: only its word decides.
+            e = as_ferry_error(exc, "commit", self.node)
+            verdict = decide(MigrationState.RESTORING, self._ask_target(fence=f"commit failed: {e.cause}"))
+            if verdict is Verdict.FINISH:
                 log.warning(
-                    "migration %s: commit answer lost, but the target runs the job", self.spec.migration_id
+                    "migration %s: commit answer lost (%s), but the target runs the job",
+                    self.spec.migration_id,
+                    e.cause,
                 )
                 return pb.CommitResponse(node_name=self.result.target_node, resumed_after_s=-1.0)
-            if state in (None, pb.TARGET_STATE_RESTORING):
-                raise _Unresolved(str(e)) from e
-            if state in (pb.TARGET_STATE_ABORTED, pb.TARGET_STATE_UNKNOWN):
-                raise TransferError(f"target lost the migration during commit: {e.cause}") from e
-            # It has not started restoring, but our commit may still be on its way: fence it first.
-            try:
-                self.peer.abort(self.spec.migration_id, f"commit unanswered: {e.cause}")
-            except FerryError as abort_err:
-                raise _Unresolved(f"{e}; and the target could not be told to abort") from abort_err
-            raise _TargetAborted(f"target did not act on the commit ({e.cause}); aborted there") from e
+            if verdict is Verdict.RESUME:
+                raise _TargetAborted(
+                    f"the commit failed ({e.cause}) and the target confirmed it does not run the job"
+                ) from exc
+            raise _Unresolved(str(e)) from exc
 
-    def _ask_target(self) -> int | None:
-        for _ in range(5):
-            try:
-                return self.peer.status(self.spec.migration_id)
-            except (UnavailableError, StepTimeoutError):
-                time.sleep(1.0)
-        return None
+    def _ask_target(self, fence: str = "") -> TargetAnswer:
+        return ask_target(self.peer, self.spec.migration_id, fence=fence, sleep=time.sleep)
+
+    def _release_lease(self, err: FerryError) -> None:
+        """A refusal after the target granted its lease: the target frees its slot, staging and
+        GPUs at once (not when the lease runs out), and our one-time key goes."""
+        self.data.close()
+        if not self.prepare_sent:
+            return
+        try:
+            self.peer.abort(self.spec.migration_id, f"the source refused after the lease: {err.cause}")
+        except FerryError as e:  # nothing froze: its lease still runs out on its own
+            log.warning("migration %s: could not release the target's lease: %s", self.spec.migration_id, e)
+
+    def _verdict(self, phase: MigrationState, err: FerryError) -> Verdict:
+        """The decision (agent.migration.fencing) for a failure while `phase`: decided already
+        where the target's word was taken, else asked now if commit may have been sent."""
+        if isinstance(err, _Unresolved):
+            return Verdict.HOLD
+        if isinstance(err, _TargetAborted):
+            return Verdict.RESUME  # the target confirmed it: ask_target's answer, taken already
+        if phase in NOT_SENT:
+            return decide(phase, TargetAnswer.UNKNOWN)  # commit never sent: its answer is moot
+        answer = self._ask_target(fence=f"source {self.node} failed while {phase.value}: {err.cause}")
+        return decide(phase, answer)
 
     def _abort(self, rec: JobRecord, pids: list[int], err: FerryError) -> None:
         phase = self.state
-        if isinstance(err, _Unresolved):
+        if self._verdict(phase, err) is not Verdict.RESUME:
+            # HOLD, or a late RUNNING met on an error path: frozen, and recovery settles it.
             note = unresolved_note(rec.name, self.spec.target)
             self.registry.update(rec.name, note=note)
             self._to(MigrationState.UNRESOLVED, note=note)
-            raise _Unresolved(note, step="commit", node=self.node) from err
+            raise _Unresolved(f"{note} ({err.cause})", step=err.step or "commit", node=self.node) from err
         self._set(MigrationState.ABORTING, "abort", f"aborting: {err}")
         self.data.cut()
         self.data.close()
         if self.lazy_dump is not None:
             self._end_lazy_dump()
         try:
-            if not isinstance(err, _TargetAborted):
+            if phase in NOT_SENT:  # the target frees its lease now; after commit, ask_target fenced it
                 self.peer.abort(self.spec.migration_id, str(err))
-        except FerryError as e:
+        except FerryError as e:  # commit was never sent: its lease runs out on its own
             log.warning("migration %s: target abort failed: %s", self.spec.migration_id, e)
         # A freeze that failed undid itself (agent.cuda.driver.freeze); a finished one is undone here.
         left = cuda_left(phase, bool(self.footprint.processes))

@@ -306,7 +306,7 @@ def test_target_killed_during_restore_source_stays_frozen_until_settled(agents):
     restart(b)  # kills the restore it did not see finish, and answers ABORTED from now on
     rec = assert_target_dropped(b)
     assert "killed its half-finished restore" in rec["note"], rec
-    assert_resumed(a, "tkr", "settled", "the target aborted it", "resumed here")
+    assert_resumed(a, "tkr", "settled", "the target confirmed that it does not run the job", "resumed here")
     assert job(b, "tkr")["state"] == "lost"
     assert_no_copy(b, "tkr")
     assert "final digest" not in b.cli("logs", "tkr").stdout, "node-b's copy ran to the end"

@@ -19,6 +19,7 @@ from agent.errors import (
     InvalidArgumentError,
     MigrationAbortedError,
     NotFoundError,
+    PermissionDeniedError,
     RefusedError,
     StepTimeoutError,
     TransferError,
@@ -114,13 +115,14 @@ class Harness:
         assert self.killed == []
         assert not (self.staging_root / f"out-{MID}").exists()
 
-    def assert_rolled_back(self) -> None:
-        """Aborted after the freeze: the source copy runs again, nothing left behind."""
+    def assert_rolled_back(self, told: bool = True) -> None:
+        """Aborted after the freeze: the source copy runs again, nothing left behind; the target
+        was told to abort (`told`), unless it had said so itself."""
         assert self.job.state is JobState.RUNNING
         assert self.job.migration_id == ""
         assert "aborted" in self.job.note
         assert self.killed == []
-        assert [m for m, _ in self.peer.aborts] == [MID]
+        assert [m for m, _ in self.peer.aborts] == ([MID] if told else [])
         assert not (self.staging_root / f"out-{MID}").exists()
         wait_running(self.pid)
 
@@ -264,7 +266,9 @@ def test_prepare_refused_by_the_target(h: Harness) -> None:
 
     assert "/data/shard-0" in str(exc.value)
     assert "nodeb" in str(exc.value)
-    assert h.peer.calls == ["info", "prepare"]
+    # Told to abort all the same: a Prepare that failed may have left a lease (its tombstone
+    # also refuses a late copy of the same Prepare).
+    assert h.peer.calls == ["info", "prepare", "abort"]
     h.assert_untouched()
 
 
@@ -362,16 +366,18 @@ def test_image_corrupted_in_transit_is_caught_by_the_digests(staged: Harness) ->
     h.assert_rolled_back()
 
 
-def test_definite_commit_failure_aborts_and_resumes(h: Harness) -> None:
+def test_a_failed_commit_resumes_only_once_the_target_confirms_it_does_not_run_the_job(h: Harness) -> None:
     h.peer.fail["commit"] = RefusedError("criu restore failed: pid 1 is taken", step="commit", node="nodeb")
+    h.peer.status_answers = [pb.TARGET_STATE_ABORTED]
     m = h.migration()
     with pytest.raises(MigrationAbortedError, match="pid 1 is taken"):
         m.run()
 
     assert m.state is MigrationState.ABORTED
-    assert "status" not in h.peer.calls  # a definite answer needs no question
+    # Whatever the error says, the commit reached the target: only its word decides.
+    assert h.peer.calls[-2:] == ["commit", "status"]
     assert h.resumed and h.resumed[0][0] == h.pid
-    h.assert_rolled_back()
+    h.assert_rolled_back(told=False)
     assert h.phases_emitted()[-1] == "abort"
 
 
@@ -449,18 +455,19 @@ def test_unresolved_job_is_not_resumed_blindly_after_an_agent_restart(h: Harness
 def test_lost_commit_answer_and_target_without_the_job_resumes(h: Harness, answer: int) -> None:
     h.peer.fail["commit"] = UnavailableError("unreachable")
     h.peer.status_answers = [answer]
-    with pytest.raises(MigrationAbortedError, match="target lost the migration"):
+    with pytest.raises(MigrationAbortedError, match="target confirmed it does not run the job"):
         h.migration().run()
 
     assert h.resumed and h.resumed[0][0] == h.pid
-    h.assert_rolled_back()
+    h.assert_rolled_back(told=False)
 
 
 def test_lost_commit_answer_and_target_not_yet_restoring_is_fenced_then_resumes(h: Harness) -> None:
     h.peer.fail["commit"] = UnavailableError("unreachable")
     h.peer.status_answers = [pb.TARGET_STATE_VERIFIED]
-    with pytest.raises(MigrationAbortedError, match="did not act on the commit"):
+    with pytest.raises(MigrationAbortedError, match="target confirmed it does not run the job"):
         h.migration().run()
+    assert h.peer.calls[-3:] == ["commit", "status", "abort"]  # fenced before the copy resumed
     assert h.resumed and h.resumed[0][0] == h.pid
     h.assert_rolled_back()
 
@@ -474,6 +481,102 @@ def test_lost_commit_answer_and_no_way_to_fence_the_target_keeps_the_job_frozen(
         h.migration().run()
     assert is_stopped(h.pid)
     assert h.resumed == []
+
+
+#: Every way a Commit call can fail, as the client maps gRPC's codes (agent.client.from_rpc_error).
+COMMIT_FAILURES = [
+    FerryError("Cancelled"),  # CANCELLED, INTERNAL, UNKNOWN: the base error
+    UnavailableError("agent 127.0.0.1:7071 is unreachable", step="commit"),
+    StepTimeoutError("agent 127.0.0.1:7071 did not answer in time", step="commit"),
+    RefusedError("migration is restoring", node="nodeb"),
+    TransferError("the stream broke"),
+    NotFoundError("no migration"),
+    InvalidArgumentError("bad id"),
+    PermissionDeniedError("not yours"),
+]
+
+
+@pytest.mark.parametrize("failure", COMMIT_FAILURES, ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize("target", [pb.TARGET_STATE_RESTORING, pb.TARGET_STATE_POSTCOPY])
+def test_a_failed_commit_with_the_target_restoring_holds_the_copy_whatever_the_error(
+    h: Harness, failure: FerryError, target: int
+) -> None:
+    """Defect: any Commit error but UNAVAILABLE/DEADLINE resumed the source without asking, even
+    with the target restoring (a CANCELLED commit made two copies)."""
+    h.peer.fail["commit"] = failure
+    h.peer.fail["abort"] = RefusedError("migration is restoring the job here; it cannot be aborted")
+    h.peer.status_answers = [target]
+    m = h.migration()
+    with pytest.raises(FerryError, match="UNRESOLVED") as exc:
+        m.run()
+
+    assert not isinstance(exc.value, MigrationAbortedError)
+    assert m.state is MigrationState.UNRESOLVED
+    assert "status" in h.peer.calls
+    assert h.resumed == []
+    assert h.killed == []
+    assert is_stopped(h.pid)
+    assert h.job.state is JobState.MIGRATING
+
+
+@pytest.mark.parametrize(
+    "status", [FerryError("migration record is unreadable"), PermissionDeniedError("not yours")]
+)
+def test_a_target_that_cannot_say_holds_the_copy(h: Harness, status: FerryError) -> None:
+    """Defect: a deliberate error from GetMigration (an unreadable record) escaped into the abort
+    path, which resumed the copy."""
+    h.peer.fail["commit"] = UnavailableError("unreachable")
+    h.peer.status_answers = [status]
+    m = h.migration()
+    with pytest.raises(FerryError, match="UNRESOLVED"):
+        m.run()
+    assert h.peer.calls.count("status") == 1  # a deliberate answer is not asked again at once
+    assert m.state is MigrationState.UNRESOLVED
+    assert h.resumed == []
+    assert is_stopped(h.pid)
+
+
+def test_a_refused_fence_holds_the_copy(h: Harness) -> None:
+    """The target had not begun restoring when asked, but refused the abort: it has begun since."""
+    h.peer.fail["commit"] = FerryError("Cancelled")
+    h.peer.status_answers = [pb.TARGET_STATE_VERIFIED]
+    h.peer.fail["abort"] = RefusedError("migration is restoring the job here; it cannot be aborted")
+    m = h.migration()
+    with pytest.raises(FerryError, match="UNRESOLVED"):
+        m.run()
+    assert m.state is MigrationState.UNRESOLVED
+    assert h.resumed == []
+
+
+def test_a_failure_after_the_commit_point_was_journaled_asks_before_resuming(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Anything that fails once RESTORING is journaled goes through the decision: held while the
+    target may run the job."""
+    monkeypatch.setenv("FERRY_FAULTS", "commit")
+    h.peer.status_answers = [pb.TARGET_STATE_RESTORING]
+    m = h.migration()
+    with pytest.raises(FerryError, match="UNRESOLVED"):
+        m.run()
+    assert "commit" not in h.peer.calls and "status" in h.peer.calls
+    assert m.state is MigrationState.UNRESOLVED
+    assert is_stopped(h.pid)
+
+
+def test_a_refusal_after_the_lease_releases_it_and_the_key_at_once(h: Harness) -> None:
+    """Defect: the source refused after the target's lease (no post-copy offered here) without
+    telling the target, which kept its slot, staging and GPUs for the lease's 600 s, and left
+    its one-time key in the staging root."""
+    h.peer.page_stream = True
+    m = h.migration(method=Method.POST_COPY)
+    m.spec = MigrationSpec(m.spec.job, m.spec.target, MID, lazy=True)  # asked for, not defaulted
+    h.criu.lazy_blocker = ""  # this node could serve it; the fake target grants no post-copy
+    with pytest.raises(RefusedError, match="does not offer post-copy"):
+        m.run()
+    assert h.peer.calls[-1] == "abort" and [a for a, _ in h.peer.aborts] == [MID]
+    assert "after the lease" in h.peer.aborts[0][1]
+    assert not list(h.staging_root.glob("keys-*")), "the one-time key outlived the refusal"
+    h.assert_untouched()
 
 
 def test_target_abort_failing_still_resumes_the_source(h: Harness) -> None:
@@ -517,7 +620,9 @@ def test_fault_at_commit_resumes_the_frozen_copy(h: Harness, monkeypatch: pytest
         h.migration().run()
 
     assert "push" in h.peer.calls and "commit" not in h.peer.calls
-    h.assert_rolled_back()
+    # RESTORING was journaled: the copy resumes on the target's word (it has no record of the id).
+    assert h.peer.calls[-1] == "status"
+    h.assert_rolled_back(told=False)
 
 
 def test_fault_at_prepare_is_a_refusal(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -614,3 +719,56 @@ def test_a_lazy_dump_that_went_eager_is_said_and_its_criu_logs_kept(h: Harness) 
         "post-copy (CRIU dumped 4.60 GB of the memory eagerly instead of leaving it lazy)"
     )
     assert m.keep_criu_logs
+
+
+# -- post-copy's settlement ------------------------------------------------------------
+
+
+class _BrokenLazyDump:
+    """A lazy dump whose page stream broke after the target resumed the job."""
+
+    def wait(self, timeout_s: float) -> object:
+        raise CriuError("lazy dump", "page transfer broke off", log_path=Path("/nonexistent"))
+
+
+@pytest.mark.parametrize(
+    ("answers", "state"),
+    [
+        ([FerryError("migration record is unreadable")], MigrationState.UNRESOLVED),
+        ([UnavailableError("unreachable")], MigrationState.UNRESOLVED),
+        ([pb.TARGET_STATE_POSTCOPY], MigrationState.UNRESOLVED),
+        ([pb.TARGET_STATE_POSTCOPY, pb.TARGET_STATE_ABORTED], MigrationState.ABORTED),
+        ([pb.TARGET_STATE_RUNNING], MigrationState.PAGING),  # all pages there: the move goes on
+    ],
+)
+def test_a_broken_post_copy_is_settled_by_the_targets_word_and_never_left_paging(
+    h: Harness, answers: list[object], state: MigrationState, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Defect: an error other than UNAVAILABLE from GetMigration after a broken post-copy left the
+    job frozen in PAGING, which nothing settles until a restart."""
+    h.peer.status_answers = answers  # type: ignore[assignment]
+    m = h.migration()
+    m.lazy_dump = _BrokenLazyDump()  # type: ignore[assignment]
+    m.data.pages = types.SimpleNamespace(close=lambda: None)  # type: ignore[assignment]
+    m.state = MigrationState.PAGING
+    m._journal(state=MigrationState.PAGING.value)
+    h.registry.begin_move("train", MID, "migration")
+    procs.stop([h.pid])
+    t = [0.0]  # a clock that moves only when slept on: POSTCOPY_SETTLE_S passes at once
+
+    def sleep(s: float) -> None:
+        t[0] += s
+
+    clock = types.SimpleNamespace(monotonic=lambda: t[0], time=migrate.time.time, sleep=sleep)
+    monkeypatch.setattr(migrate, "time", clock)
+    if state is MigrationState.PAGING:
+        m._post_copy(h.job, [h.pid])
+    else:
+        with pytest.raises(FerryError):
+            m._post_copy(h.job, [h.pid])
+    assert m.state is state
+    assert m.journal.get("source", MID).state == state.value
+    if state is MigrationState.ABORTED:
+        wait_running(h.pid)
+    else:
+        assert is_stopped(h.pid) and h.resumed == []

@@ -193,6 +193,47 @@ def test_a_target_that_never_started_restoring_is_fenced_then_the_copy_resumes(f
     assert not is_stopped(proc.pid)
 
 
+class RefusingTarget(ScriptedTarget):
+    """A target that answers GetMigration with an error of its own, or refuses the fence."""
+
+    def __init__(self, state: int | None, status_error: FerryError | None, abort_error: FerryError | None):
+        super().__init__(state)
+        self.status_error, self.abort_error = status_error, abort_error
+
+    def status(self, mid: str) -> int:
+        if self.status_error is not None:
+            raise self.status_error
+        return super().status(mid)
+
+    def abort(self, mid: str, reason: str) -> None:
+        if self.abort_error is not None:
+            raise self.abort_error
+        super().abort(mid, reason)
+
+
+@pytest.mark.parametrize(
+    ("state", "status_error", "abort_error"),
+    [
+        (pb.TARGET_STATE_RESTORING, FerryError("migration record m1 is unreadable"), None),
+        (pb.TARGET_STATE_VERIFIED, None, RefusedError("migration m1 is restoring the job here")),
+        (pb.TARGET_STATE_POSTCOPY, None, None),
+        (pb.TARGET_STATE_UNSPECIFIED, None, None),
+    ],
+)
+def test_recovery_holds_the_copy_on_anything_but_a_definite_answer(
+    state, status_error, abort_error, frozen, registry, tmp_path
+) -> None:
+    """The same decision as the live source (agent.migration.fencing): an error, a refused fence
+    or an unsettled restore is no answer."""
+    proc = frozen()
+    journal = Journal(tmp_path / "state")
+    journal.save(source_record("restoring", proc, tmp_path))
+    recovery(registry, journal, RefusingTarget(state, status_error, abort_error)).recover()
+    assert is_stopped(proc.pid)
+    assert journal.get(SOURCE, "m1").state == "unresolved"
+    assert registry.get("train").state is JobState.MIGRATING
+
+
 def test_no_answer_after_commit_keeps_the_copy_frozen_and_says_so(frozen, registry, tmp_path) -> None:
     proc = frozen()
     journal = Journal(tmp_path / "state")
@@ -311,3 +352,20 @@ def test_an_unreadable_record_stops_the_start_and_is_named(role, make_agent, tmp
         svc.recover()
     assert "check the job on both nodes" in err.value.hint
     assert path.exists()  # left for the operator
+
+
+@pytest.mark.parametrize(
+    ("answer", "ends"), [(pb.TARGET_STATE_ABORTED, "aborted"), (pb.TARGET_STATE_RUNNING, "committed")]
+)
+def test_settling_removes_the_moves_one_time_key(answer, ends, frozen, registry, tmp_path) -> None:
+    """A move left UNRESOLVED keeps its key for a CRIU that may still connect; whoever settles
+    it removes the key (before, only an agent restart swept it)."""
+    proc = frozen()
+    keys = tmp_path / "staging" / "keys-abc"
+    keys.mkdir(parents=True)
+    (keys / "ours-key.pem").write_bytes(b"secret")
+    journal = Journal(tmp_path / "state")
+    journal.save(source_record("unresolved", proc, tmp_path, keys=str(keys)))
+    recovery(registry, journal, ScriptedTarget(answer)).poll()
+    assert journal.get(SOURCE, "m1").state == ends
+    assert not keys.exists()
