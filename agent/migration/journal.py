@@ -38,6 +38,8 @@ class MigrationRecord:
     pids: list[int] = field(default_factory=list)  # source: the frozen tree; target: adopted PIDs
     cuda_pids: list[int] = field(default_factory=list)  # source: processes whose CUDA state is checkpointed
     keys: str = ""  # source: its one-time data key's directory, removed when the migration settles
+    kind: str = "move"  # source: move | checkpoint | suspend (a local operation: no peer)
+    image: str = ""  # a local operation's image directory (never removed by recovery)
     criu_pid: int = 0  # the CRIU process of the dump or restore in progress
     criu_started: float = 0.0
     expires_at: float = 0.0

@@ -6,9 +6,11 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Iterable
+import uuid
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from agent import faults
 from agent.criu.dumpable import refuse_undumpable
 from agent.criu.runner import Criu
 from agent.cuda import driver as cuda
@@ -24,14 +26,14 @@ from agent.migration import rollback
 from agent.migration.capture import (
     Phases,
     copy_logs,
-    default_cuda_jobs,
     dump_externals,
     needs_shell_job,
     require_host_memory,
 )
+from agent.migration.journal import SOURCE, Journal, MigrationRecord
 from agent.migration.model import Emit, MigrationResult, Progress
 from agent.migration.restore import restore_tree
-from agent.migration.states import CudaLeft
+from agent.migration.states import SOURCE_TRANSITIONS, CudaLeft, MigrationState
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +46,28 @@ def checkpoint(
     node: str,
     leave_running: bool,
     emit: Emit = lambda p: None,
-    cuda_jobs: CudaJobs | None = None,
+    *,
+    journal: Journal,
+    cuda_jobs: CudaJobs,
+    suspend: bool = False,
 ) -> MigrationResult:
-    """Save a job to `out_dir`; unless leave_running, it then ends here (state CHECKPOINTED).
+    """Save a job to `out_dir`; unless leave_running, it then ends here (state CHECKPOINTED, or
+    PREEMPTED for a preemption's `suspend`).
 
-    A CUDA job's device memory is saved too; ending it frees its GPUs.
+    A CUDA job's device memory is saved too; ending it frees its GPUs. Every step is journaled
+    as a move's is (kind "checkpoint" or "suspend", no peer): after a crash, recovery resumes
+    the frozen job, or ends it once RESTORING says the image holds it (SourceRecovery).
     """
-    cj = cuda_jobs or default_cuda_jobs(node)
+    cj = cuda_jobs
     if out_dir.exists() and any(out_dir.iterdir()):
         raise InvalidArgumentError(f"{out_dir} is not empty; choose a new directory for the image", node=node)
-    rec = registry.begin_move(name, f"checkpoint-{int(time.time())}", "checkpoint")
+    kind = KIND_SUSPEND if suspend else KIND_CHECKPOINT
+    mid = f"{kind}-{uuid.uuid4().hex[:12]}"
+    rec = registry.begin_move(name, mid, kind)
     link = LinkLock(registry.network, rec.veth)
+    record = MigrationRecord(mid, SOURCE, name, MigrationState.PREPARING.value, kind=kind, image=str(out_dir))
+    op = LocalOp(journal, record)
+    op.save(pids=[rec.pid])
 
     def frozen(pids: list[int], left: CudaLeft) -> rollback.FrozenCopy:
         return rollback.FrozenCopy(rec, pids, link, fp.pids, left)
@@ -72,16 +85,28 @@ def checkpoint(
         out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the job's memory: root only
         emit(Progress("dump", f"dumping job {name} to {out_dir}"))
         if fp.processes:
-            cj.freeze(fp, phases.times)
+            op.to(MigrationState.LOCKING, cuda_pids=fp.pids)
+            cj.freeze(fp, phases.times, on_step=lambda step: op.to(CUDA_STEPS[step]))
             left = CudaLeft.CHECKPOINTED
+            op.to(MigrationState.CHECKPOINTED)
         shell_job = needs_shell_job(rec, tree)
         # Stopped, not killed, so the logs copied below end exactly where the dump did.
+        op.to(MigrationState.DUMPING, pids=tree)
         link.engage()
+        faults.check("checkpoint", node)
         dump = phases.run(
             "dump",
-            lambda: criu.dump(rec.pid, out_dir, shell_job=shell_job, external=dump_externals(rec, link)),
+            lambda: criu.dump(
+                rec.pid,
+                out_dir,
+                shell_job=shell_job,
+                external=dump_externals(rec, link),
+                on_start=lambda pid: op.save(criu_pid=pid, criu_started=procs.create_time(pid)),
+            ),
         )
         pids = procs.tree_pids(rec.pid)
+        op.to(MigrationState.TRANSFERRING, pids=pids)
+        faults.check("checkpoint-dumped", node)
         copy_logs(rec, out_dir)
         emit(Progress("transfer", "writing the manifest and digests"))
         job = JobSpec(**{**rec.spec().__dict__, "shell_job": shell_job})
@@ -104,9 +129,11 @@ def checkpoint(
         def failed(r: rollback.Resumed) -> str:
             return f"{note}; {r.summary()}; {cuda.UNDO_HINT}" if r.summary() else note
 
+        op.to(MigrationState.ABORTING)
         done = rollback.resume(
             registry, cj.driver, frozen(pids, left), failed, cuda_back=lambda: cj.release(fp)
         )
+        op.to(MigrationState.ABORTED, note=failed(done))
         if done.summary():
             e.cause += f"; {done.summary()}"
             e.hint = cuda.UNDO_HINT if done.undone else e.hint
@@ -121,9 +148,11 @@ def checkpoint(
             note = f"checkpointed to {out_dir}"
             return f"{note}; but here {r.summary()}: its CUDA calls stay blocked" if r.summary() else note
 
+        op.to(MigrationState.ABORTING)  # the frozen copy goes on here: a move's abort, by request
         done = rollback.resume(
             registry, cj.driver, frozen(pids, left), saved, cuda_back=lambda: cj.release(fp)
         )
+        op.to(MigrationState.ABORTED, note=saved(done))
         if done.summary():
             raise FerryError(
                 f"saved to {out_dir}, but {done.summary()}",
@@ -132,19 +161,60 @@ def checkpoint(
                 hint=f"the image is complete: `ferry stop {name}`, then `ferry restore {out_dir}`",
             )
     else:
-        rollback.finish(
-            registry,
-            frozen(pids, left),
-            JobState.CHECKPOINTED,
-            f"saved to {out_dir}",
-            cuda_gone=lambda: cj.release(fp),
-            checkpoint_dir=str(out_dir),
-        )
+        # From here the image holds the job: a crash leaves recovery to end the frozen copy.
+        op.to(MigrationState.RESTORING)
+        faults.check("checkpoint-saved", node)
+        end_saved(registry, frozen(pids, left), out_dir, suspend, cuda_gone=lambda: cj.release(fp))
+        op.to(MigrationState.COMMITTED)
     res = MigrationResult("", name, node, phases=phases.times, image_dir=str(out_dir))
     res.host_bytes, res.image_bytes, res.gpu_bytes = m.host_bytes, m.image_bytes, m.gpu_bytes
     res.total_s = time.monotonic() - t0
     emit(Progress("done", f"job {name} saved to {out_dir}"))
     return res
+
+
+KIND_CHECKPOINT, KIND_SUSPEND = "checkpoint", "suspend"
+#: The CUDA freeze's progress (agent.cuda.driver.freeze), journaled as it is reached.
+CUDA_STEPS = {"locked": MigrationState.LOCKED, "checkpointing": MigrationState.CHECKPOINTING}
+
+
+class LocalOp:
+    """A local operation's journal record: every state change checked, durable before it acts."""
+
+    def __init__(self, journal: Journal, record: MigrationRecord) -> None:
+        self.journal, self.record = journal, record
+
+    def save(self, **changes: object) -> None:
+        for k, v in changes.items():
+            setattr(self.record, k, v)
+        self.journal.save(self.record)
+
+    def to(self, state: MigrationState, **changes: object) -> None:
+        subject = f"{self.record.migration_id} (job {self.record.job})"
+        SOURCE_TRANSITIONS.check(MigrationState(self.record.state), state, subject)
+        self.save(state=state.value, **changes)
+
+
+def end_saved(
+    registry: JobRegistry,
+    copy: rollback.FrozenCopy,
+    image_dir: Path,
+    suspend: bool,
+    cuda_gone: Callable[[], None] = lambda: None,
+) -> None:
+    """The image holds the job: the frozen copy ends here, and the job is CHECKPOINTED (or,
+    suspended by a preemption, PREEMPTED, which resumes here by itself once a GPU is free)."""
+    rollback.finish(
+        registry,
+        copy,
+        JobState.CHECKPOINTED,
+        f"saved to {image_dir}",
+        cuda_gone=cuda_gone,
+        checkpoint_dir=str(image_dir),
+    )
+    if suspend:
+        note = f"preempted; resumes here by itself once a GPU is free (image {image_dir})"
+        registry.update(copy.rec.name, state=JobState.PREEMPTED, note=note)
 
 
 def restore_image(
@@ -153,14 +223,14 @@ def restore_image(
     image_dir: Path,
     name: str,
     node: str,
-    cuda_jobs: CudaJobs | None = None,
+    cuda_jobs: CudaJobs,
 ) -> JobRecord:
     """Resume a saved image on this node, after checking every digest; a CUDA job onto suitable
     GPUs, claimed in the node's GPU ledger until the restored job holds them."""
     if not image_dir.is_dir():
         raise NotFoundError(f"no image directory {image_dir} on this node", node=node)
     m = verify(image_dir)
-    cj = cuda_jobs or default_cuda_jobs(node)
+    cj = cuda_jobs
     job = name or m.job.name
     owner = f"the restore of job {job}"
     try:

@@ -25,11 +25,13 @@ import logging
 import shutil
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 from agent.compat import StrEnum
 from agent.cuda import driver as cuda
 from agent.errors import FerryError, InvalidArgumentError, NotFoundError, RefusedError
 from agent.gpus.ledger import GpuLedger
+from agent.image import verify
 from agent.jobs import procs
 from agent.jobs.network import LinkLock
 from agent.jobs.record import JobState
@@ -37,6 +39,7 @@ from agent.jobs.registry import JobRegistry
 from agent.migration import rollback
 from agent.migration.fencing import TargetAnswer, Verdict, ask_target, decide
 from agent.migration.journal import SOURCE, Journal, MigrationRecord
+from agent.migration.local import KIND_SUSPEND, end_saved
 from agent.migration.model import Peer, unresolved_note
 from agent.migration.states import MAYBE_SENT, NOT_SENT, SOURCE_TRANSITIONS, MigrationState, cuda_left
 
@@ -143,20 +146,25 @@ class SourceRecovery:
         state = _journaled(rec)
         if state in NOT_SENT:
             self._wait_for_criu(rec)
-            self._tell_target_abort(rec, f"source {self.node} restarted while {rec.state}")
+            if not rec.image:  # a local operation has no target to tell
+                self._tell_target_abort(rec, f"source {self.node} restarted while {rec.state}")
             answer = TargetAnswer.UNKNOWN  # moot: commit was never sent
         else:
-            answer = self._ask_target(rec)
+            answer = image_answer(rec) if rec.image else self._ask_target(rec)
         verdict = decide(state, answer)
         if verdict is not Verdict.HOLD:
             self._wait_for_criu(rec)  # a lazy dump still serving holds the tree: it goes first
         if verdict is Verdict.RESUME:
             said = (
                 f"{why} while {rec.state}; commit was never sent, so the target cannot run it"
-                if state in NOT_SENT
+                if state in NOT_SENT and not rec.image
+                else f"{why} while {rec.state}, before its image in {rec.image} was complete"
+                if rec.image
                 else f"{why}: the target confirmed that it does not run the job"
             )
             return self._resume(rec, said)
+        if verdict is Verdict.FINISH and rec.image:
+            return self._end_saved(rec, f"{why} while {rec.state}: its image in {rec.image} is complete")
         if verdict is Verdict.FINISH:
             return self._finish(rec, f"{why}: the target reports that it runs the job")
         if state is not MigrationState.UNRESOLVED:
@@ -182,7 +190,8 @@ class SourceRecovery:
         copy = rollback.FrozenCopy(job, procs.tree_pids(job.pid) if alive else [], link, rec.cuda_pids, left)
 
         def say(r: rollback.Resumed) -> str:
-            note = f"migration to {rec.peer} settled: {why}; the job resumed here"
+            what = rec.kind if rec.image else f"migration to {rec.peer}"
+            note = f"{what} settled: {why}; the job resumed here"
             return f"{note}, but {r.summary()}; {cuda.UNDO_HINT}" if r.summary() else note
 
         done = rollback.resume(
@@ -205,6 +214,18 @@ class SourceRecovery:
         gone = lambda: self.ledger.release_frozen(rec.cuda_pids)  # noqa: E731
         rollback.finish(self.registry, copy, JobState.MOVED, note, cuda_gone=gone, moved_to=rec.peer)
         self._drop_files(rec)
+        self._settled(rec, MigrationState.COMMITTED, note)
+        return note
+
+    def _end_saved(self, rec: MigrationRecord, why: str) -> str:
+        """A checkpoint or a preemption's suspend whose image is complete: the job ends here as
+        it asked (CHECKPOINTED, or PREEMPTED to resume here by itself)."""
+        job = self.registry.get(rec.job)
+        pids = procs.tree_pids(job.pid) if procs.alive(job.pid, job.pid_started) else []
+        copy = rollback.FrozenCopy(job, pids, LinkLock(self.registry.network, job.veth))
+        gone = lambda: self.ledger.release_frozen(rec.cuda_pids)  # noqa: E731
+        end_saved(self.registry, copy, Path(rec.image), rec.kind == KIND_SUSPEND, cuda_gone=gone)
+        note = f"{rec.kind} settled: {why}; the job's copy here ended"
         self._settled(rec, MigrationState.COMMITTED, note)
         return note
 
@@ -248,6 +269,17 @@ class SourceRecovery:
             "migration %s: waiting for CRIU (pid %d) to finish its dump", rec.migration_id, rec.criu_pid
         )
         procs.end_within(rec.criu_pid, rec.criu_started, CRIU_WAIT_S)
+
+
+def image_answer(rec: MigrationRecord) -> TargetAnswer:
+    """A local operation's "target" is its image: complete and verified, it holds the job
+    (RUNNING: end the frozen copy); anything less can never run it (FENCED: resume)."""
+    try:
+        verify(Path(rec.image))
+    except (FerryError, OSError) as e:
+        log.warning("migration %s: image %s is not complete: %s", rec.migration_id, rec.image, e)
+        return TargetAnswer.FENCED
+    return TargetAnswer.RUNNING
 
 
 def _journaled(rec: MigrationRecord) -> MigrationState:

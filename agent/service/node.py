@@ -35,7 +35,7 @@ from agent.migration.capture import default_cuda_jobs
 from agent.migration.datatls import sweep_keys
 from agent.migration.journal import SOURCE, Journal
 from agent.migration.local import checkpoint, restore_image, resume_preempted
-from agent.migration.model import Method, MigrationResult, MigrationSpec, Progress
+from agent.migration.model import Emit, Method, MigrationResult, MigrationSpec, Progress
 from agent.migration.recovery import Resolution, SourceRecovery
 from agent.migration.source import SourceMigration
 from agent.migration.target import TargetMigrations
@@ -219,7 +219,14 @@ class AgentNode:
         return self._send(spec)
 
     def _suspend(self, job: str, out_dir: Path) -> None:
-        checkpoint(self.registry, self.criu, job, out_dir, self.node, False, cuda_jobs=self.cuda)
+        self._checkpoint(job, out_dir, False, lambda p: None, suspend=True)
+
+    def _checkpoint(
+        self, job: str, out: Path, leave: bool, emit: Emit, suspend: bool = False
+    ) -> MigrationResult:
+        """`ferry checkpoint` and a preemption's suspend, journaled like a move."""
+        args = (self.registry, self.criu, job, out, self.node, leave, emit)
+        return checkpoint(*args, journal=self.journal, cuda_jobs=self.cuda, suspend=suspend)
 
     def run_move(
         self, work: Callable[[Callable[[Progress], None]], MigrationResult]
@@ -369,12 +376,7 @@ class AgentNode:
         self.registry.get(name)
         out = Path(out_dir)
 
-        def work(emit: Callable[[Progress], None]) -> MigrationResult:
-            return checkpoint(
-                self.registry, self.criu, name, out, self.node, leave_running, emit, cuda_jobs=self.cuda
-            )
-
-        return self.run_move(work)
+        return self.run_move(lambda emit: self._checkpoint(name, out, leave_running, emit))
 
     def restore(self, image: str, name: str) -> JobRecord:
         if not os.path.isabs(image):

@@ -39,6 +39,7 @@ from agent.jobs.record import JobState
 from agent.jobs.registry import JobRegistry
 from agent.migration import capture
 from agent.migration import target as incoming
+from agent.migration.journal import Journal
 from agent.migration.local import checkpoint, restore_image
 from agent.migration.model import Method, MigrationSpec
 from agent.migration.source import SourceMigration
@@ -356,7 +357,16 @@ def test_checkpoint_frees_the_gpu_and_restore_puts_the_job_back(
     registry.save(launched_record("train", proc, out, err))
     image = tmp_path / "img"
 
-    res = checkpoint(registry, fake_criu, "train", image, "nodea", leave_running=False, cuda_jobs=cj)
+    res = checkpoint(
+        registry,
+        fake_criu,
+        "train",
+        image,
+        "nodea",
+        leave_running=False,
+        journal=Journal(tmp_path / "state"),
+        cuda_jobs=cj,
+    )
     assert res.gpu_bytes == 4 * GIB and "cuda checkpoint" in res.phases
     assert registry.get("train").state is JobState.CHECKPOINTED
     assert world.used(GPU0) == 0  # suspended: its GPU is free for another job
@@ -376,7 +386,16 @@ def test_checkpoint_leave_running_resumes_cuda_in_place(tmp_path, sleeper, fake_
     world.add_cuda_process(proc.pid, [GPU0])
     cj, drv = fake_cuda_jobs(world)
     registry.save(launched_record("train", proc, out, err))
-    checkpoint(registry, fake_criu, "train", tmp_path / "img", "nodea", leave_running=True, cuda_jobs=cj)
+    checkpoint(
+        registry,
+        fake_criu,
+        "train",
+        tmp_path / "img",
+        "nodea",
+        leave_running=True,
+        journal=Journal(tmp_path / "state"),
+        cuda_jobs=cj,
+    )
     assert world.state(proc.pid) == RUNNING and registry.get("train").state is JobState.RUNNING
     assert drv.actions() == ["lock", "checkpoint", "restore", "unlock"]
     wait_running(proc.pid)
@@ -389,7 +408,16 @@ def test_restore_refuses_when_no_gpu_fits(tmp_path, sleeper, fake_criu, registry
     cj, _ = fake_cuda_jobs(world)
     fake_criu.cuda_world = world
     registry.save(launched_record("train", proc, out, err))
-    checkpoint(registry, fake_criu, "train", tmp_path / "img", "nodea", leave_running=False, cuda_jobs=cj)
+    checkpoint(
+        registry,
+        fake_criu,
+        "train",
+        tmp_path / "img",
+        "nodea",
+        leave_running=False,
+        journal=Journal(tmp_path / "state"),
+        cuda_jobs=cj,
+    )
     world.gpus[GPU0].others[1] = 10 * GIB
     with pytest.raises(RefusedError, match=r"has 6\.0 GiB free"):
         restore_image(registry, fake_criu, tmp_path / "img", "again", "nodea", cj)

@@ -16,6 +16,7 @@ from fake_cuda import CHECKPOINTED, GPU0, RUNNING, CudaWorld, fake_cuda_jobs
 from fakes import SLEEP, FakeCriu, is_dead, is_stopped, launched_record, wait_stopped
 
 from agent.errors import FerryError, NotFoundError, RefusedError, UnavailableError
+from agent.image import build_manifest
 from agent.jobs.record import JobState
 from agent.jobs.registry import JobRegistry
 from agent.migration.journal import KEEP_FINISHED_S, SOURCE, TARGET, Journal, MigrationRecord
@@ -369,3 +370,65 @@ def test_settling_removes_the_moves_one_time_key(answer, ends, frozen, registry,
     recovery(registry, journal, ScriptedTarget(answer)).poll()
     assert journal.get(SOURCE, "m1").state == ends
     assert not keys.exists()
+
+
+# -- local operations: `ferry checkpoint` and a preemption's suspend ------------------------
+
+
+def local_record(state: str, proc: subprocess.Popen[bytes], image: Path, kind: str) -> MigrationRecord:
+    return MigrationRecord("m1", SOURCE, "train", state, pids=[proc.pid], kind=kind, image=str(image))
+
+
+def saved_image(registry: JobRegistry, image: Path) -> Path:
+    image.mkdir()
+    (image / "pages-1.img").write_bytes(b"p" * 4096)
+    build_manifest(image, registry.get("train").spec(), "nodea")
+    return image
+
+
+@pytest.mark.parametrize("state", ["preparing", "dumping", "transferring", "aborting"])
+@pytest.mark.parametrize("kind", ["checkpoint", "suspend"])
+def test_a_local_operation_cut_short_before_its_image_held_the_job_resumes_it(
+    state, kind, frozen, registry, tmp_path
+) -> None:
+    """Defect: `ferry checkpoint` and a preemption's suspend wrote no journal record, so an agent
+    killed during one left the job MIGRATING and stopped for good (`ferry resolve`: "no unsettled
+    migration")."""
+    proc = frozen()
+    journal = Journal(tmp_path / "state")
+    journal.save(local_record(state, proc, saved_image(registry, tmp_path / "img"), kind))
+    peer = ScriptedTarget(None)
+    done = recovery(registry, journal, peer).recover()
+    assert not is_stopped(proc.pid)
+    assert registry.get("train").state is JobState.RUNNING
+    assert journal.get(SOURCE, "m1").state == "aborted"
+    assert peer.aborts == [] and "resumed here" in done[0]
+    assert (tmp_path / "img" / "pages-1.img").exists(), "recovery never removes a local image"
+
+
+@pytest.mark.parametrize(
+    ("kind", "ends"), [("checkpoint", JobState.CHECKPOINTED), ("suspend", JobState.PREEMPTED)]
+)
+def test_a_local_operation_whose_image_holds_the_job_ends_the_copy_as_asked(
+    kind, ends, frozen, registry, tmp_path
+) -> None:
+    proc = frozen()
+    journal = Journal(tmp_path / "state")
+    image = saved_image(registry, tmp_path / "img")
+    journal.save(local_record("restoring", proc, image, kind))
+    recovery(registry, journal, ScriptedTarget(None)).recover()
+    assert is_dead(proc.pid)
+    job = registry.get("train")
+    assert job.state is ends and job.checkpoint_dir == str(image)
+    assert journal.get(SOURCE, "m1").state == "committed"
+
+
+def test_a_local_operation_whose_image_is_not_complete_resumes_the_copy(frozen, registry, tmp_path) -> None:
+    proc = frozen()
+    journal = Journal(tmp_path / "state")
+    image = saved_image(registry, tmp_path / "img")
+    (image / "pages-1.img").write_bytes(b"torn")  # its digest no longer matches
+    journal.save(local_record("restoring", proc, image, "checkpoint"))
+    recovery(registry, journal, ScriptedTarget(None)).recover()
+    assert not is_stopped(proc.pid)
+    assert registry.get("train").state is JobState.RUNNING
