@@ -1,7 +1,9 @@
 """Fault injection for tests. Never set in production; each point costs a dict lookup.
 
 FERRY_FAULTS=point[,point...] makes those points fail. Points: prepare, dump,
-transfer, commit (source side); target-prepare, target-transfer, target-restore,
+transfer, commit (source side); checkpoint, checkpoint-dumped (the image written, its
+manifest not yet), checkpoint-saved (the image complete; a `ferry checkpoint` without
+--leave-running or a suspend about to end the job); target-prepare, target-transfer, target-restore,
 target-restored, target-pages (target side; the last breaks a post-copy transfer
 after 16 MiB have arrived). Two more corrupt the stream the source sends:
 corrupt-chunk (one byte of the first data chunk flipped after its digest) and

@@ -17,7 +17,13 @@ from pathlib import Path
 import grpc
 
 from agent.certs import CA_CERT, Role, role_of
-from agent.errors import InvalidArgumentError, NotFoundError, UnauthenticatedError
+from agent.errors import (
+    FerryError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+)
 
 DEFAULT_DIR = Path("/etc/ferry/tls")
 
@@ -81,7 +87,7 @@ def load(directory: Path, name: str = "", want: Role | None = None) -> Identity:
             step="tls",
             hint=f"issue them with `ferry certs node|client {name} --dir {directory}`",
         )
-    data = {k: p.read_bytes() for k, p in files.items()}
+    data = {k: _read(p) for k, p in files.items()}
     role = cert_role(data["cert"])
     if role is None:
         raise InvalidArgumentError(
@@ -103,6 +109,22 @@ def load(directory: Path, name: str = "", want: Role | None = None) -> Identity:
         files["cert"],
         files["key"],
     )
+
+
+def _read(path: Path) -> bytes:
+    """A TLS file's bytes; one we may not read (`ferry certs` writes keys 0600) is one line
+    naming it, not a traceback."""
+    try:
+        return path.read_bytes()
+    except PermissionError as e:
+        raise PermissionDeniedError(
+            f"cannot read {path}: permission denied (uid {os.geteuid()})",
+            step="tls",
+            hint="run as a user who may read it (root, for a node's key), or use a client certificate "
+            "of your own: `ferry certs client NAME --dir DIR`, then --tls-dir DIR",
+        ) from e
+    except OSError as e:
+        raise FerryError(f"cannot read {path}: {e.strerror or e}", step="tls") from e
 
 
 @functools.lru_cache(maxsize=256)

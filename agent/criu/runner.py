@@ -232,7 +232,7 @@ class Criu:
             server.kill()
             cause = criu_logs.cause(log_path, resp.cr_errmsg) or "CRIU could not start a page server"
             raise CriuError("page-server", cause, log_path=log_path, node=self.node)
-        server.pid, server.port = resp.ps.pid, resp.ps.port
+        server.started(resp.ps.pid, resp.ps.port)
         return server
 
     # -- plumbing -------------------------------------------------------------

@@ -21,6 +21,7 @@ from pathlib import Path
 from agent.criu import child
 from agent.criu import logs as criu_logs
 from agent.errors import CriuError
+from agent.jobs import procs
 
 try:
     from agent.criu_pb import rpc_pb2
@@ -142,6 +143,26 @@ class PageServer:
         self.images_dir = images_dir
         self.pid = 0
         self.port = 0  # where it listens, once started
+        #: The server as a pidfd, taken as soon as CRIU names it: a kill through it reaches that
+        #: process or none, never another that got its PID after it was reaped. Where pidfds are
+        #: refused (an old kernel, a seccomp profile), its start time tells it apart instead.
+        self._pidfd = -1
+        self._started = 0.0
+
+    def started(self, pid: int, port: int) -> None:
+        """CRIU says its page server runs as pid. PAGE_SERVER_CHLD forks it from our swrk, which
+        reaps it only when asked (WAIT_PID) or when swrk itself ends: until then the PID is its
+        own, so the child of our swrk with that PID is the server."""
+        self.pid, self.port = pid, port
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except OSError as e:
+            log.debug("no pidfd for criu page server %d (%s): its start time identifies it", pid, e)
+        if procs.parent(pid) != self.proc.pid:  # gone already, or not the process CRIU started
+            log.warning("criu page server pid %d is gone, or not a child of swrk %d", pid, self.proc.pid)
+            self._close_pidfd()
+            return
+        self._started = procs.create_time(pid)
 
     def request(self, req: rpc_pb2.criu_req, timeout_s: float | None = None) -> rpc_pb2.criu_resp:
         """One request and its answer within timeout_s (None: PAGE_SERVER_MAX_S); on expiry the
@@ -189,8 +210,17 @@ class PageServer:
     def close(self) -> None:
         self.sock.close()
         child.finish(self.proc)
+        self._close_pidfd()
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
 
     def _kill_server(self) -> None:
-        if self.pid:
-            with contextlib.suppress(ProcessLookupError):
+        # Never by bare PID: once the server has exited and been reaped, that PID may be anyone's.
+        with contextlib.suppress(ProcessLookupError):
+            if self._pidfd >= 0:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            elif self._started and procs.alive(self.pid, self._started):
                 os.kill(self.pid, signal.SIGKILL)

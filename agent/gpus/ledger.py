@@ -11,7 +11,9 @@ nowhere else:
 - **preemption hold**: a low-priority job was suspended so that a job moving in gets the
   GPU, for at most `preempt_hold_s` or until that job has arrived;
 - **quarantine**: the GPU made the agent move a job (agent.gpus.quarantine, on disk);
-- **job**: an active job's record names it (`ferry run --gpu`), read from the registry;
+- **job**: an active job's record names it (`ferry run --gpu`), read from the registry; a record
+  the registry could not read holds the GPUs it still names, or, if it names none legibly, every
+  decision is refused until it is fixed;
 - **health**: the monitor does not judge it healthy (read, not claimed).
 
 Every decision (`decide`) runs its chooser under the ledger's one lock with every claim in
@@ -30,7 +32,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from agent.errors import AlreadyExistsError
+from agent.errors import AlreadyExistsError, RefusedError
 from agent.gpus.quarantine import Entry, Quarantine
 
 if TYPE_CHECKING:
@@ -200,6 +202,15 @@ class GpuLedger:
                 if rec.state.active and rec.name != for_job:
                     for u in rec.gpus:
                         out[u] = f"is held by job {rec.name}"
+            # Fail closed: a record that could not be read may stand for a job still on its GPUs.
+            for bad in self.registry.unreadable.values():
+                if bad.gpus is None:
+                    raise RefusedError(
+                        f"{bad.refusal()}: which GPUs it holds is unknown, so none is given out",
+                        hint=bad.hint,
+                    )
+                for u in bad.gpus:
+                    out.setdefault(u, f"may be held by job {bad.name}, whose record {bad.path} is unreadable")
         return out
 
     def _frozen_bytes_locked(self) -> dict[str, int]:

@@ -52,6 +52,15 @@ def create_time(pid: int) -> float:
     return int(stat[stat.rindex(b")") + 2 :].split()[19]) / _CLK_TCK
 
 
+def parent(pid: int) -> int:
+    """pid's parent (0 if pid does not exist)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return 0
+    return int(stat[stat.rindex(b")") + 2 :].split()[1])  # ppid, field 4
+
+
 def alive(pid: int, started: float = 0.0) -> bool:
     """Whether pid runs and (when `started` is known) is the same process, not a reused PID."""
     try:

@@ -12,6 +12,7 @@ needs around ferry-init is in jobs/launch.py, the record itself in jobs/record.p
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -21,11 +22,13 @@ import socket
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
 from agent import config
+from agent.durable import replace_file
 from agent.errors import AlreadyExistsError, FerryError, InvalidArgumentError, NotFoundError, RefusedError
 from agent.image import JobSpec
 from agent.jobs import procs
@@ -47,6 +50,50 @@ log = logging.getLogger(__name__)
 #: How long ferry-init may take to set up the job's namespaces.
 START_TIMEOUT_S = 10.0
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: A torn record's GPU list, as JobRecord.to_json writes it.
+_GPUS = re.compile(r'"gpus":\s*\[([^\]]*)\]')
+
+
+@dataclass(frozen=True)
+class UnreadableRecord:
+    """A job record that could not be read at start. It may stand for a job that still runs, so
+    it fails closed: its name stays taken, and so do its GPUs (`gpus` None: which ones cannot be
+    told, and no GPU is given out until the record is repaired or removed)."""
+
+    name: str
+    path: Path
+    cause: str
+    gpus: tuple[str, ...] | None
+
+    def refusal(self) -> str:
+        return f"job {self.name!r} has an unreadable record here ({self.path}: {self.cause})"
+
+    @property
+    def hint(self) -> str:
+        return (
+            "its job may still run: check for its processes, then repair the file or move its "
+            f"directory {self.path.parent} away, and restart the agent"
+        )
+
+
+def _gpus_of(raw: str) -> tuple[str, ...] | None:
+    """The GPUs an unreadable record names, read as far as its text allows; None if it cannot say."""
+    try:
+        d = json.loads(raw)
+    except ValueError:
+        m = _GPUS.search(raw)
+        if m is None:
+            return None
+        try:
+            d = {"gpus": json.loads(f"[{m.group(1)}]")}
+        except ValueError:
+            return None
+    if not isinstance(d, dict):
+        return None
+    gpus = d.get("gpus", [])  # a record from before `--gpu` existed holds none
+    if not isinstance(gpus, list) or not all(isinstance(u, str) for u in gpus):
+        return None
+    return tuple(gpus)
 
 
 class JobRegistry:
@@ -67,6 +114,8 @@ class JobRegistry:
         self.network = network if network is not None and network.enabled else None
         self._lock = threading.RLock()
         self._jobs: dict[str, JobRecord] = {}
+        #: Records that could not be read at start, by job name: never "no job" (see _load).
+        self.unreadable: dict[str, UnreadableRecord] = {}
         self._load()
 
     # -- queries ----------------------------------------------------------------
@@ -95,9 +144,7 @@ class JobRegistry:
             self._jobs[rec.name] = rec
             d = self.job_dir(rec.name)
             d.mkdir(parents=True, exist_ok=True)
-            tmp = d / "job.json.tmp"
-            tmp.write_text(rec.to_json())
-            os.replace(tmp, d / "job.json")
+            replace_file(d / "job.json", rec.to_json().encode())
 
     def update(self, name: str, **changes: object) -> JobRecord:
         """Change a record; a new `state` must be a transition of JOB_TRANSITIONS."""
@@ -118,6 +165,8 @@ class JobRegistry:
         """
         check_job_name(name)
         with self._lock:
+            if (bad := self.unreadable.get(name)) is not None:
+                raise AlreadyExistsError(bad.refusal(), node=self.node, hint=bad.hint)
             rec = self._jobs.get(name)
             if (
                 rec is not None
@@ -306,13 +355,17 @@ class JobRegistry:
         return rec
 
     def register_restored(
-        self, spec: JobSpec, pid: int, stdout: str, stderr: str, **extra: object
+        self, spec: JobSpec, pid: int, stdout: str, stderr: str, *, resuming: bool = False, **extra: object
     ) -> JobRecord:
-        """Record a tree CRIU just restored as our child (rst_sibling)."""
+        """Record a tree CRIU just restored as our child (rst_sibling). The name was reserved
+        before CRIU ran, but not held: a job that took it meanwhile keeps it, and this refuses
+        (AlreadyExistsError), so the caller kills the restored tree. resuming: as reserve_name."""
         rec = JobRecord.from_spec(spec, pid, procs.create_time(pid), stdout, stderr)
         for k, v in extra.items():
             setattr(rec, k, v)
-        self.save(rec)
+        with self._lock:
+            self.reserve_name(rec.name, resuming=resuming)
+            self.save(rec)
         self._watch(rec, lambda: os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
         return rec
 
@@ -393,10 +446,19 @@ class JobRegistry:
 
     def _load(self) -> None:
         for path in sorted(self.root.glob("*/job.json")):
+            raw = ""
             try:
-                rec = JobRecord.from_json(path.read_text())
+                raw = path.read_text()
+                rec = JobRecord.from_json(raw)
             except (OSError, ValueError, TypeError, KeyError) as e:
-                log.warning("skipping unreadable job record %s: %s", path, e)
+                # Never "no job": it may still run, on GPUs that no other record names.
+                bad = UnreadableRecord(path.parent.name, path, str(e) or type(e).__name__, _gpus_of(raw))
+                self.unreadable[bad.name] = bad
+                if bad.gpus is None:
+                    held = "which GPUs it holds is unknown, so no GPU is given out until it is fixed"
+                else:
+                    held = f"its GPUs stay taken ({', '.join(bad.gpus) or 'none'})"
+                log.error("unreadable job record %s (%s): its name stays taken; %s", path, bad.cause, held)
                 continue
             self._jobs[rec.name] = rec
             if rec.state.active:

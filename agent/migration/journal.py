@@ -12,11 +12,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from agent.durable import replace_file
 from agent.errors import FerryError
 
 log = logging.getLogger(__name__)
@@ -69,21 +69,8 @@ class Journal:
 
     def save(self, rec: MigrationRecord) -> None:
         rec.updated_at = time.time()
-        path = self._path(rec.role, rec.migration_id)
-        tmp = path.with_suffix(".tmp")
         data = json.dumps(asdict(rec), indent=1, sort_keys=True).encode()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        dfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        replace_file(self._path(rec.role, rec.migration_id), data)
 
     def get(self, role: str, mid: str) -> MigrationRecord | None:
         path = self._path(role, mid)

@@ -108,7 +108,10 @@ def restore_tree(
             cuda_jobs.thaw(plan, times, unlock=False)
         gpus_here = [gpu_map.get(u, u) for u in spec.gpus]
         spec_here = JobSpec(**{**spec.__dict__, "name": name, "gpus": gpus_here})
-        rec = registry.register_restored(spec_here, res.pid, paths[0], paths[1], note=note, veth=net)
+        # Refused if a job took the name while CRIU ran: this copy is then killed below.
+        rec = registry.register_restored(
+            spec_here, res.pid, paths[0], paths[1], resuming=resuming, note=note, veth=net
+        )
         if before_release is not None:
             before_release(rec)
     except BaseException:

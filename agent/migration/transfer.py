@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent import faults
+from agent.durable import write_all
 from agent.errors import ImageError, TransferError
 from agent.image import MANIFEST, FileEntry, Manifest, check_name, image_files
 from agent.rpc import pb
@@ -128,7 +129,7 @@ class Intake:
             raise self._fail(f"image exceeds the lease's cap of {self.max_bytes} bytes")
         if self._size > self._limit(self._name):
             raise self._fail(f"file {self._name!r} is larger than listed ({self._limit(self._name)} bytes)")
-        os.write(self._fd, chunk.data)
+        write_all(self._fd, chunk.data)  # the digest below must cover only bytes on disk
         self._hash.update(chunk.data)
         if chunk.last:
             os.close(self._fd)

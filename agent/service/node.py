@@ -6,6 +6,7 @@ starts and stops it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -62,7 +63,8 @@ class NodeInfo:
 class AgentNode:
     """Everything one agent is, wired once: the job registry, both sides of migrations, recovery,
     self-healing and its GPU health monitor. It owns the agent's threads: housekeeping, the
-    health monitor, and one thread per move (counted, so a graceful stop can wait for them)."""
+    health monitor, and one thread per move (counted, so a graceful stop can wait for them, as
+    it waits for the calls that restore or suspend a job: Commit, Restore, Preempt)."""
 
     def __init__(
         self,
@@ -107,6 +109,8 @@ class AgentNode:
         self._moves_lock = threading.Condition()
         self.stopping = threading.Event()
         self.events = EventLog(state_dir, node)
+        for bad in self.registry.unreadable.values():  # on record where `ferry events` shows it
+            self.events.record("alert", f"{bad.refusal()}; {bad.hint}", job=bad.name)
         self.healing = SelfHealing(
             node=node,
             registry=self.registry,
@@ -173,6 +177,15 @@ class AgentNode:
         with self._moves_lock:
             return self._moves_lock.wait_for(lambda: self._moves == 0, timeout=timeout_s)
 
+    @contextlib.contextmanager
+    def counted(self) -> Iterator[None]:
+        """Work a graceful stop waits for, as for a move: a restore, a preemption's suspend."""
+        self._in_flight(+1)
+        try:
+            yield
+        finally:
+            self._in_flight(-1)
+
     def _spawn(self, work: Callable[[], None]) -> None:
         """Self-healing's work on its own thread, counted as a move in flight."""
 
@@ -190,11 +203,8 @@ class AgentNode:
             raise
 
     def _resume(self, rec: JobRecord) -> JobRecord:
-        self._in_flight(+1)
-        try:
+        with self.counted():
             return resume_preempted(self.registry, self.criu, rec, self.node, self.cuda)
-        finally:
-            self._in_flight(-1)
 
     def _source_migration(
         self, spec: MigrationSpec, emit: Callable[[Progress], None] = lambda p: None
@@ -383,7 +393,8 @@ class AgentNode:
             raise InvalidArgumentError(f"image directory must be an absolute path, got {image!r}")
         if name:
             check_job_name(name)
-        return restore_image(self.registry, self.criu, Path(image), name, self.node, self.cuda)
+        with self.counted():
+            return restore_image(self.registry, self.criu, Path(image), name, self.node, self.cuda)
 
     def resolve(self, name: str, action: Resolution) -> JobRecord:
         check_job_name(name)

@@ -1,5 +1,6 @@
 """Serving an agent: the listen policy, the gRPC server with its health and reflection
-services, the local root-only socket, and a graceful stop that lets moves in flight finish."""
+services, the local root-only socket, and a graceful stop that lets moves, restores and
+preemptions in flight finish."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ from agent.service.servicer import AgentService
 
 log = logging.getLogger(__name__)
 
+#: How long a graceful stop waits for moves, restores and preemptions in flight.
+DRAIN_S = 600.0
+
 
 def check_listen(address: str, insecure: bool, identity: tls.Identity | None) -> None:
     host, _ = client.split_address(address, listen=True)
@@ -46,19 +50,22 @@ def create_server(
     identity: tls.Identity | None = None,
     socket_path: Path | None = None,
     follow_slots: int = FOLLOW_SLOTS,
+    health_servicer: health.HealthServicer | None = None,
 ) -> tuple[grpc.Server, int]:
     """Bind the agent, health and reflection services; port 0 picks a free port.
 
     TCP is mutual TLS with `identity`, else plaintext; `socket_path` adds the local
     root-only unix socket. The pool has `max_workers` threads for calls and `follow_slots`
-    more that only follow streams may hold (agent.service.follow).
+    more that only follow streams may hold (agent.service.follow). `health_servicer`: the
+    caller's, so a graceful stop can turn it to NOT_SERVING.
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers + follow_slots, thread_name_prefix="rpc"),
         options=client.SERVER_OPTIONS,
     )
     pb_grpc.add_AgentServicer_to_server(AgentService(agent, FollowSlots(follow_slots)), server)
-    health_servicer = health.HealthServicer()
+    if health_servicer is None:
+        health_servicer = health.HealthServicer()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set("ferry.v1.Agent", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -138,7 +145,8 @@ def serve(
     config: AgentConfig | None = None,
     metrics_listen: str = "",
 ) -> None:
-    """Run until SIGTERM/SIGINT; in-flight moves finish (or abort) before the agent exits."""
+    """Run until SIGTERM/SIGINT; then health says NOT_SERVING, and in-flight moves, restores and
+    preemptions finish (or abort) before the agent exits."""
     check_listen(address, insecure, identity)
     if identity is not None and identity.name != node:
         raise InvalidArgumentError(
@@ -150,7 +158,10 @@ def serve(
     listen_host, _ = client.split_address(address, listen=True)
     if listen_host not in ("", "0.0.0.0", "::"):  # page servers listen where the agent does
         service.targets.data_host = listen_host
-    server, port = create_server(address, service, identity=identity, socket_path=socket_path)
+    health_servicer = health.HealthServicer()
+    server, port = create_server(
+        address, service, identity=identity, socket_path=socket_path, health_servicer=health_servicer
+    )
     stop_metrics = service.metrics.serve(metrics_listen, identity) if metrics_listen else None
     if stop_metrics is not None:  # before "listening on", which tells a launcher the agent is up
         print(f"ferry agent: metrics on {service.metrics.address}/metrics", flush=True)
@@ -183,10 +194,13 @@ def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
+    # First, so that balancers and probes stop sending work; the server itself still answers,
+    # since sources in the middle of a move need Commit and GetMigration.
+    health_servicer.enter_graceful_shutdown()
     service.healing.draining.set()  # no new automatic move or resume from here on
-    log.info("stopping: waiting for in-flight migrations")
-    if not service.wait_idle(timeout_s=600):
-        log.warning("in-flight migrations did not finish in 600 s; stopping anyway")
+    log.info("stopping: waiting for in-flight migrations, restores and preemptions")
+    if not service.wait_idle(timeout_s=DRAIN_S):
+        log.warning("work in flight did not finish in %.0f s; stopping anyway", DRAIN_S)
     service.stop_housekeeping()
     server.stop(grace=10).wait()
     if dropped := service.targets.shutdown():

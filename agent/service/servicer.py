@@ -166,7 +166,8 @@ class AgentService(pb_grpc.AgentServicer):
 
     @rpc
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
-        return self.agent.targets.commit(request, self._peer_name(context))
+        with self.agent.counted():  # a graceful stop waits for the restore under it
+            return self.agent.targets.commit(request, self._peer_name(context))
 
     @rpc
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
@@ -224,4 +225,5 @@ class AgentService(pb_grpc.AgentServicer):
             raise PermissionDeniedError(
                 f"node {caller!r} may not preempt a job on behalf of {request.source_node!r}", step="preempt"
             )
-        return self.agent.healing.preempt(request)
+        with self.agent.counted():  # a graceful stop waits for the suspend
+            return self.agent.healing.preempt(request)

@@ -9,6 +9,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -375,6 +376,26 @@ sock.send(resp.SerializeToString())
 sock.recv(1 << 20)
 time.sleep(600)
 """
+#: `criu swrk FD` whose page server is a child it forks, as CRIU's PAGE_SERVER_CHLD does; it reaps
+#: that child the moment it exits (SIGCHLD ignored), which frees its PID for reuse.
+FORKING_PAGE_SERVER_SWRK = """
+import os, signal, socket, sys, time
+sys.path.insert(0, {repo!r})
+from agent.criu_pb import rpc_pb2
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+sock = socket.socket(fileno=int(sys.argv[2]))
+req = rpc_pb2.criu_req()
+req.ParseFromString(sock.recv(1 << 20))
+pid = os.fork()
+if pid == 0:
+    sock.close()
+    time.sleep(600)
+    os._exit(0)
+resp = rpc_pb2.criu_resp(type=req.type, success=True)
+resp.ps.pid = pid
+sock.send(resp.SerializeToString())
+sock.recv(1 << 20)
+"""
 #: A command-line CRIU that says it is ready on --status-fd (unless told not to), then hangs.
 READY_CRIU = """
 import os, sys, time
@@ -478,6 +499,55 @@ def test_a_page_server_that_never_ends_is_killed(tmp_path: Path, dirs: tuple[Pat
         server.wait(0.3)
     assert_timeout_named(err.value, "page-server", images, work / runner.PAGE_SERVER_LOG)
     assert gone(server.proc.pid)
+
+
+@pytest.fixture(params=["pidfd", "start time"])
+def page_server_identity(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With pidfds, and without (an old kernel, or a seccomp profile that refuses pidfd_open)."""
+    if request.param == "start time":
+
+        def refuse(pid: int, flags: int = 0) -> int:
+            raise OSError(38, "Function not implemented")
+
+        monkeypatch.setattr(os, "pidfd_open", refuse)
+
+
+@pytest.mark.usefixtures("page_server_identity")
+def test_a_page_server_is_killed_only_while_it_is_the_same_process(
+    tmp_path: Path, dirs: tuple[Path, Path]
+) -> None:
+    """Its PID, once it has exited and been reaped, may name an unrelated process: the kill must
+    not reach that one."""
+    images, work = dirs
+    criu = fake_criu(tmp_path, FORKING_PAGE_SERVER_SWRK.format(repo=str(REPO)))
+    server = criu.page_server(images, work, address="127.0.0.1", tls=TLS)
+    first = server.pid
+    assert first != server.proc.pid and psutil.Process(first).ppid() == server.proc.pid
+    os.kill(first, 9)  # it ends by itself, and its swrk reaps it
+    deadline = time.monotonic() + 10
+    while not gone(first) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gone(first)
+    time.sleep(0.1)  # a PID comes round only after the rest have been handed out: never at once
+    stranger = subprocess.Popen(["sleep", "60"])
+    try:
+        server.pid = stranger.pid  # what a reused PID looks like to the agent: its number, another process
+        server.kill()
+        with pytest.raises(subprocess.TimeoutExpired):
+            stranger.wait(0.5)
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+@pytest.mark.usefixtures("page_server_identity")
+def test_a_killed_page_server_is_the_one_its_swrk_started(tmp_path: Path, dirs: tuple[Path, Path]) -> None:
+    images, work = dirs
+    criu = fake_criu(tmp_path, FORKING_PAGE_SERVER_SWRK.format(repo=str(REPO)))
+    server = criu.page_server(images, work, address="127.0.0.1", tls=TLS)
+    pid = server.pid
+    server.kill()
+    assert gone(pid) and gone(server.proc.pid)
 
 
 def test_a_lazy_dump_that_never_gets_ready_is_killed(tmp_path: Path, dirs: tuple[Path, Path]) -> None:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import re
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent import tls
+from agent.certs import Role
 from agent.errors import InvalidArgumentError
 from agent.jobs.record import JobKind, JobRecord, JobState
 from agent.migration.model import MigrationResult
@@ -86,3 +91,43 @@ def test_a_taken_metrics_port_is_named(served, agent) -> None:
         InvalidArgumentError, match=f"cannot serve metrics on {address}: Address already in use"
     ):
         agent[0].metrics.serve(address, None)
+
+
+#: The prometheus-client release that added each keyword the agent gives start_http_server
+#: (its changelog: TLS in 0.19.0, #946; tls_min_version and tls_max_version in 0.26.0, #1178).
+_KEYWORD_SINCE = {
+    "certfile": (0, 19, 0),
+    "keyfile": (0, 19, 0),
+    "client_cafile": (0, 19, 0),
+    "client_auth_required": (0, 19, 0),
+    "tls_min_version": (0, 26, 0),
+}
+
+
+def test_the_prometheus_client_floor_has_every_keyword_the_agent_passes(
+    agent, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An install at pyproject's floor must accept what metrics.serve passes, or `--metrics-listen`
+    fails with a TypeError at start on a node that resolved the oldest allowed release."""
+    import prometheus_client
+
+    passed: dict[str, Any] = {}
+
+    def start(port: int, addr: str, registry: object, **kw: Any) -> None:
+        passed.update(kw)
+        raise OSError(98, "stop here")
+
+    monkeypatch.setattr(prometheus_client, "start_http_server", start)
+    ident = tls.Identity("nodea", Role.NODE, b"", b"", b"", tmp_path, tmp_path / "c.pem", tmp_path / "k.pem")
+    with pytest.raises(InvalidArgumentError):
+        agent[0].metrics.serve("10.0.0.1:0", ident)
+    assert passed, "metrics.serve no longer passes TLS keywords: this test has nothing to check"
+    unknown = sorted(set(passed) - set(_KEYWORD_SINCE))
+    assert not unknown, f"say in _KEYWORD_SINCE which prometheus-client release added {unknown}"
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    m = re.search(r'"prometheus-client>=([0-9.]+)"', pyproject)
+    assert m, "pyproject.toml no longer gives prometheus-client a floor"
+    floor = tuple(int(x) for x in m.group(1).split("."))
+    floor = floor + (0,) * (3 - len(floor))
+    needed = max(_KEYWORD_SINCE[k] for k in passed)
+    assert floor >= needed, f"prometheus-client>={m.group(1)}, but {sorted(passed)} need {needed}"

@@ -96,6 +96,31 @@ def test_load_names_missing_files(pki: dict[str, Path], tmp_path: Path) -> None:
         tls.load(pki["ours"], "bob")
 
 
+def test_an_unreadable_key_is_one_line_naming_the_file(
+    pki: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A non-root `ferry ps --tls-dir DIR` whose key only root may read: not a traceback."""
+    from agent.cli.main import main
+
+    key = pki["alone"] / "alice-key.pem"
+    read_bytes = Path.read_bytes
+
+    def refuse(path: Path) -> bytes:
+        if path == key:  # tests run as root, whom chmod would not stop
+            raise PermissionError(13, "Permission denied", str(path))
+        return read_bytes(path)
+
+    monkeypatch.setattr(Path, "read_bytes", refuse)
+    with pytest.raises(PermissionDeniedError, match=rf"cannot read {key}: permission denied") as e:
+        tls.load(pki["alone"])
+    assert "--tls-dir" in e.value.hint
+    monkeypatch.delenv("FERRY_INSECURE")
+    assert main(["ps", "--agent", "127.0.0.1:1", "--tls-dir", str(pki["alone"])]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ferry: tls: cannot read") and str(key) in err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
 def test_every_rpc_has_an_access_rule() -> None:
     methods = set(pb.DESCRIPTOR.services_by_name["Agent"].methods_by_name)
     assert methods == set(access.ALLOWED)

@@ -1,0 +1,106 @@
+"""The job registry's hold on names and GPUs (agent.jobs.registry): a restore never overwrites a job
+that took its name meanwhile, and an unreadable record fails closed (its name and GPUs stay taken)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from fakes import FakeCriu, launched_record
+
+from agent.errors import AlreadyExistsError, RefusedError
+from agent.gpus.ledger import GpuLedger
+from agent.jobs.record import JobKind, JobRecord, JobState
+from agent.jobs.registry import JobRegistry
+from agent.service.node import AgentNode
+
+Sleeper = Callable[[], tuple[subprocess.Popen[bytes], Path, Path]]
+
+
+def test_a_restore_refuses_a_name_a_job_took_while_it_ran(registry: JobRegistry, sleeper: Sleeper) -> None:
+    """restore_tree reserves the name before CRIU runs and registers after: a `ferry run` or adopt
+    of that name in between keeps its record, and the restore is refused (restore_tree then kills
+    the restored tree)."""
+    restored, out, err = sleeper()
+    registry.reserve_name("train")  # what restore_tree does first
+    started, out2, err2 = sleeper()
+    registry.save(launched_record("train", started, out2, err2))  # meanwhile, the same name
+    spec = launched_record("train", restored, out, err).spec()
+    with pytest.raises(AlreadyExistsError, match=r"job 'train' .*running") as e:
+        registry.register_restored(spec, restored.pid, str(out), str(err), note="restored")
+    assert e.value.node == "nodea"
+    assert registry.get("train").pid == started.pid
+    on_disk = JobRegistry(registry.root.parent, "nodea").get("train")
+    assert on_disk.pid == started.pid
+
+
+def test_a_resumed_job_replaces_its_own_preempted_record(registry: JobRegistry, sleeper: Sleeper) -> None:
+    proc, out, err = sleeper()
+    registry.save(
+        JobRecord("train", JobKind.LAUNCHED, JobState.PREEMPTED, 1, ["x"], "/", checkpoint_dir="/img")
+    )
+    spec = launched_record("train", proc, out, err).spec()
+    rec = registry.register_restored(spec, proc.pid, str(out), str(err), resuming=True, note="resumed")
+    assert registry.get("train") is rec and rec.state is JobState.RUNNING and rec.pid == proc.pid
+
+
+def _write_record(root: Path, name: str, text: str) -> Path:
+    path = root / "jobs" / name / "job.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    return path
+
+
+def _record_json(**changes: object) -> str:
+    rec = JobRecord("train", JobKind.LAUNCHED, JobState.RUNNING, 1, ["x"], "/", gpus=["G1"], gpu_chip="H200")
+    d = json.loads(rec.to_json())
+    d.update(changes)
+    return json.dumps(d, indent=2)
+
+
+def test_an_unreadable_record_keeps_its_name_and_gpus(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = _write_record(tmp_path, "train", _record_json(state="paused"))  # a state this agent does not know
+    with caplog.at_level(logging.ERROR, logger="agent.jobs.registry"):
+        reg = JobRegistry(tmp_path, "nodea")
+    assert str(path) in caplog.text
+    with pytest.raises(AlreadyExistsError, match=rf"{path}.*unreadable") as e:
+        reg.reserve_name("train")
+    assert e.value.hint
+    ledger = GpuLedger(reg)
+    assert "G1" in ledger.unavailable("other")
+    assert "unreadable" in ledger.unavailable("other")["G1"]
+    assert ledger.decide("a start", "other", lambda taken, _: (sorted(taken), [])) == ["G1"]
+
+
+def test_a_torn_record_keeps_the_gpus_it_still_names(tmp_path: Path) -> None:
+    text = _record_json()
+    _write_record(tmp_path, "train", text[: text.index('"gpu_chip"')])  # cut after its GPUs
+    ledger = GpuLedger(JobRegistry(tmp_path, "nodea"))
+    assert "G1" in ledger.unavailable("other")
+
+
+def test_a_record_whose_gpus_cannot_be_told_refuses_every_gpu_decision(tmp_path: Path) -> None:
+    text = _record_json()
+    path = _write_record(tmp_path, "train", text[: text.index('"priority"')])  # cut before its GPUs
+    ledger = GpuLedger(JobRegistry(tmp_path, "nodea"))
+    with pytest.raises(RefusedError, match=rf"{path}") as e:
+        ledger.decide("the start of job b", "b", lambda taken, _: (None, ["G0"]))
+    assert e.value.hint
+    assert ledger.promised() == set()
+
+
+def test_the_agent_reports_an_unreadable_record_as_an_event(tmp_path: Path) -> None:
+    path = _write_record(tmp_path / "state", "train", "{not json")
+    criu = FakeCriu("nodea")
+    try:
+        node = AgentNode(tmp_path / "state", "nodea", tmp_path / "staging", criu=criu)
+        alerts = [e for e in node.events.recent(10) if e.kind == "alert"]
+    finally:
+        criu.cleanup()
+    assert len(alerts) == 1 and alerts[0].job == "train" and str(path) in alerts[0].message
