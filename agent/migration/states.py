@@ -103,10 +103,13 @@ class TargetState(StrEnum):
     the page stream stays open from PREPARED on (no STREAMING), and RESTORING → POSTCOPY
     (the job runs, its pages still coming) → RUNNING once all are in.
 
-    Every state before RESTORING → ABORTED (the source aborted, the lease expired, a
-    transfer failed, or an agent restart dropped it). RESTORING → ABORTED: the restore failed
-    and was killed. POSTCOPY → ABORTED: pages stopped coming; the job here was killed. RUNNING
-    is final: it tells a source, however late it asks, that the job runs here.
+    Every state before RESTORING → DROPPING → ABORTED (the source aborted, the lease expired,
+    a transfer failed): DROPPING is journaled first, so nothing restores it from then on, and
+    ABORTED once its page server is dead and its staging gone. RESTORING, POSTCOPY → UNWINDING
+    → ABORTED: the restore failed or the pages stopped coming; the copy here is killed (its
+    link first) before ABORTED, which lets the source resume. A restarted agent goes straight
+    to ABORTED from any of them, having done the same first (agent.migration.target_recovery).
+    RUNNING is final: it tells a source, however late it asks, that the job runs here.
     """
 
     PREPARED = "prepared"
@@ -117,12 +120,15 @@ class TargetState(StrEnum):
     RESTORING = "restoring"
     POSTCOPY = "postcopy"
     RUNNING = "running"
+    DROPPING = "dropping"  # never restored from here on; its page server and staging going
+    UNWINDING = "unwinding"  # its copy here (restored, maybe running) being killed
     ABORTED = "aborted"
 
     @property
     def wire(self) -> int:
-        """What GetMigration answers: STREAMING reads as RECEIVING, STREAMED as PREPARED (both
-        mean "not restoring; fence it and it stays so")."""
+        """What GetMigration answers: STREAMING reads as RECEIVING, STREAMED and DROPPING as
+        PREPARED (all mean "not restoring; fence it and it stays so"); UNWINDING as RESTORING
+        (a copy may still live here: not yet)."""
         return _WIRE[self]
 
     @property
@@ -134,13 +140,15 @@ _T = TargetState
 TARGET_TRANSITIONS: Transitions[TargetState] = Transitions(
     "target migration",
     {
-        _T.PREPARED: frozenset({_T.STREAMING, _T.RECEIVING, _T.ABORTED}),
-        _T.STREAMING: frozenset({_T.STREAMED, _T.ABORTED}),
-        _T.STREAMED: frozenset({_T.RECEIVING, _T.ABORTED}),
-        _T.RECEIVING: frozenset({_T.VERIFIED, _T.ABORTED}),
-        _T.VERIFIED: frozenset({_T.RESTORING, _T.ABORTED}),
-        _T.RESTORING: frozenset({_T.RUNNING, _T.POSTCOPY, _T.ABORTED}),
-        _T.POSTCOPY: frozenset({_T.RUNNING, _T.ABORTED}),
+        _T.PREPARED: frozenset({_T.STREAMING, _T.RECEIVING, _T.DROPPING, _T.ABORTED}),
+        _T.STREAMING: frozenset({_T.STREAMED, _T.DROPPING, _T.ABORTED}),
+        _T.STREAMED: frozenset({_T.RECEIVING, _T.DROPPING, _T.ABORTED}),
+        _T.RECEIVING: frozenset({_T.VERIFIED, _T.DROPPING, _T.ABORTED}),
+        _T.VERIFIED: frozenset({_T.RESTORING, _T.DROPPING, _T.ABORTED}),
+        _T.RESTORING: frozenset({_T.RUNNING, _T.POSTCOPY, _T.UNWINDING, _T.ABORTED}),
+        _T.POSTCOPY: frozenset({_T.RUNNING, _T.UNWINDING, _T.ABORTED}),
+        _T.DROPPING: frozenset({_T.ABORTED}),
+        _T.UNWINDING: frozenset({_T.ABORTED}),
         _T.RUNNING: frozenset(),
         _T.ABORTED: frozenset(),
     },
@@ -154,5 +162,7 @@ _WIRE = {
     _T.RESTORING: pb.TARGET_STATE_RESTORING,
     _T.POSTCOPY: pb.TARGET_STATE_POSTCOPY,
     _T.RUNNING: pb.TARGET_STATE_RUNNING,
+    _T.DROPPING: pb.TARGET_STATE_PREPARED,
+    _T.UNWINDING: pb.TARGET_STATE_RESTORING,
     _T.ABORTED: pb.TARGET_STATE_ABORTED,
 }

@@ -2,7 +2,9 @@
 
 A lease or an image waiting for commit is dropped (its source's stream or commit died with
 the agent, and the source resumes its copy on ABORTED). A restore the agent did not see
-finish is killed, for the same reason: no copy runs that its node has not recorded.
+finish is killed, for the same reason: no copy runs that its node has not recorded. A
+migration that ended while the agent stopped (ABORTED or RUNNING is journaled before its
+staging goes) leaves no staging behind.
 """
 
 from __future__ import annotations
@@ -36,8 +38,11 @@ def recover_incoming(journal: Journal, registry: JobRegistry) -> list[str]:
     for rec in journal.load(TARGET, strict=True):
         state = journaled(rec)
         if not state.in_flight:
+            if rec.staging and Path(rec.staging).exists():  # the agent stopped before it went
+                shutil.rmtree(rec.staging, ignore_errors=True)
+                done.append(f"{rec.migration_id}: removed the staging its {rec.state} migration left")
             continue
-        if state in (TargetState.RESTORING, TargetState.POSTCOPY):
+        if state in (TargetState.RESTORING, TargetState.POSTCOPY, TargetState.UNWINDING):
             # Post-copy: the pages still missing went with the daemon; the source has them all.
             killed = _kill_unfinished_restore(registry, rec)
             what = f"killed its half-finished restore ({len(killed)} processes)" if killed else "nothing ran"

@@ -243,14 +243,27 @@ def test_prepare_allows_the_name_of_a_finished_job(target: TargetMigrations) -> 
     assert state(target) == pb.TARGET_STATE_PREPARED
 
 
-def test_a_job_arriving_again_is_never_answered_by_its_old_moved_record(target: TargetMigrations) -> None:
-    # train moved away from here once; now it comes back. Until its restore registers it, `ps`
-    # and `logs` must not show the old "moved" record (nor its old logs) as if it were the job.
+def test_a_job_arriving_again_is_never_answered_by_its_old_moved_record(
+    target: TargetMigrations, fake_criu: FakeCriu, tmp_path: Path
+) -> None:
+    # train moved away from here once; now it comes back. Once it commits here, and until its
+    # restore registers it, `ps` and `logs` must not show the old "moved" record (nor its old
+    # logs) as if it were the job. (Before the commit the old record stays: a lease that is
+    # aborted must cost it nothing; test_target_core.py.)
     target.registry.save(running_record("train", JobState.MOVED))
     (target.registry.job_dir("train") / "stdout.log").write_text("old output\n")
-    target.prepare(prepare_req())
-    assert [r.name for r in target.registry.list()] == []
-    assert not target.registry.job_dir("train").exists()
+    delivered(target, tmp_path)
+    seen: list[object] = []
+
+    def while_restoring() -> None:
+        seen.append([r.name for r in target.registry.list()])
+        seen.append((target.registry.job_dir("train") / "stdout.log").read_text())
+
+    fake_criu.during_restore = while_restoring
+    target.commit(pb.CommitRequest(migration_id=MID))
+    assert seen[0] == []
+    assert "old output" not in seen[1]  # the job dir holds the arriving job's logs only
+    assert "old output" not in Path(target.registry.get("train").stdout_path).read_text()
 
 
 def test_a_refused_prepare_keeps_the_old_record(target: TargetMigrations) -> None:

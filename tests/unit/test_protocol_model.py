@@ -7,7 +7,8 @@ through the product's own tables (SOURCE_TRANSITIONS, TARGET_TRANSITIONS) and wh
 reachable world within a budget of faults (a reply lost or any non-OK gRPC status on any
 call), crashes (the source agent, the target agent, at every step, each restarted) and
 delayed messages (a Commit delivered late, or never), with lease expiry and post-copy's
-page transfer breaking at any time. It checks:
+page transfer breaking at any time; the target ends a migration as it does, through DROPPING
+or UNWINDING (ABORTED only once nothing of it is left). It checks:
 
 - at no moment do two copies of the job run;
 - every world where nothing more can happen is settled: the source's record is final, exactly
@@ -185,14 +186,15 @@ class ModelPeer:
 
 
 def target_abort(w: World) -> tuple[World, bool]:
-    """TargetMigrations.abort: drop what has not begun restoring; a tombstone for an unknown id."""
+    """TargetMigrations.abort: drop what has not begun restoring (DROPPING, then ABORTED once its
+    staging is gone); a tombstone for an unknown id; refused once a copy may exist here."""
     if w.t is None:
         return w.but(t=T.ABORTED), False
-    if w.t in (T.RESTORING, T.POSTCOPY, T.RUNNING):
+    if w.t in (T.RESTORING, T.POSTCOPY, T.UNWINDING, T.RUNNING):
         return w, True
-    if w.t is T.ABORTED:
+    if w.t in (T.ABORTED, T.DROPPING):
         return w, False
-    return w.to_t(T.ABORTED), False
+    return w.to_t(T.DROPPING), False
 
 
 # -- the source ---------------------------------------------------------------------
@@ -348,7 +350,7 @@ def target_steps(w: World) -> Iterator[tuple[str, Callable[[Chooser], World]]]:
         yield "commit lost", lambda ch: w.but(commit_sent=False)
     if w.t_pc == "restoring":
         yield "restored, held", lambda ch: w.but(tgt=Copy.HELD, t_pc="held")
-        yield "restore fails", lambda ch: w.to_t(T.ABORTED).but(t_pc="idle", reply=_reply(w, "refused"))
+        yield "restore fails", lambda ch: w.to_t(T.UNWINDING).but(t_pc="idle", reply=_reply(w, "refused"))
     if w.t_pc == "held":
         state = T.POSTCOPY if w.lazy else T.RUNNING
         yield (
@@ -357,12 +359,18 @@ def target_steps(w: World) -> Iterator[tuple[str, Callable[[Chooser], World]]]:
         )
         yield (
             "held copy fails",
-            lambda ch: w.to_t(T.ABORTED).but(tgt=Copy.DEAD, t_pc="idle", reply=_reply(w, "refused")),
+            lambda ch: w.to_t(T.UNWINDING).but(t_pc="idle", reply=_reply(w, "refused")),
         )
-    if w.t is T.POSTCOPY and w.t_pc == "idle":  # pages stop coming: the target kills its copy
-        yield "pages break", lambda ch: w.to_t(T.ABORTED).but(tgt=Copy.DEAD, s_pc=_pages_broke(w))
+    if w.t is T.POSTCOPY and w.t_pc == "idle":  # pages stop coming: the target ends its copy
+        yield "pages break", lambda ch: w.to_t(T.UNWINDING).but(s_pc=_pages_broke(w))
     if w.t in (T.PREPARED, T.STREAMED, T.VERIFIED):
-        yield "lease expires", lambda ch: w.to_t(T.ABORTED)
+        yield "lease expires", lambda ch: w.to_t(T.DROPPING)
+    # Decided under the lock, done outside it (target_effects): ABORTED only once nothing is left.
+    if w.t is T.DROPPING:
+        yield "dropped", lambda ch: w.to_t(T.ABORTED)
+    if w.t is T.UNWINDING and w.t_pc == "idle":
+        tgt = Copy.DEAD if w.tgt in (Copy.HELD, Copy.RUNNING) else w.tgt
+        yield "unwound", lambda ch: w.to_t(T.ABORTED).but(tgt=tgt)
     if w.t_crashes:
         yield "target crashes", lambda ch: w.but(t_pc="down", t_crashes=w.t_crashes - 1)
 
@@ -464,6 +472,7 @@ def test_the_move_protocol_never_runs_two_copies_and_always_settles(lazy: bool) 
     # restores, a target that crashed with its copy held, a commit fenced before it arrived.
     assert (S.UNRESOLVED, T.RESTORING, Copy.FROZEN, Copy.NONE) in report.seen
     assert (S.UNRESOLVED, T.RESTORING, Copy.FROZEN, Copy.HELD) in report.seen
+    assert (S.UNRESOLVED, T.UNWINDING, Copy.FROZEN, Copy.HELD) in report.seen
     assert (S.ABORTED, T.ABORTED, Copy.RUNNING, Copy.DEAD) in report.seen
     assert (S.COMMITTED, T.RUNNING, Copy.DEAD, Copy.RUNNING) in report.seen
     assert (S.ABORTED, T.ABORTED, Copy.RUNNING, Copy.NONE) in report.seen
