@@ -30,10 +30,16 @@ from agent.migration.capture import (
     needs_shell_job,
     require_host_memory,
 )
-from agent.migration.journal import SOURCE, Journal, MigrationRecord
+from agent.migration.journal import SOURCE, TARGET, Journal, MigrationRecord
 from agent.migration.model import Emit, MigrationResult, Progress
 from agent.migration.restore import restore_tree
-from agent.migration.states import SOURCE_TRANSITIONS, CudaLeft, MigrationState
+from agent.migration.states import (
+    SOURCE_TRANSITIONS,
+    TARGET_TRANSITIONS,
+    CudaLeft,
+    MigrationState,
+    TargetState,
+)
 
 log = logging.getLogger(__name__)
 
@@ -224,9 +230,11 @@ def restore_image(
     name: str,
     node: str,
     cuda_jobs: CudaJobs,
+    journal: Journal,
 ) -> JobRecord:
     """Resume a saved image on this node, after checking every digest; a CUDA job onto suitable
-    GPUs, claimed in the node's GPU ledger until the restored job holds them."""
+    GPUs, claimed in the node's GPU ledger until the restored job holds them. Journaled as a
+    target's restore is (LocalRestore): a crash before its commit point leaves nothing running."""
     if not image_dir.is_dir():
         raise NotFoundError(f"no image directory {image_dir} on this node", node=node)
     m = verify(image_dir)
@@ -235,20 +243,59 @@ def restore_image(
     owner = f"the restore of job {job}"
     try:
         gpu_map = claim_gpus(cj, m, owner, job)
-        rec = restore_tree(
-            registry,
-            criu,
-            image_dir,
-            m,
-            job,
-            note=f"restored from {image_dir}" + (f" onto {', '.join(gpu_map.values())}" if gpu_map else ""),
-            cuda_jobs=cj,
-            gpu_map=gpu_map,
-        )
+        op = LocalRestore(journal, job, node)
+        try:
+            rec = restore_tree(
+                registry,
+                criu,
+                image_dir,
+                m,
+                job,
+                note=f"restored from {image_dir}"
+                + (f" onto {', '.join(gpu_map.values())}" if gpu_map else ""),
+                cuda_jobs=cj,
+                gpu_map=gpu_map,
+                on_criu_start=op.criu_started,
+                before_release=op.commit_point,
+            )
+        except BaseException as e:
+            op.failed(f"restore failed: {e}")
+            raise
     finally:
         cj.ledger.release(owner)
     log.info("job %s: restored from %s as pid %d", rec.name, image_dir, rec.pid)
     return rec
+
+
+class LocalRestore:
+    """`ferry restore` journaled as a target's restore is: RESTORING before CRIU starts (with
+    CRIU's pid once it runs), RUNNING at the commit point, before the restored job is released.
+    After a crash, target recovery kills a restore that did not reach RUNNING
+    (agent.migration.target_recovery), so no copy runs that its node has not recorded."""
+
+    def __init__(self, journal: Journal, job: str, node: str) -> None:
+        self.node = node
+        mid = f"restore-{uuid.uuid4().hex[:12]}"
+        self.op = LocalOp(
+            journal, MigrationRecord(mid, TARGET, job, TargetState.VERIFIED.value, kind="restore")
+        )
+        self.to(TargetState.RESTORING)
+
+    def to(self, state: TargetState, **changes: object) -> None:
+        subject = f"{self.op.record.migration_id} (job {self.op.record.job})"
+        TARGET_TRANSITIONS.check(TargetState(self.op.record.state), state, subject)
+        self.op.save(state=state.value, **changes)
+
+    def criu_started(self, pid: int) -> None:
+        self.op.save(criu_pid=pid, criu_started=procs.create_time(pid))
+
+    def commit_point(self, rec: JobRecord) -> None:
+        faults.check("restore-held", self.node)
+        self.to(TargetState.RUNNING)
+
+    def failed(self, why: str) -> None:
+        if self.op.record.state == TargetState.RESTORING.value:  # past RUNNING the job runs on
+            self.to(TargetState.ABORTED, note=why)
 
 
 def claim_gpus(cj: CudaJobs, m: Manifest, owner: str, job: str) -> dict[str, str]:

@@ -122,7 +122,7 @@ class AgentNode:
                 peer=lambda address: client.PeerClient(address, self.dial),
                 migrate=self._auto_migrate,
                 spawn=self._spawn,
-                suspend=self._suspend,
+                suspend=lambda job, out: self._checkpoint(job, out, False, lambda p: None, suspend=True),
                 resume=self._resume,
                 agent_id=self.agent_id,
             ),
@@ -227,9 +227,6 @@ class AgentNode:
             Method.DEFAULT, job, target, uuid.uuid4().hex[:16], reason=reason, lock_timeout_s=lock_timeout_s
         )
         return self._send(spec)
-
-    def _suspend(self, job: str, out_dir: Path) -> None:
-        self._checkpoint(job, out_dir, False, lambda p: None, suspend=True)
 
     def _checkpoint(
         self, job: str, out: Path, leave: bool, emit: Emit, suspend: bool = False
@@ -394,7 +391,9 @@ class AgentNode:
         if name:
             check_job_name(name)
         with self.counted():
-            return restore_image(self.registry, self.criu, Path(image), name, self.node, self.cuda)
+            return restore_image(
+                self.registry, self.criu, Path(image), name, self.node, self.cuda, self.journal
+            )
 
     def resolve(self, name: str, action: Resolution) -> JobRecord:
         check_job_name(name)

@@ -95,3 +95,31 @@ def test_agent_killed_during_a_preemptions_suspend_keeps_the_job_preempted_and_r
     wait_event(spare, "resume", "resumed preempted job scavenger on GPU-s0", timeout_s=180)
     assert_nothing_frozen("scavenger", spare)
     assert_completed_exactly_once(spare, "scavenger", steps=300)
+
+
+def test_agent_killed_during_a_restore_leaves_no_copy_and_the_image_restores_again(agents, tmp_path):
+    """`ferry restore` is journaled as a target's restore: a crash before its commit point leaves
+    the held copy to recovery, which kills it (before, it stayed stopped and unrecorded)."""
+    a = agents("node-a")
+    run_training(a, "rs", steps=60)
+    wait_steps(a, "rs", 5)
+    image = tmp_path / "img"
+    a.cli("checkpoint", "rs", "--out", str(image))
+    a.stop()
+    a.env["FERRY_PAUSE"] = f"restore-held={PAUSE_S}"
+    a.start()
+    cmd = [sys.executable, "-m", "agent.cli.main", "restore", str(image), "--name", "rs2"]
+    cli = subprocess.Popen(
+        [*cmd, "--agent", f"unix:{a.socket}"], stdout=subprocess.PIPE, text=True, env=a.env
+    )
+    wait_paused(a, "restore-held")
+    assert wait_record(a, "target", ("restoring",))["kind"] == "restore"
+    kill(a)
+    cli.communicate(timeout=60)
+
+    restart(a)
+    rec = wait_record(a, "target", ("aborted",))
+    assert "killed its half-finished restore" in rec["note"], rec
+    assert_no_copy(a, "rs2")
+    a.cli("restore", str(image), "--name", "rs3")
+    assert_completed_exactly_once(a, "rs3", steps=60)

@@ -373,7 +373,7 @@ def test_checkpoint_frees_the_gpu_and_restore_puts_the_job_back(
     assert is_dead(proc.pid)
 
     world.gpus[GPU0].others[4242] = 140 * GIB  # meanwhile someone took GPU0
-    rec = restore_image(registry, fake_criu, image, "train2", "nodea", cj)
+    rec = restore_image(registry, fake_criu, image, "train2", "nodea", cj, Journal(tmp_path / "state"))
     restored = world.procs[rec.pid]
     assert restored.state == RUNNING and restored.gpus == [GPU1]
     assert GPU1 in rec.note
@@ -420,7 +420,9 @@ def test_restore_refuses_when_no_gpu_fits(tmp_path, sleeper, fake_criu, registry
     )
     world.gpus[GPU0].others[1] = 10 * GIB
     with pytest.raises(RefusedError, match=r"has 6\.0 GiB free"):
-        restore_image(registry, fake_criu, tmp_path / "img", "again", "nodea", cj)
+        restore_image(
+            registry, fake_criu, tmp_path / "img", "again", "nodea", cj, Journal(tmp_path / "state")
+        )
     assert fake_criu.restores == []  # refused before CRIU ran
 
 
