@@ -16,9 +16,10 @@ from agent.criu.runner import Criu, InheritFd
 from agent.cuda.jobs import CudaJobs, restore_plan
 from agent.image import STDERR_LOG, STDOUT_LOG, JobSpec, Manifest
 from agent.jobs import procs
-from agent.jobs.network import carrying, veth_name
+from agent.jobs.network import LinkLock, carrying, veth_name
 from agent.jobs.record import LOG_MOUNT_KEY, JobKind, JobRecord
 from agent.jobs.registry import JobRegistry
+from agent.jobs.threadhold import ThreadHold
 
 log = logging.getLogger(__name__)
 
@@ -99,13 +100,21 @@ def restore_tree(
         for fd in fds:
             os.close(fd)
     # From here a restored tree exists: any failure must take it down, or two copies could run.
+    # Until the commit point it stays stopped and off the bridge (its sockets live in its
+    # namespace: a peer's bytes it acknowledged would die with a copy that never runs).
+    link = LinkLock(registry.network, net)
+    hold: ThreadHold | None = None
     pids: list[int] = []
     try:
+        link.engage()
         pids = procs.tree_pids(res.pid)
         if manifest.cuda is not None:
-            procs.resume(pids)
             plan = restore_plan(cuda_jobs.view, pids, manifest.cuda, gpu_map, criu.node)
+            cuda_pids = [pid for pid, _ in plan]
+            # Only the driver's restore threads run (CRIU's CUDA plugin does the same).
+            hold = ThreadHold(cuda_pids, {cuda_jobs.driver.restore_thread(pid) for pid in cuda_pids})
             cuda_jobs.thaw(plan, times, unlock=False)
+            hold.release()
         gpus_here = [gpu_map.get(u, u) for u in spec.gpus]
         spec_here = JobSpec(**{**spec.__dict__, "name": name, "gpus": gpus_here})
         # Refused if a job took the name while CRIU ran: this copy is then killed below.
@@ -115,6 +124,8 @@ def restore_tree(
         if before_release is not None:
             before_release(rec)
     except BaseException:
+        if hold is not None:
+            hold.release()
         # Its link first: killed, the copy's kernel would close its TCP connections with FIN or RST
         # from the job's own address, and its peers would drop the connections the source's copy
         # goes on with. Without a link nothing leaves its namespace.
@@ -123,13 +134,13 @@ def restore_tree(
         kill_restored(res.pid)
         raise
     # Recorded as running: from now on this is the job's one copy, so it is never killed here.
-    if net and registry.network is not None:
-        registry.network.announce(res.pid, spec.address)  # the segment learns the job's new port
     try:
+        link.release()
+        if net and registry.network is not None:
+            registry.network.announce(res.pid, spec.address)  # the segment learns the job's new port
+        procs.resume(pids)
         if manifest.cuda is not None:
             cuda_jobs.unlock([pid for pid, _ in plan], times)
-        else:
-            procs.resume(pids)
     except Exception as e:
         log.error("job %s: restored, but could not be released: %s", name, e)
         rec = registry.update(name, note=f"{note}; its CUDA calls stay blocked: unlock failed: {e}")

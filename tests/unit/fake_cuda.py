@@ -42,8 +42,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import psutil
 from cuda.bindings import driver as real
+
+from agent.jobs.threadhold import threads
 
 R = real.CUresult
 GIB = 1 << 30
@@ -200,7 +201,9 @@ class FakeDriver:
     def _enter(self, action: str, pid: int) -> tuple[CudaProc | None, R | None]:
         self.calls.append((action, pid))
         # The driver's restore thread inside the job does the work: a stopped job would hang it.
-        assert action == "get-state" or not _stopped(pid), (
+        # Get-state and the restore thread's id are answered without it (CRIU's CUDA plugin asks
+        # for the id while it holds the tree stopped; the device check verifies it on a GPU).
+        assert action in ("get-state", "restore-thread") or not _stopped(pid), (
             f"cuda {action} on pid {pid} while it is SIGSTOPped"
         )
         if not self.checkpoint_api:
@@ -226,7 +229,7 @@ class FakeDriver:
 
     def cuCheckpointProcessGetRestoreThreadId(self, pid: int) -> tuple[R, int]:
         _proc, err = self._enter("restore-thread", pid)
-        return (err, 0) if err is not None else (R.CUDA_SUCCESS, pid + 1)
+        return (err, 0) if err is not None else (R.CUDA_SUCCESS, restore_thread_of(pid))
 
     def cuCheckpointProcessLock(self, pid: int, args: Any) -> tuple[R]:
         proc, err = self._enter("lock", pid)
@@ -307,10 +310,20 @@ class FakeDriver:
 
 
 def _stopped(pid: int) -> bool:
+    """Whether the driver's restore thread in `pid` (restore_thread_of) cannot run: stopped, or
+    held in a ptrace stop (agent.jobs.threadhold lets that one thread go)."""
+    tid = restore_thread_of(pid)
     try:
-        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
-    except psutil.Error:
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return False  # a made-up PID of a pure driver test
+    return state in ("T", "t")
+
+
+def restore_thread_of(pid: int) -> int:
+    """The driver's thread inside a process: here its last thread (a sleeper's only one)."""
+    return max(threads(pid), default=pid)
 
 
 def _uuid(raw: bytes) -> str:

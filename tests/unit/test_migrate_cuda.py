@@ -33,6 +33,7 @@ from fake_cuda import (
 )
 from fakes import FakeCriu, LocalPeer, is_dead, is_stopped, launched_record, wait_running
 
+from agent import faults
 from agent.cli import main as cli
 from agent.errors import CriuError, MigrationAbortedError, RefusedError
 from agent.jobs.record import JobState
@@ -107,9 +108,10 @@ def test_a_cuda_job_moves_onto_a_gpu_of_the_target(nodes: TwoNodes) -> None:
     proc = nodes.dst_world.procs[restored]
     assert proc.state == RUNNING and proc.gpus[0] in (A100, GPU1)
     assert nodes.dst_reg.get("train").pid == restored
-    # Source: lock, then checkpoint, before CRIU; target: restore onto its GPU, then unlock.
+    # Source: lock, then checkpoint, before CRIU; target: restore onto its GPU (only the driver's
+    # restore thread let run), then unlock.
     assert nodes.src_drv.actions() == ["lock", "checkpoint"]
-    assert nodes.dst_drv.actions() == ["restore", "unlock"]
+    assert nodes.dst_drv.actions() == ["restore-thread", "restore", "unlock"]
     assert nodes.dst_drv.restore_args == [{GPU0: proc.gpus[0]}]
     assert IMAGE_FILE in nodes.dst_criu.restores[0]["files"]
     assert result.gpu_bytes == 2 * GIB
@@ -185,6 +187,26 @@ def test_lock_timeout_aborts_before_anything_is_frozen(nodes: TwoNodes) -> None:
     assert not is_stopped(nodes.pid)
     assert nodes.job.state is JobState.RUNNING and "aborted while cuda-locking" in nodes.job.note
     assert nodes.target.status(MID) == pb.TARGET_STATE_ABORTED
+
+
+def test_a_restored_cuda_job_stays_stopped_until_its_commit_point(
+    nodes: TwoNodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Defect: the target SIGCONTed the whole restored tree for the CUDA restore, so its threads
+    ran before RUNNING was journaled. Only the driver's restore thread may run then."""
+    seen: list[tuple[int, str]] = []
+    real = faults.check
+
+    def at_commit_point(point: str, node: str = "") -> None:
+        if point == "target-restored":  # held, registered, RUNNING not yet journaled
+            pid = nodes.dst_criu.spawned[0]
+            seen.append((pid, "stopped" if is_stopped(pid) else "running"))
+        real(point, node)
+
+    monkeypatch.setattr(faults, "check", at_commit_point)
+    nodes.migration().run()
+    assert seen and seen[0][1] == "stopped", seen
+    wait_running(seen[0][0])  # released at the commit point
 
 
 def test_dump_failure_after_the_cuda_checkpoint_puts_cuda_back(nodes: TwoNodes) -> None:
@@ -377,7 +399,7 @@ def test_checkpoint_frees_the_gpu_and_restore_puts_the_job_back(
     restored = world.procs[rec.pid]
     assert restored.state == RUNNING and restored.gpus == [GPU1]
     assert GPU1 in rec.note
-    assert drv.actions() == ["lock", "checkpoint", "restore", "unlock"]
+    assert drv.actions() == ["lock", "checkpoint", "restore-thread", "restore", "unlock"]
 
 
 def test_checkpoint_leave_running_resumes_cuda_in_place(tmp_path, sleeper, fake_criu, registry) -> None:
