@@ -43,13 +43,16 @@ class AgentService(pb_grpc.AgentServicer):
 
     def _moves(self, items: Iterator[Progress | MigrationResult]) -> Iterator[pb.ProgressEvent]:
         t0 = time.monotonic()
-        for item in items:
-            if isinstance(item, MigrationResult):
-                yield pb.ProgressEvent(
-                    phase=pb.PHASE_DONE, elapsed_s=time.monotonic() - t0, result=result_pb(item)
-                )
-            else:
-                yield progress_pb(item, time.monotonic() - t0)
+        # Counted until gRPC has taken the last message (or the caller left): a graceful stop
+        # that waited only for the move itself cut the stream before its result went out.
+        with self.agent.counted():
+            for item in items:
+                if isinstance(item, MigrationResult):
+                    yield pb.ProgressEvent(
+                        phase=pb.PHASE_DONE, elapsed_s=time.monotonic() - t0, result=result_pb(item)
+                    )
+                else:
+                    yield progress_pb(item, time.monotonic() - t0)
 
     def _peer_name(self, context: grpc.ServicerContext) -> str:
         """The calling node's certificate name ("" on the insecure loopback)."""
