@@ -87,9 +87,11 @@ def log_size(agent: LocalAgent) -> int:
         return 0
 
 
-def wait_paused(agent: LocalAgent, point: str, since: int = 0, timeout_s: float = DEADLINE_S) -> float:
+def wait_paused(
+    agent: LocalAgent, point: str, since: int = 0, timeout_s: float = DEADLINE_S, seconds: float = PAUSE_S
+) -> float:
     """Wait until the agent logs that it sleeps at FERRY_PAUSE point `point`; return when seen."""
-    needle = f"FERRY_PAUSE: pausing {float(PAUSE_S):.1f} s at {point!r}"
+    needle = f"FERRY_PAUSE: pausing {float(seconds):.1f} s at {point!r}"
 
     def probe() -> bool:
         return needle in agent.log_path.read_bytes()[since:].decode(errors="replace")
@@ -311,6 +313,32 @@ def test_target_killed_during_restore_source_stays_frozen_until_settled(agents):
     assert_no_copy(b, "tkr")
     assert "final digest" not in b.cli("logs", "tkr").stdout, "node-b's copy ran to the end"
     assert_completed_exactly_once(a, "tkr", steps=80)
+
+
+def test_target_stopped_during_a_restore_longer_than_its_grace_finishes_it_and_the_source_settles(agents):
+    """SIGTERM of the target agent while it restores: its graceful stop waits for the Commit in
+    flight (beyond gRPC's own 10 s grace), so the source gets its answer and ends its copy by
+    itself; the job runs once, on node-b. Before, the Commit failed as unavailable and the
+    source held its copy UNRESOLVED until the target came back."""
+    a = agents("node-a", env={"FERRY_HOUSEKEEPING_S": "1"})
+    b = agents("node-b", env={"FERRY_PAUSE": "target-restored=15"})
+    run_slow_training(a, "tsr", steps=80, step_time=0.25)
+    wait_steps(a, "tsr", 5)
+
+    migrating = migrate_in_background(a, "tsr", b)
+    wait_paused(b, "target-restored", seconds=15)
+    stopped = time.monotonic()
+    assert b.stop(signal.SIGTERM, timeout_s=120) == 0
+    assert time.monotonic() - stopped > 10, "the agent stopped before its restore was done"
+    rc, _, err = finish(migrating)
+
+    assert rc == 0, err
+    assert wait_record(a, "source", ("committed",))
+    assert wait_record(b, "target", ("running",))
+    assert job(a, "tsr")["state"] == "moved"
+    assert_no_copy(a, "tsr")
+    restart(b)
+    assert_ran_once_after_restart(b, "tsr", steps=80)
 
 
 def test_target_down_until_its_restored_copy_ends_still_runs_the_job_once(agents):
