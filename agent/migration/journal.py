@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -54,7 +55,8 @@ class MigrationRecord:
 FINISHED = {"committed", "aborted", "running"}
 #: Only these are ever pruned: a target's "running" record is what tells a source, however
 #: late it asks, that the job runs there; forgetting it would read as "never heard of it".
-PRUNABLE = {"aborted"}
+#: ("committed" is a source's end only: no target record has that state.)
+PRUNABLE = {"aborted", "committed"}
 
 
 class Journal:
@@ -63,6 +65,10 @@ class Journal:
     def __init__(self, state_dir: Path) -> None:
         self.root = state_dir / "migrations"
         self.root.mkdir(parents=True, exist_ok=True)
+        #: The state each file had when last read, by its (inode, mtime, size): what `load(states=...)`
+        #: need not read again. Housekeeping asks for the open records every few seconds.
+        self._seen: dict[Path, tuple[tuple[int, int, int], str]] = {}
+        self._seen_lock = threading.Lock()
 
     def _path(self, role: str, mid: str) -> Path:
         return self.root / f"{role}-{mid}.json"
@@ -86,8 +92,12 @@ class Journal:
                 hint="restore the file from a backup or settle the migration by hand",
             ) from e
 
-    def load(self, role: str, strict: bool = False) -> list[MigrationRecord]:
-        """Every record of one side, oldest first; finished ones past their keep time are removed.
+    def load(
+        self, role: str, strict: bool = False, states: frozenset[str] | None = None
+    ) -> list[MigrationRecord]:
+        """Every record of one side (only those in `states`, if given), oldest first; finished
+        ones past their keep time are removed. With `states`, a file read before in another
+        state and unchanged since (its mtime and size) is not read again.
 
         An unreadable record could be a restore in flight that must be killed, so it is never
         taken as "no record": strict (recovery at start) raises, naming every such file; else
@@ -98,6 +108,15 @@ class Journal:
         now = time.time()
         for path in sorted(self.root.glob(f"{role}-*.json")):
             try:
+                st = path.stat()
+            except FileNotFoundError:  # pruned or replaced meanwhile
+                continue
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+            with self._seen_lock:
+                seen = self._seen.get(path)
+            if states is not None and seen is not None and seen[0] == key and seen[1] not in states:
+                continue
+            try:
                 rec = MigrationRecord(**json.loads(path.read_bytes()))
             except (OSError, ValueError, TypeError) as e:
                 log.error("unreadable migration record %s: %s", path, e)
@@ -106,8 +125,13 @@ class Journal:
             if rec.state in PRUNABLE and now - rec.updated_at > KEEP_FINISHED_S:
                 with contextlib.suppress(OSError):
                     path.unlink()
+                with self._seen_lock:
+                    self._seen.pop(path, None)
                 continue
-            out.append(rec)
+            with self._seen_lock:
+                self._seen[path] = (key, rec.state)
+            if states is None or rec.state in states:
+                out.append(rec)
         if bad and strict:
             raise FerryError(
                 f"{len(bad)} {role} migration record(s) are unreadable: {'; '.join(bad)}",

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 CRIU_WAIT_S = 120.0
 _NOT_SENT = {s.value for s in NOT_SENT}
 _MAYBE_SENT = {s.value for s in MAYBE_SENT}
+_OPEN = frozenset(_NOT_SENT | _MAYBE_SENT)
 
 
 class Resolution(StrEnum):
@@ -81,7 +82,7 @@ class SourceRecovery:
         self._retry: set[str] = set()
 
     def open_records(self) -> list[MigrationRecord]:
-        return [r for r in self.journal.load(SOURCE) if r.state in _NOT_SENT | _MAYBE_SENT]
+        return self.journal.load(SOURCE, states=_OPEN)
 
     def recover(self) -> list[str]:
         """At agent start: settle (or mark unresolved) every migration the last run left open."""

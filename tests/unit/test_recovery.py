@@ -432,3 +432,41 @@ def test_a_local_operation_whose_image_is_not_complete_resumes_the_copy(frozen, 
     recovery(registry, journal, ScriptedTarget(None)).recover()
     assert not is_stopped(proc.pid)
     assert registry.get("train").state is JobState.RUNNING
+
+
+def test_the_housekeeping_poll_reads_only_records_that_may_be_open(tmp_path, registry, monkeypatch) -> None:
+    """Defect: SourceRecovery.poll parsed every source record, finished ones included, every
+    few seconds. A finished record unchanged since it was read is not read again."""
+    journal = Journal(tmp_path / "state")
+    for i in range(40):
+        journal.save(MigrationRecord(f"done{i}", SOURCE, "train", "committed", peer="127.0.0.1:1"))
+    journal.save(MigrationRecord("open1", SOURCE, "train", "unresolved", peer="127.0.0.1:1"))
+    rec = recovery(registry, journal, ScriptedTarget(None))
+    assert [r.migration_id for r in rec.open_records()] == ["open1"]
+
+    reads: list[str] = []
+    real = Path.read_bytes
+
+    def counting(self: Path) -> bytes:
+        reads.append(self.name)
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", counting)
+    assert [r.migration_id for r in rec.open_records()] == ["open1"]
+    assert reads == ["source-open1.json"]
+    # A record that changes is read again, whatever it was before.
+    journal.save(MigrationRecord("done3", SOURCE, "train", "unresolved", peer="127.0.0.1:1"))
+    assert sorted(r.migration_id for r in rec.open_records()) == ["done3", "open1"]
+
+
+def test_finished_source_records_are_pruned_after_their_keep_time(tmp_path) -> None:
+    journal = Journal(tmp_path / "state")
+    old = MigrationRecord("old", SOURCE, "train", "committed")
+    journal.save(old)
+    path = tmp_path / "state" / "migrations" / "source-old.json"
+    data = json.loads(path.read_text())
+    data["updated_at"] = time.time() - KEEP_FINISHED_S - 1
+    path.write_text(json.dumps(data))
+    journal.save(MigrationRecord("new", SOURCE, "train", "committed"))
+    assert [r.migration_id for r in journal.load(SOURCE)] == ["new"]
+    assert not path.exists()
