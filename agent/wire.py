@@ -15,8 +15,7 @@ from typing import Any, Generic, TypeVar
 from agent.errors import FerryError, InvalidArgumentError
 from agent.health.verdicts import State
 from agent.jobs.record import OnDegraded, Priority
-from agent.migration.model import Method
-from agent.migration.recovery import Resolution
+from agent.migration.model import Method, Resolution
 from agent.rpc import pb
 
 E = TypeVar("E", bound=str)

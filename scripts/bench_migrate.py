@@ -954,7 +954,7 @@ PIPE_MAX = Path("/proc/sys/fs/pipe-max-size")
 def allow_lazy_dumps(say: Progress) -> str | None:
     """Root without CAP_SYS_RESOURCE needs fs.pipe-max-size raised for post-copy (the agent
     refuses --post-copy otherwise): raise it for the run; return the value to put back."""
-    from agent.criu.lazy import LAZY_PIPE_BYTES, lazy_dump_blocker
+    from agent.criu.runner import LAZY_PIPE_BYTES, lazy_dump_blocker
 
     if not lazy_dump_blocker():
         return None

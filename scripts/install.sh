@@ -2,7 +2,8 @@
 # Put ferry on a node: `make install PREFIX=/opt/ferry` (after `make all`) runs this.
 #
 # Usage: scripts/install.sh PREFIX [UNIT_DIR]
-#   PREFIX/venv                  ferry and its runtime dependencies (no torch, no test tools)
+#   PREFIX/venv                  ferry and its runtime dependencies (no torch, no test tools, no
+#                                test doubles: agent/testing stays in the checkout)
 #   PREFIX/bin/ferry             the CLI and agent, pointed at the CRIU and ferry-init below
 #   PREFIX/bin/ferry-init        the jobs' PID 1
 #   PREFIX/criu/bin/criu         CRIU as `make criu` built it (with ferry's data-path patch)
@@ -25,8 +26,16 @@ for built in "$REPO/.ferry/criu/bin/criu" "$REPO/.ferry/bin/ferry-init" "$REPO/f
 done
 
 echo "install: ferry into $PREFIX/venv"
+# Built from a fresh copy of the sources: a build in the checkout packs whatever an earlier one
+# left in build/lib, agent/testing (the test doubles, kept out by pyproject.toml) included.
+SRC="$(mktemp -d)"
+trap 'rm -rf "$SRC"' EXIT
+cp -r "$REPO/pyproject.toml" "$REPO/README.md" "$REPO/agent" "$REPO/ferry" "$SRC/"
 "$PYTHON" -m venv --clear "$PREFIX/venv"
-"$PREFIX/venv/bin/pip" install -q --disable-pip-version-check "$REPO"
+"$PREFIX/venv/bin/pip" install -q --disable-pip-version-check "$SRC"
+# -I: the check must not find a checkout through the current directory.
+"$PREFIX/venv/bin/python" -I -c 'import importlib.util as u, sys; sys.exit(u.find_spec("agent.testing") is not None)' \
+  || die "the install holds agent/testing, the test doubles: it must not"
 
 install -d "$PREFIX/bin" "$PREFIX/criu/bin" "$PREFIX/share/ferry" "$PREFIX/share/doc/ferry"
 install -m 0755 "$(readlink -f "$REPO/.ferry/criu/bin/criu")" "$PREFIX/criu/bin/criu"

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent import config
-from agent.criu.lazy import LAZY_PIPE_BYTES, lazy_dump_blocker
-from agent.criu.runner import Criu
+from agent.criu.runner import LAZY_PIPE_BYTES, Criu, lazy_dump_blocker
 from agent.cuda import pidprobe
 from agent.cuda.driver import CudaDriver
 from agent.cuda.jobs import REMAP_BRANCH

@@ -26,36 +26,18 @@ from agent.criu import child
 from agent.criu import logs as criu_logs
 from agent.criu.options import CriuOptions, TlsFiles, dump_options
 from agent.criu.runner import DUMP_LOG, STATS_DUMP, Criu, DumpResult, read_stats
+
+# Where a lazy dump can run is a probe of this node, so it lives with the others in runner (which
+# must not import this module); still importable from here, where post-copy's callers look.
+from agent.criu.runner import LAZY_PIPE_BYTES as LAZY_PIPE_BYTES
+from agent.criu.runner import lazy_dump_blocker as lazy_dump_blocker
 from agent.errors import CriuError
 
 LAZY_PAGES_LOG = "criu-lazy-pages.log"
-#: CRIU's lazy page server sizes its pipe to 4 MiB (PIPE_MAX_SIZE pages, rounded up).
-LAZY_PIPE_BYTES = 4 << 20
 #: A backstop for the waits on a post-copy that no caller bounds: it ends once the target has
 #: every page, and the source's wait is sized by the job's memory (migration.source). A day is
 #: 1.7 TiB at the slowest rate the source accepts (20 MB/s).
 LAZY_MAX_S = 24 * 3600.0
-_CAP_SYS_RESOURCE = 24
-
-
-def lazy_dump_blocker(
-    status: Path = Path("/proc/self/status"), pipe_max: Path = Path("/proc/sys/fs/pipe-max-size")
-) -> str:
-    """Why a lazy dump would fail on this node, or "" if it can run.
-
-    Without CAP_SYS_RESOURCE, CRIU cannot grow a pipe past fs.pipe-max-size; its lazy
-    page server then sends a short first answer and the transfer fails.
-    """
-    caps = next((ln.split()[1] for ln in status.read_text().splitlines() if ln.startswith("CapEff:")), "0")
-    if int(caps, 16) >> _CAP_SYS_RESOURCE & 1:
-        return ""
-    limit = int(pipe_max.read_text())
-    if limit >= LAZY_PIPE_BYTES:
-        return ""
-    return (
-        f"this agent lacks CAP_SYS_RESOURCE and fs.pipe-max-size is {limit}; CRIU's lazy page "
-        f"server needs pipes of {LAZY_PIPE_BYTES} bytes (`sysctl fs.pipe-max-size={LAZY_PIPE_BYTES}`)"
-    )
 
 
 def _start(criu: Criu, command: str, opts: CriuOptions) -> tuple[subprocess.Popen[bytes], int]:

@@ -38,6 +38,29 @@ STATS_RESTORE = "stats-restore"
 PROBE_TIMEOUT_S = 60.0
 #: 4.1.1 cannot dump inet sockets on Linux >= 6.16 (it asks every socket for SO_PASSCRED).
 MIN_VERSION = (4, 2, 1)
+#: CRIU's lazy page server sizes its pipe to 4 MiB (PIPE_MAX_SIZE pages, rounded up).
+LAZY_PIPE_BYTES = 4 << 20
+_CAP_SYS_RESOURCE = 24
+
+
+def lazy_dump_blocker(
+    status: Path = Path("/proc/self/status"), pipe_max: Path = Path("/proc/sys/fs/pipe-max-size")
+) -> str:
+    """Why a lazy dump (agent.criu.lazy) would fail on this node, or "" if it can run.
+
+    Without CAP_SYS_RESOURCE, CRIU cannot grow a pipe past fs.pipe-max-size; its lazy
+    page server then sends a short first answer and the transfer fails.
+    """
+    caps = next((ln.split()[1] for ln in status.read_text().splitlines() if ln.startswith("CapEff:")), "0")
+    if int(caps, 16) >> _CAP_SYS_RESOURCE & 1:
+        return ""
+    limit = int(pipe_max.read_text())
+    if limit >= LAZY_PIPE_BYTES:
+        return ""
+    return (
+        f"this agent lacks CAP_SYS_RESOURCE and fs.pipe-max-size is {limit}; CRIU's lazy page "
+        f"server needs pipes of {LAZY_PIPE_BYTES} bytes (`sysctl fs.pipe-max-size={LAZY_PIPE_BYTES}`)"
+    )
 
 
 @dataclass
@@ -103,8 +126,6 @@ class Criu:
 
     def lazy_dump_blocker(self) -> str:
         """Why this node cannot serve a post-copy dump now, or "" (agent.criu.lazy)."""
-        from agent.criu.lazy import lazy_dump_blocker  # lazy builds on this module
-
         return lazy_dump_blocker()
 
     def require_usable(self) -> str:

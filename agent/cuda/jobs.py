@@ -120,8 +120,8 @@ class CudaJobs:
     """The CUDA half of moving a job on one node: inspect, freeze, thaw, choose GPUs.
 
     One per agent. The GPU memory of its frozen jobs is held in the node's GPU ledger
-    (agent.gpus.ledger, set by the agent): NVML shows it free once checkpointed, but the
-    job needs it back if its move aborts, so no incoming job or local restore may take it.
+    (agent.gpus.ledger; the agent builds both and gives it): NVML shows it free once checkpointed,
+    but the job needs it back if its move aborts, so no incoming job or local restore may take it.
     """
 
     driver: CudaDriver
@@ -132,7 +132,7 @@ class CudaJobs:
     #: How `nvml_pids` probes (tests give one that needs no GPU).
     pid_probe: Callable[[Nvml], pidprobe.PidProbe] = pidprobe.probe
     _pid_probe: pidprobe.PidProbe | None = field(default=None, repr=False)
-    ledger: GpuLedger = field(default_factory=GpuLedger)
+    ledger: GpuLedger = field(kw_only=True)  # required: the node's one ledger, never one of its own
     _probe_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def inspect(self, pids: Iterable[int]) -> Footprint:
@@ -309,6 +309,13 @@ class CudaJobs:
 
     def _refuse(self, cause: str, hint: str = "") -> RefusedError:
         return RefusedError(cause, step="cuda check", node=self.node, hint=hint)
+
+
+def host_cuda_jobs(node: str, config: CudaConfig, ledger: GpuLedger) -> CudaJobs:
+    """This host's CUDA side (the real driver and NVML) around the node's ledger: what the agent
+    builds, once (agent.service.node)."""
+    driver = CudaDriver(node=node, explicit_gpu_pairs=config.explicit_gpu_pairs)
+    return CudaJobs(driver, Nvml(node=node), node, ProcView(), config.lock_timeout_s, ledger=ledger)
 
 
 def restore_plan(

@@ -7,14 +7,11 @@ it down, so a driver upgrade or a GPU that falls off the bus shows up at once.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from agent.errors import NoFreeGpuError, RefusedError
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -71,37 +68,13 @@ class GpuNeed:
     memory_bytes: int
 
 
-#: What use_nvml installed in place of pynvml (None: pynvml), and what to call it in the warning.
-_override: Any = None
-_override_what = ""
-_warned = False
-
-
-def use_nvml(module: Any, what: str = "") -> Any:
-    """Make nvml_module() answer `module` instead of pynvml, for every reader in this process (the
-    inventory and the health monitor must see the same GPUs); None puts pynvml back.
-
-    The injection point for stand-ins (tests and drills on machines without a GPU: see
-    agent.testing.agent): production code never picks one by itself. `what` names it in the
-    warning logged at first use. Returns what was installed before, so a caller can restore it."""
-    global _override, _override_what, _warned
-    previous = _override
-    _override, _override_what, _warned = module, what or repr(module), False
-    return previous
-
-
 def nvml_module() -> Any:
-    """pynvml; or the stand-in use_nvml installed, with a warning the first time it answers."""
-    global _warned
-    module = _override
-    if module is None:
-        import pynvml
+    """pynvml, looked up at each call: every reader in this process (the inventory, the health
+    monitor) sees one NVML. No switch here: a test double replaces the `pynvml` module itself,
+    from test code only (agent.testing.agent.use_nvml, which the installed package lacks)."""
+    import pynvml
 
-        return pynvml
-    if not _warned:
-        _warned = True  # once per install: every Nvml() and the monitor ask for it
-        log.warning("NVML answers from %s: these are not real GPUs", _override_what)
-    return module
+    return pynvml
 
 
 @dataclass

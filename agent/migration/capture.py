@@ -10,10 +10,9 @@ from pathlib import Path
 
 import psutil
 
-from agent.cuda import driver as cuda
-from agent.cuda.jobs import CudaConfig, CudaJobs, Footprint, ProcView
+from agent.cuda.jobs import Footprint
 from agent.errors import RefusedError
-from agent.gpus.inventory import Nvml, gib
+from agent.gpus.inventory import gib
 from agent.image import STDERR_LOG, STDOUT_LOG
 from agent.jobs import procs
 from agent.jobs.network import LinkLock
@@ -64,9 +63,3 @@ def require_host_memory(fp: Footprint, node: str) -> None:
             node=node,
             hint="free host memory on this node first",
         )
-
-
-def default_cuda_jobs(node: str, config: CudaConfig | None = None) -> CudaJobs:
-    cfg = config or CudaConfig()
-    driver = cuda.CudaDriver(node=node, explicit_gpu_pairs=cfg.explicit_gpu_pairs)
-    return CudaJobs(driver, Nvml(node=node), node, ProcView(), cfg.lock_timeout_s)

@@ -28,6 +28,15 @@ class Method(StrEnum):
     STAGED = "staged"  # the whole image into staging here, then copied
 
 
+class Resolution(StrEnum):
+    """How `ferry resolve` settles an unresolved migration (agent.migration.recovery; ResolveAction
+    in the proto). Here, not in recovery, so the wire tables need not import the migration core."""
+
+    ASK = "ask"  # ask the target again and act only on a definite answer
+    RESUME = "resume"  # the operator's word: the target does not run the job
+    FINISH = "finish"  # the operator's word: the target runs it
+
+
 @dataclass(frozen=True)
 class MigrationSpec:
     job: str

@@ -27,7 +27,6 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from agent.compat import StrEnum
 from agent.cuda import driver as cuda
 from agent.errors import FerryError, InvalidArgumentError, NotFoundError, RefusedError
 from agent.gpus.ledger import GpuLedger
@@ -40,7 +39,7 @@ from agent.migration import rollback
 from agent.migration.fencing import TargetAnswer, Verdict, ask_target, decide
 from agent.migration.journal import SOURCE, Journal, MigrationRecord
 from agent.migration.local import KIND_SUSPEND, end_saved
-from agent.migration.model import Peer, unresolved_note
+from agent.migration.model import Peer, Resolution, unresolved_note
 from agent.migration.states import MAYBE_SENT, NOT_SENT, SOURCE_TRANSITIONS, MigrationState, cuda_left
 
 log = logging.getLogger(__name__)
@@ -51,14 +50,6 @@ _MAYBE_SENT = {s.value for s in MAYBE_SENT}
 _OPEN = frozenset(_NOT_SENT | _MAYBE_SENT)
 
 
-class Resolution(StrEnum):
-    """How `ferry resolve` settles an unresolved migration."""
-
-    ASK = "ask"  # ask the target again and act only on a definite answer
-    RESUME = "resume"  # the operator's word: the target does not run the job
-    FINISH = "finish"  # the operator's word: the target runs it
-
-
 class SourceRecovery:
     def __init__(
         self,
@@ -67,11 +58,11 @@ class SourceRecovery:
         driver: cuda.CudaDriver,
         node: str,
         peer_for: Callable[[str], Peer],
-        ledger: GpuLedger | None = None,
+        ledger: GpuLedger,
     ) -> None:
         self.registry = registry
         #: Where a frozen job's GPU memory is held (an in-process UNRESOLVED one); none after a restart.
-        self.ledger = ledger or GpuLedger()
+        self.ledger = ledger
         self.journal = journal
         self.driver = driver
         self.node = node

@@ -57,7 +57,6 @@ from agent.migration import rollback
 from agent.migration.capture import (
     Phases,
     copy_logs,
-    default_cuda_jobs,
     dump_externals,
     needs_shell_job,
     require_host_memory,
@@ -112,14 +111,15 @@ class SourceMigration:
         node: str,
         agent_id: str,
         emit: Emit = lambda p: None,
-        cuda_jobs: CudaJobs | None = None,
-        journal: Journal | None = None,
+        *,
+        cuda_jobs: CudaJobs,
+        journal: Journal,
     ) -> None:
         self.spec = spec
-        self.journal = journal or Journal(registry.root.parent)
+        self.journal = journal
         #: CRIU's logs of this migration: kept where the errors say when it fails.
         self.criu_logs = CriuLogs(registry.root.parent)
-        self.cuda = cuda_jobs or default_cuda_jobs(node)
+        self.cuda = cuda_jobs
         self.footprint = Footprint()
         self.link = LinkLock(None, "")  # the job's link, cut during the move (agent.jobs.network)
         self.registry = registry

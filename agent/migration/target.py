@@ -37,7 +37,6 @@ from agent.errors import (
 )
 from agent.gpus.ledger import GpuLedger
 from agent.jobs.registry import JobRegistry
-from agent.migration.capture import default_cuda_jobs
 from agent.migration.datatls import DataTls
 from agent.migration.journal import TARGET, Journal, MigrationRecord
 from agent.migration.staging import no_space
@@ -71,21 +70,21 @@ class TargetMigrations:
         criu: Criu,
         staging_root: Path,
         node: str,
-        cuda_jobs: CudaJobs | None = None,
-        journal: Journal | None = None,
-        ledger: GpuLedger | None = None,
+        cuda_jobs: CudaJobs,
+        journal: Journal,
+        ledger: GpuLedger,
     ) -> None:
         self.registry = registry
         self.criu = criu
-        self.cuda = cuda_jobs or default_cuda_jobs(node)
+        self.cuda = cuda_jobs
         self.staging_root = staging_root
         self.node = node
-        self.journal = journal or Journal(registry.root.parent)
+        self.journal = journal
         #: CRIU's logs of each incoming migration: kept where the errors say when it fails.
         self.criu_logs = CriuLogs(registry.root.parent)
         #: Every GPU claim on this node (agent.gpus.ledger); a lease's GPUs are held there until
-        #: its restore ends. The agent gives the node's one ledger.
-        self.ledger = ledger or self.cuda.ledger
+        #: its restore ends. The agent gives the node's one ledger (the CUDA side's too).
+        self.ledger = ledger
         #: Told how each incoming migration ended: "committed" (the job runs here) or "aborted".
         self.on_end: Callable[[str], None] = lambda result: None
         #: Where this node's page servers listen for a source's CRIU (the agent's own address).

@@ -2,7 +2,8 @@
 
 Counters and histograms are updated where a migration ends (agent.service.node for the source
 side, TargetMigrations.on_end for the target side); jobs, GPU health and staging are read from
-their owners at scrape time, so a scrape always shows what is true now.
+their owners at scrape time, so a scrape always shows what is true now. The agent hands over
+only those reads (`Sources`), never itself: metrics sit below the composition root.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import contextlib
 import logging
 import os
 import ssl
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sized
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,13 +23,12 @@ from prometheus_client.registry import Collector
 
 from agent import __version__, client
 from agent.errors import InvalidArgumentError
-from agent.health.verdicts import State
-from agent.jobs.record import JobState
+from agent.health.verdicts import GpuHealth, State
+from agent.jobs.record import JobRecord, JobState
 from agent.migration.model import MigrationResult
 from agent.migration.staging import free_bytes
 
 if TYPE_CHECKING:
-    from agent.service.node import AgentNode
     from agent.tls import Identity
 
 log = logging.getLogger(__name__)
@@ -36,10 +37,20 @@ log = logging.getLogger(__name__)
 SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600, 1800, float("inf"))
 
 
+@dataclass(frozen=True)
+class Sources:
+    """What a scrape reads, each from its owner, at the time of the scrape."""
+
+    jobs: Callable[[], Iterable[JobRecord]]  # the registry's records
+    gpus: Callable[[], Iterable[GpuHealth]]  # the health monitor's latest verdicts
+    quarantined: Callable[[], Sized]  # the GPUs the quarantine holds
+    staging_root: Path
+
+
 class AgentMetrics:
     """One agent's metrics, in a registry of its own (two agents in one process stay apart)."""
 
-    def __init__(self, agent: AgentNode) -> None:
+    def __init__(self, node: str, criu_version: str, sources: Sources) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.migrations = Counter(
@@ -74,9 +85,9 @@ class AgentMetrics:
             registry=r,
         )
         Info("ferry_build", "This agent's build", registry=r).info(
-            {"version": __version__, "node": agent.node, "criu": agent.criu_version()}
+            {"version": __version__, "node": node, "criu": criu_version}
         )
-        r.register(_Now(agent))
+        r.register(_Now(sources))
 
     def source_ended(self, result: MigrationResult | None, error: BaseException | None = None) -> None:
         if result is None:
@@ -147,13 +158,13 @@ def _dir_bytes(root: Path) -> int:
 class _Now(Collector):
     """What is true at scrape time: jobs by state, GPU health and its evidence, staging in use."""
 
-    def __init__(self, agent: AgentNode) -> None:
-        self.agent = agent
+    def __init__(self, sources: Sources) -> None:
+        self.sources = sources
 
     def collect(self) -> Iterator[Any]:
         jobs = GaugeMetricFamily("ferry_jobs", "Jobs this agent has a record of, by state", labels=["state"])
         counts = dict.fromkeys((s.value for s in JobState), 0)
-        for rec in self.agent.registry.list():
+        for rec in self.sources.jobs():
             counts[rec.state.value] += 1
         for state, n in counts.items():
             jobs.add_metric([state], n)
@@ -175,7 +186,7 @@ class _Now(Collector):
             "such as ECC errors and XIDs as counted by the driver)",
             labels=["gpu", "reading"],
         )
-        for g in self.agent.monitor.snapshot():
+        for g in self.sources.gpus():
             for state in State:
                 health.add_metric([g.uuid, str(g.index), state.value], 1 if g.state is state else 0)
             for e in g.evidence:
@@ -189,10 +200,10 @@ class _Now(Collector):
         quarantined = GaugeMetricFamily(
             "ferry_gpus_quarantined", "GPUs quarantined after a job was moved off them"
         )
-        quarantined.add_metric([], len(self.agent.quarantine.all()))
+        quarantined.add_metric([], len(self.sources.quarantined()))
         yield quarantined
 
-        root = self.agent.staging_root
+        root = self.sources.staging_root
         staging = GaugeMetricFamily(
             "ferry_staging_bytes", "Bytes of incoming images in this agent's staging area now"
         )

@@ -21,7 +21,7 @@ from pathlib import Path
 from agent import __version__, client
 from agent.agent_config import AgentConfig
 from agent.criu.runner import Criu
-from agent.cuda.jobs import CudaJobs
+from agent.cuda.jobs import CudaJobs, host_cuda_jobs
 from agent.errors import FerryError, InvalidArgumentError, NotFoundError, RefusedError
 from agent.gpus.inventory import Inventory, nvml_module
 from agent.gpus.ledger import GpuLedger
@@ -32,15 +32,14 @@ from agent.health.monitor import GpuHealth, HealthMonitor
 from agent.jobs.network import JobNetwork
 from agent.jobs.record import JobRecord, OnDegraded, Priority, check_job_name
 from agent.jobs.registry import JobRegistry
-from agent.migration.capture import default_cuda_jobs
 from agent.migration.datatls import sweep_keys
 from agent.migration.journal import SOURCE, Journal
 from agent.migration.local import checkpoint, restore_image, resume_preempted
-from agent.migration.model import Emit, Method, MigrationResult, MigrationSpec, Progress
-from agent.migration.recovery import Resolution, SourceRecovery
+from agent.migration.model import Emit, Method, MigrationResult, MigrationSpec, Progress, Resolution
+from agent.migration.recovery import SourceRecovery
 from agent.migration.source import SourceMigration
 from agent.migration.target import TargetMigrations
-from agent.service.metrics import AgentMetrics
+from agent.service.metrics import AgentMetrics, Sources
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +71,7 @@ class AgentNode:
         node: str,
         staging_root: Path,
         criu: Criu | None = None,
-        cuda_jobs: CudaJobs | None = None,
+        make_cuda: Callable[[GpuLedger], CudaJobs] | None = None,
         dial: client.Dial | None = None,
         config: AgentConfig | None = None,
     ) -> None:
@@ -86,16 +85,16 @@ class AgentNode:
         self.criu = criu or Criu(node=node)
         self._can_post_copy: bool | None = None
         self.config = config or AgentConfig()
-        self.cuda = cuda_jobs or default_cuda_jobs(node, self.config.cuda)
         self.registry = JobRegistry(state_dir, node, network=JobNetwork(self.config.network, node))
         self.journal = Journal(state_dir)
         #: The one owner of every claim on this node's GPUs; the CUDA side keeps frozen jobs there.
         self.gpus = GpuLedger(self.registry, Quarantine(state_dir), health=lambda: self.monitor.snapshot())
         #: Read-only here (`ferry health` shows it); changed only through the ledger.
         self.quarantine = self.gpus.quarantine
-        self.cuda.ledger = self.gpus
+        #: Built around the ledger, which only this builds (tests give fakes through make_cuda).
+        self.cuda = make_cuda(self.gpus) if make_cuda else host_cuda_jobs(node, self.config.cuda, self.gpus)
         self.targets = TargetMigrations(
-            self.registry, self.criu, staging_root, node, self.cuda, self.journal, ledger=self.gpus
+            self.registry, self.criu, staging_root, node, self.cuda, self.journal, self.gpus
         )
         self.recovery = SourceRecovery(
             self.registry,
@@ -132,7 +131,8 @@ class AgentNode:
         self.monitor = HealthMonitor(
             nvml_module(), self.config.health, node=node, on_poll=self.healing.on_poll
         )
-        self.metrics = AgentMetrics(self)
+        reads = Sources(self.registry.list, self.monitor.snapshot, self.quarantine.all, staging_root)
+        self.metrics = AgentMetrics(node, self.criu_version(), reads)  # what it reads, not the node
         self.targets.on_end = self.metrics.target_ended
 
     # -- start and housekeeping ----------------------------------------------------------
@@ -220,6 +220,7 @@ class AgentNode:
             self.agent_id,
             emit,
             cuda_jobs=self.cuda,
+            journal=self.journal,
         )
 
     def _auto_migrate(self, job: str, target: str, reason: str, lock_timeout_s: float | None) -> object:

@@ -2,25 +2,44 @@
 
     python -m agent.testing.agent --nvml-replay FILE agent --listen ... (the usual ferry arguments)
 
-installs `ReplayNvml.from_file(FILE)` through agent.gpus.inventory.use_nvml, so the inventory and
-the health monitor answer from the telemetry file (rewritten to inject faults), and then runs the
-normal CLI (agent.cli.main.main) with the rest of the arguments. Production code never chooses a
-double itself: only this entry point, or a test calling use_nvml, does.
+installs `ReplayNvml.from_file(FILE)` with `use_nvml`, so the inventory and the health monitor
+answer from the telemetry file (rewritten to inject faults), and then runs the normal CLI
+(agent.cli.main.main) with the rest of the arguments. Production code never chooses a double
+itself, and has no switch for one: only this entry point, or a test calling use_nvml, installs it,
+and neither ships in the installed package (only a checkout has agent.testing).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
+from typing import Any
+
+import pynvml
 
 from agent.cli.main import main as ferry_main
-from agent.gpus import inventory
 from agent.testing.nvml_replay import ReplayNvml
+
+log = logging.getLogger(__name__)
 
 USAGE = (
     "usage: python -m agent.testing.agent --nvml-replay FILE FERRY_ARGS...\n"
     "(tests and drills only: NVML answered from a replayed telemetry file)"
 )
 EXIT_USAGE = 2
+
+
+def use_nvml(module: Any, what: str = "") -> Any:
+    """Make `pynvml` answer `module` for every reader in this process (agent.gpus.inventory's
+    nvml_module looks it up at each call, so the inventory and the health monitor see the same
+    GPUs); None puts the real pynvml back. The stand-in takes the module's place in sys.modules:
+    the product needs no hook for it. `what` names it in the warning logged now. Returns what
+    was installed before (None: the real pynvml), so a caller can put it back."""
+    current = sys.modules.get("pynvml", pynvml)
+    sys.modules["pynvml"] = pynvml if module is None else module
+    if module is not None:
+        log.warning("NVML answers from %s: these are not real GPUs", what or repr(module))
+    return None if current is pynvml else current
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     if not path:
         print(f"{USAGE}\n--nvml-replay needs a file", file=sys.stderr)
         return EXIT_USAGE
-    inventory.use_nvml(ReplayNvml.from_file(path), f"the replay of {path}")
+    use_nvml(ReplayNvml.from_file(path), f"the replay of {path}")
     return ferry_main(rest)
 
 

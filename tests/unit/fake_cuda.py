@@ -419,18 +419,32 @@ class FakeProcView:
 
 
 def fake_cuda_jobs(
-    world: CudaWorld, node: str = "nodea", host_pid_offset: int = 0, **driver_kw: Any
+    world: CudaWorld,
+    node: str = "nodea",
+    host_pid_offset: int = 0,
+    ledger: Any = None,
+    **driver_kw: Any,
 ) -> tuple[Any, FakeDriver]:
     """agent.cuda.jobs.CudaJobs over this world, and its fake driver (to inspect calls, inject faults).
 
-    Its PID probe is `probe_in(world)`: a real process that the world gives a CUDA context."""
+    Its PID probe is `probe_in(world)`: a real process that the world gives a CUDA context. Its
+    GPU ledger is `ledger` (an agent's); without one, a bare ledger of its own."""
     from agent.cuda.driver import CudaDriver
     from agent.cuda.jobs import CudaJobs
     from agent.gpus.inventory import Nvml
+    from agent.gpus.ledger import GpuLedger
 
     drv = FakeDriver(world, **driver_kw)
     nvml = Nvml(FakeNvml(world, host_pid_offset=host_pid_offset), node)
-    jobs = CudaJobs(CudaDriver(drv, node), nvml, node, FakeProcView(world), 0.5, pid_probe=probe_in(world))
+    jobs = CudaJobs(
+        CudaDriver(drv, node),
+        nvml,
+        node,
+        FakeProcView(world),
+        0.5,
+        pid_probe=probe_in(world),
+        ledger=GpuLedger() if ledger is None else ledger,
+    )
     return jobs, drv
 
 

@@ -21,14 +21,18 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from fake_cuda import CudaWorld, fake_cuda_jobs
 
 from agent.criu.runner import DumpResult, InheritFd, RestoreResult
 from agent.errors import CriuError, RefusedError
 from agent.image import StreamDigest
 from agent.jobs import procs
 from agent.jobs.record import JobKind, JobRecord, JobState
+from agent.jobs.registry import JobRegistry
 from agent.migration.datatls import DataIdentity, DataTls
+from agent.migration.journal import Journal
 from agent.migration.pagestream import CHECK, TargetPages
+from agent.migration.target import TargetMigrations
 from agent.migration.transfer import Intake
 from agent.rpc import pb
 
@@ -37,6 +41,21 @@ SH = "/bin/sh"
 
 #: The files FakeCriu.dump writes; pages-1.img is the "host memory".
 PAGES_BYTES = 64 << 10
+
+
+def node_parts(registry: JobRegistry, node: str) -> tuple[Any, Journal]:
+    """What an agent hands a move's parts, for a node of a test whose jobs hold no GPUs: its CUDA
+    side (a fake world without GPUs, with a ledger of its own) and its one journal."""
+    cuda_jobs, _ = fake_cuda_jobs(CudaWorld([]), node)
+    return cuda_jobs, Journal(registry.root.parent)
+
+
+def target_migrations(
+    registry: JobRegistry, criu: Any, staging_root: Path, node: str = "nodeb"
+) -> TargetMigrations:
+    """A target's migrations wired as the agent wires them (node_parts; the CUDA side's ledger)."""
+    cuda_jobs, journal = node_parts(registry, node)
+    return TargetMigrations(registry, criu, staging_root, node, cuda_jobs, journal, cuda_jobs.ledger)
 
 
 def wait_for(pred: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition") -> None:

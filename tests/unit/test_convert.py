@@ -14,8 +14,7 @@ from agent.cli import render
 from agent.errors import FerryError, InvalidArgumentError
 from agent.health.verdicts import Evidence, GpuHealth, State
 from agent.jobs.record import JobKind, JobRecord, JobState, OnDegraded, Priority
-from agent.migration.model import Method
-from agent.migration.recovery import Resolution
+from agent.migration.model import Method, Resolution
 from agent.rpc import pb
 from agent.service import convert
 from agent.service.status import status_for

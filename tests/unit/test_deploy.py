@@ -1,11 +1,16 @@
 """The deployment files: the Kubernetes manifest against the Kubernetes API schemas (with
-kubernetes-validate) and the systemd unit, each checked against ferry's own argument parser."""
+kubernetes-validate) and the systemd unit, each checked against ferry's own argument parser;
+and what `make install` puts on a node (scripts/install.sh): ferry without its test doubles."""
 
 from __future__ import annotations
 
 import copy
 import re
 import shlex
+import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import kubernetes_validate
@@ -14,7 +19,8 @@ import yaml
 
 from agent.cli.parser import build_parser
 
-DEPLOY = Path(__file__).resolve().parents[2] / "scripts" / "deploy"
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "scripts" / "deploy"
 #: The oldest Kubernetes still in wide use, and the newest the validator knows.
 VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 
@@ -124,3 +130,67 @@ def test_the_units_command_line_is_one_ferry_accepts() -> None:
     )
     assert (str(args.tls_dir), args.socket) == ("/etc/ferry/tls", "/run/ferry/agent.sock")
     assert args.metrics_listen == "127.0.0.1:9478"
+
+
+# -- what the install ships ----------------------------------------------------------------------
+
+
+def install_sources() -> list[str]:
+    """What scripts/install.sh copies out of the checkout to build ferry from (its one `cp -r`)."""
+    script = (REPO / "scripts" / "install.sh").read_text()
+    (line,) = [ln for ln in script.splitlines() if ln.startswith('cp -r "$REPO/')]
+    words = shlex.split(line)
+    assert words[-1] == "$SRC/", line
+    return [w.removeprefix("$REPO/") for w in words[2:-1]]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], Path]:
+    """The wheel install.sh builds (from its copy, with this pyproject.toml), offline: its file
+    names, and the directory it unpacks to (what a node's venv gets)."""
+    if not (REPO / "ferry" / "v1" / "agent_pb2.py").exists():
+        pytest.skip("the generated stubs are missing: run `make proto`")
+    tmp = tmp_path_factory.mktemp("install")
+    src, out, site = tmp / "src", tmp / "wheel", tmp / "site"
+    src.mkdir()
+    for name in install_sources():
+        copy_ = shutil.copytree if (REPO / name).is_dir() else shutil.copy2
+        copy_(REPO / name, src / name)
+    pip = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index"]
+    subprocess.run([*pip, "-w", str(out), str(src)], check=True, capture_output=True, timeout=120)
+    (wheel,) = out.glob("ferry-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(site)
+        return z.namelist(), site
+
+
+def test_the_install_ships_every_product_module_and_no_test_double(installed) -> None:
+    names, _ = installed
+    shipped = {n for n in names if n.startswith("agent/") and n.endswith(".py")}
+    product = {
+        p.relative_to(REPO).as_posix()
+        for p in (REPO / "agent").rglob("*.py")
+        if "__pycache__" not in p.parts and p.parts[len(REPO.parts) + 1] != "testing"
+    }
+    assert not {n for n in shipped if n.startswith("agent/testing/")}
+    assert shipped == product
+
+
+def test_the_installed_agent_runs_without_the_checkouts_doubles(installed) -> None:
+    """Every module of the install imports from it alone, and agent.testing (with the NVML
+    switch and `python -m agent.testing.agent`) is not there to import."""
+    _, site = installed
+    check = f"""
+import importlib, importlib.util, pkgutil, sys
+sys.path.insert(0, {str(site)!r})  # before the checkout, which this venv's editable install adds
+import agent
+assert agent.__path__ == [{str(site / "agent")!r}], agent.__path__
+for m in pkgutil.walk_packages(agent.__path__, "agent."):
+    importlib.import_module(m.name)
+assert importlib.util.find_spec("agent.testing") is None
+assert not hasattr(importlib.import_module("agent.gpus.inventory"), "use_nvml")
+"""
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", check], capture_output=True, text=True, timeout=120, cwd=site
+    )
+    assert done.returncode == 0, done.stderr

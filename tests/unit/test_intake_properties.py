@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import FakeCriu, is_dead, wait_for
+from fakes import FakeCriu, is_dead, target_migrations, wait_for
 from hypothesis import HealthCheck, Phase, currently_in_test_context, event, example, given, settings
 from hypothesis import strategies as st
 from test_migrate_target import MID, chunks_for, make_image, prepare_req
@@ -635,7 +635,7 @@ def with_target(fn: Callable[[Target], None]) -> None:
         root.mkdir()
         criu = FakeCriu("nodeb")
         registry = JobRegistry(state, "nodeb")
-        target = TargetMigrations(registry, criu, root / "staging", "nodeb")
+        target = target_migrations(registry, criu, root / "staging")
         try:
             target.prepare(prepare_req())
             staging = root / "staging" / f"in-{MID}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from fakes import launched_record
+from fakes import launched_record, node_parts
 
 from agent.errors import RefusedError
 from agent.jobs.record import JobKind, JobRecord, JobState
@@ -80,8 +80,17 @@ def test_a_migration_of_a_member_is_refused_before_anything_freezes(
     rec.group, rec.max_pause_s = "llm", 0.5  # less than the fixed cost alone
     registry.save(rec)
     peer = FakePeer(tmp_path / "tstaging")
+    cuda_jobs, journal = node_parts(registry, "nodea")
     m = SourceMigration(
-        MigrationSpec("r1", peer.address, "m1"), registry, fake_criu, peer, tmp_path / "st", "nodea", "me"
+        MigrationSpec("r1", peer.address, "m1"),
+        registry,
+        fake_criu,
+        peer,
+        tmp_path / "st",
+        "nodea",
+        "me",
+        cuda_jobs=cuda_jobs,
+        journal=journal,
     )
     with pytest.raises(RefusedError, match=r"longer than the job's --max-pause: 0\.5 s"):
         m.run()

@@ -131,3 +131,43 @@ def test_the_prometheus_client_floor_has_every_keyword_the_agent_passes(
     floor = floor + (0,) * (3 - len(floor))
     needed = max(_KEYWORD_SINCE[k] for k in passed)
     assert floor >= needed, f"prometheus-client>={m.group(1)}, but {sorted(passed)} need {needed}"
+
+
+def test_metrics_read_only_what_they_are_given(tmp_path: Path) -> None:
+    """No agent here: AgentMetrics takes the node's name, CRIU's version and read callables
+    (metrics.Sources), so it needs nothing else of the node, and reads them at each scrape."""
+    from prometheus_client import generate_latest
+
+    from agent.health.verdicts import Evidence, GpuHealth, State
+    from agent.service.metrics import AgentMetrics, Sources
+
+    jobs: list[JobRecord] = []
+    hot = Evidence("temperature", State.DEGRADED, "91 C >= 90 C", 0.0)
+    gpu = GpuHealth("GPU-x", 0, "X", State.DEGRADED, (hot,), 0.0, 0.0, {"temperature_c": 91}, 1, 0, 1)
+    (tmp_path / "in-m1").mkdir()
+    (tmp_path / "in-m1" / "pages-1.img").write_bytes(b"x" * 100)
+    metrics = AgentMetrics(
+        "nodez", "4.2.1", Sources(lambda: jobs, lambda: [gpu], lambda: {"GPU-x": object()}, tmp_path)
+    )
+
+    def now() -> dict[str, float]:
+        """Each sample as `name{label=value,...}`, labels sorted."""
+        text = generate_latest(metrics.registry).decode()
+        return {
+            s.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}": s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    got = now()
+    build = next(k for k in got if k.startswith("ferry_build_info{"))
+    assert "criu=4.2.1" in build and "node=nodez" in build
+    assert got["ferry_jobs{state=running}"] == 0
+    assert got["ferry_gpu_health_state{gpu=GPU-x,index=0,state=degraded}"] == 1
+    assert got["ferry_gpu_health_evidence{gpu=GPU-x,severity=degraded,signal=temperature}"] == 1
+    assert got["ferry_gpus_quarantined{}"] == 1
+    assert got["ferry_staging_bytes{}"] == 100
+    jobs.append(
+        JobRecord(name="a", kind=JobKind.LAUNCHED, state=JobState.RUNNING, pid=1, command=["x"], cwd="/")
+    )
+    assert now()["ferry_jobs{state=running}"] == 1  # read again at this scrape

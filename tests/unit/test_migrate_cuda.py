@@ -15,8 +15,9 @@ import os
 import threading
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fake_cuda import (
@@ -61,10 +62,17 @@ class TwoNodes:
         self.src_criu, self.dst_criu = FakeCriu("nodea"), FakeCriu("nodeb")
         self.src_criu.cuda_world, self.dst_criu.cuda_world = src_world, dst_world
         self.src_reg = JobRegistry(tmp_path / "a" / "state", "nodea")
+        self.src_journal = Journal(tmp_path / "a" / "state")
         self.dst_reg = JobRegistry(tmp_path / "b" / "state", "nodeb")
         self.src_reg.save(launched_record("train", self.proc, out, err))
         self.target = TargetMigrations(
-            self.dst_reg, self.dst_criu, tmp_path / "b" / "staging", "nodeb", self.dst_cuda
+            self.dst_reg,
+            self.dst_criu,
+            tmp_path / "b" / "staging",
+            "nodeb",
+            self.dst_cuda,
+            Journal(tmp_path / "b" / "state"),
+            self.dst_cuda.ledger,
         )
         self.staging = tmp_path / "a" / "staging"
 
@@ -78,6 +86,7 @@ class TwoNodes:
             "nodea",
             "source-agent",
             cuda_jobs=self.src_cuda,
+            journal=self.src_journal,
         )
 
     @property
@@ -452,12 +461,14 @@ def test_restore_refuses_when_no_gpu_fits(tmp_path, sleeper, fake_criu, registry
 
 
 @contextlib.contextmanager
-def agent_over(tmp_path: Path, cj: object) -> Iterator[str]:
-    """An in-process agent whose CUDA side is `cj`; yields its address."""
+def agent_over(tmp_path: Path, make_cuda: Callable[[Any], Any]) -> Iterator[str]:
+    """An in-process agent whose CUDA side `make_cuda` builds around the agent's ledger; yields its
+    address."""
     from agent.service.node import AgentNode
     from agent.service.serve import create_server
 
-    svc = AgentNode(tmp_path / "state", "nodea", tmp_path / "staging", criu=FakeCriu("nodea"), cuda_jobs=cj)
+    criu = FakeCriu("nodea")
+    svc = AgentNode(tmp_path / "state", "nodea", tmp_path / "staging", criu=criu, make_cuda=make_cuda)
     server, port = create_server("127.0.0.1:0", svc, max_workers=4)
     server.start()
     try:
@@ -468,8 +479,9 @@ def agent_over(tmp_path: Path, cj: object) -> Iterator[str]:
 
 def test_list_gpus_over_grpc_and_ferry_gpus(tmp_path, capsys) -> None:
     world = CudaWorld([FakeGpu(GPU0, others={321: 5 * GIB}), FakeGpu(GPU1, mig=True)])
-    cj, _ = fake_cuda_jobs(world, custom_storage=True)
-    with agent_over(tmp_path, cj) as address:
+    with agent_over(
+        tmp_path, lambda ledger: fake_cuda_jobs(world, custom_storage=True, ledger=ledger)[0]
+    ) as address:
         assert cli.main(["gpus", "--agent", address]) == 0
         text = capsys.readouterr().out
         assert "NVIDIA driver 580.65.06, 2 GPU(s)" in text and "custom storage" in text
@@ -480,9 +492,12 @@ def test_list_gpus_over_grpc_and_ferry_gpus(tmp_path, capsys) -> None:
 
 
 def test_ferry_gpus_on_a_node_without_gpus(tmp_path, capsys) -> None:
-    cj, _ = fake_cuda_jobs(CudaWorld([]), library=False)
-    cj.nvml.module.library = False
-    with agent_over(tmp_path, cj) as address:
+    def no_gpus(ledger: object) -> object:
+        cj, _ = fake_cuda_jobs(CudaWorld([]), library=False, ledger=ledger)
+        cj.nvml.module.library = False
+        return cj
+
+    with agent_over(tmp_path, no_gpus) as address:
         assert cli.main(["gpus", "--agent", address]) == 0
     text = capsys.readouterr().out
     assert "no GPUs: NVML unavailable" in text and "CUDA checkpoint unavailable" in text

@@ -11,7 +11,16 @@ import types
 from pathlib import Path
 
 import pytest
-from fakes import PAGES_BYTES, FakeCriu, FakePeer, is_dead, is_stopped, launched_record, wait_running
+from fakes import (
+    PAGES_BYTES,
+    FakeCriu,
+    FakePeer,
+    is_dead,
+    is_stopped,
+    launched_record,
+    node_parts,
+    wait_running,
+)
 
 from agent.errors import (
     CriuError,
@@ -52,6 +61,9 @@ class Harness:
         self.peer = FakePeer(tmp_path / "target-staging")
         self.staging_root = tmp_path / "staging"
         self.events: list[Progress] = []
+        cuda_jobs, journal = node_parts(registry, "nodea")
+        #: What the agent hands every migration of its node: one CUDA side, one journal.
+        self.parts = {"cuda_jobs": cuda_jobs, "journal": journal}
         registry.save(launched_record("train", self.proc, self.out, self.err))
 
         self.resumed: list[list[int]] = []
@@ -93,6 +105,7 @@ class Harness:
             "nodea",
             agent_id,
             self.events.append,
+            **self.parts,
         )
 
     @property
@@ -231,7 +244,8 @@ def test_adopted_job_sends_its_host_pids(h: Harness, registry: JobRegistry, slee
     proc, _, _ = sleeper()
     registry.adopt("adopted", proc.pid)
     spec = MigrationSpec("adopted", h.peer.address, MID)
-    SourceMigration(spec, registry, h.criu, h.peer, h.staging_root, "nodea", "source-agent").run()
+    args = (spec, registry, h.criu, h.peer, h.staging_root, "nodea", "source-agent")
+    SourceMigration(*args, **h.parts).run()
 
     assert h.peer.prepare_req.kind == pb.JOB_KIND_ADOPTED
     assert list(h.peer.prepare_req.pids) == [proc.pid]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from fakes import FakeCriu, is_dead, wait_for
+from fakes import FakeCriu, is_dead, target_migrations, wait_for
 
 from agent.errors import (
     AlreadyExistsError,
@@ -63,7 +63,7 @@ def target(tmp_path: Path, fake_criu: FakeCriu, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delenv("FERRY_FAULTS", raising=False)
     monkeypatch.setattr(incoming, "RESUME_LOOK_S", 0.2)
     registry = JobRegistry(tmp_path / "tstate", "nodeb")
-    return TargetMigrations(registry, fake_criu, tmp_path / "tstaging", "nodeb")
+    return target_migrations(registry, fake_criu, tmp_path / "tstaging")
 
 
 #: The source's one-time certificate for the data connection, as every source sends one.

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fakes import FakeCriu, LocalPageCall
+from fakes import FakeCriu, LocalPageCall, target_migrations
 from test_migrate_target import MID, chunks_for, make_image, prepare_req, staged, state
 
 from agent.client import split_address
@@ -43,7 +43,7 @@ def target(tmp_path: Path, fake_criu: FakeCriu, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delenv("FERRY_FAULTS", raising=False)
     monkeypatch.setattr(incoming, "RESUME_LOOK_S", 0.2)
     registry = incoming.JobRegistry(tmp_path / "tstate", "nodeb")
-    return TargetMigrations(registry, fake_criu, tmp_path / "tstaging", "nodeb")
+    return target_migrations(registry, fake_criu, tmp_path / "tstaging")
 
 
 def send(address: tuple[str, int], *blobs: bytes) -> None:

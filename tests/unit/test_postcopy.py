@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent.criu.lazy import LAZY_PIPE_BYTES, lazy_dump_blocker
+from agent.criu.runner import LAZY_PIPE_BYTES, lazy_dump_blocker
 
 # -- where a lazy dump can run -----------------------------------------------------------------
 

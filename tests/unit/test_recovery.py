@@ -72,7 +72,7 @@ def source_record(state: str, proc: subprocess.Popen[bytes], tmp_path: Path, **k
 
 def recovery(registry: JobRegistry, journal: Journal, peer: ScriptedTarget, world: CudaWorld | None = None):
     cj, _ = fake_cuda_jobs(world or CudaWorld())
-    return SourceRecovery(registry, journal, cj.driver, "nodea", lambda address: peer)
+    return SourceRecovery(registry, journal, cj.driver, "nodea", lambda address: peer, cj.ledger)
 
 
 # -- the journal ---------------------------------------------------------------------------
@@ -301,7 +301,8 @@ def test_a_resumed_cuda_job_gets_its_gpu_state_back(frozen, registry, tmp_path) 
 def target(registry: JobRegistry, tmp_path: Path):
     criu = FakeCriu("nodeb")
     cj, _ = fake_cuda_jobs(CudaWorld(), "nodeb")
-    yield TargetMigrations(registry, criu, tmp_path / "tstaging", "nodeb", cj)
+    journal = Journal(registry.root.parent)
+    yield TargetMigrations(registry, criu, tmp_path / "tstaging", "nodeb", cj, journal, cj.ledger)
     criu.cleanup()
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from fakes import FakeCriu, FakePageServer, is_dead
+from fakes import FakeCriu, FakePageServer, is_dead, target_migrations
 from test_migrate_target import MID, broken_stream, delivered, prepare_req, running_record, staged, state
 
 from agent.errors import PermissionDeniedError
@@ -33,7 +33,7 @@ def target(tmp_path: Path, fake_criu: FakeCriu, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delenv("FERRY_FAULTS", raising=False)
     monkeypatch.setattr(incoming, "RESUME_LOOK_S", 0.2)
     registry = JobRegistry(tmp_path / "tstate", "nodeb")
-    return TargetMigrations(registry, fake_criu, tmp_path / "tstaging", "nodeb")
+    return target_migrations(registry, fake_criu, tmp_path / "tstaging")
 
 
 class SlowPageServer(FakePageServer):
