@@ -35,8 +35,8 @@ from agent.errors import CriuError
 
 LAZY_PAGES_LOG = "criu-lazy-pages.log"
 #: A backstop for the waits on a post-copy that no caller bounds: it ends once the target has
-#: every page, and the source's wait is sized by the job's memory (migration.source). A day is
-#: 1.7 TiB at the slowest rate the source accepts (20 MB/s).
+#: every page, and the source's wait is sized by the job's memory (migration.source_postcopy).
+#: A day is 1.7 TiB at the slowest rate the source accepts (20 MB/s).
 LAZY_MAX_S = 24 * 3600.0
 
 

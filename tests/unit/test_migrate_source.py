@@ -40,6 +40,7 @@ from agent.jobs import procs
 from agent.jobs.record import JobRecord, JobState
 from agent.jobs.registry import JobRegistry
 from agent.migration import source as migrate
+from agent.migration import source_postcopy
 from agent.migration.model import Method, MigrationSpec, Progress
 from agent.migration.source import SourceMigration
 from agent.migration.states import MigrationState
@@ -83,12 +84,13 @@ class Harness:
             real_kill(rec, pids)
 
         monkeypatch.setattr(registry, "kill_tree", kill_tree)
-        # _ask_target sleeps 1 s between tries; the tests need not wait for it.
+        # _ask_target sleeps 1 s between tries, post-copy's settling 0.5 s; the tests need not wait.
         self.slept: list[float] = []
         fake_time = types.SimpleNamespace(
             monotonic=migrate.time.monotonic, time=migrate.time.time, sleep=self.slept.append
         )
-        monkeypatch.setattr(migrate, "time", fake_time)
+        for module in (migrate, source_postcopy):
+            monkeypatch.setattr(module, "time", fake_time)
 
     def migration(
         self,
@@ -774,7 +776,8 @@ def test_a_broken_post_copy_is_settled_by_the_targets_word_and_never_left_paging
         t[0] += s
 
     clock = types.SimpleNamespace(monotonic=lambda: t[0], time=migrate.time.time, sleep=sleep)
-    monkeypatch.setattr(migrate, "time", clock)
+    for module in (migrate, source_postcopy):  # _ask_target's tries, post-copy's settling
+        monkeypatch.setattr(module, "time", clock)
     if state is MigrationState.PAGING:
         m._post_copy(h.job, [h.pid])
     else:
