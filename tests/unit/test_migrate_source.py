@@ -7,9 +7,11 @@ process itself as well as through the calls that were made.
 
 from __future__ import annotations
 
+import contextlib
 import types
 from pathlib import Path
 
+import grpc
 import pytest
 from fakes import (
     PAGES_BYTES,
@@ -22,6 +24,7 @@ from fakes import (
     wait_running,
 )
 
+from agent.client import from_rpc_error
 from agent.errors import (
     CriuError,
     FerryError,
@@ -789,3 +792,50 @@ def test_a_broken_post_copy_is_settled_by_the_targets_word_and_never_left_paging
         wait_running(h.pid)
     else:
         assert is_stopped(h.pid) and h.resumed == []
+
+
+# -- every gRPC status at every call of a move ----------------------------------------------
+
+
+def _rpc_error(code: grpc.StatusCode) -> FerryError:
+    """What the source sees for `code`, as the real client maps it (agent.client.from_rpc_error)."""
+
+    class _E(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return code
+
+        def details(self) -> str:
+            return f"injected {code.name}"
+
+    return from_rpc_error(_E(), "127.0.0.1:7071", "test")
+
+
+@pytest.mark.parametrize(
+    "code", [c for c in grpc.StatusCode if c is not grpc.StatusCode.OK], ids=lambda c: c.name
+)
+@pytest.mark.parametrize("call", ["info", "prepare", "stream_pages", "push", "commit", "abort", "status"])
+@pytest.mark.parametrize("target", [pb.TARGET_STATE_RESTORING, pb.TARGET_STATE_ABORTED])
+def test_any_status_at_any_call_ends_with_one_copy_or_a_held_one(
+    h: Harness, call: str, code: grpc.StatusCode, target: int
+) -> None:
+    """Whatever a call answers, the move ends committed (the job moved), aborted (it runs here) or
+    UNRESOLVED (frozen here, the target's word unknown): never resumed while the target may
+    restore it, never stranded in between."""
+    h.peer.fail[call] = _rpc_error(code)
+    h.peer.status_answers = [target]
+    if call != "commit" and call != "status":
+        h.peer.fail.setdefault("commit", _rpc_error(grpc.StatusCode.UNAVAILABLE))
+    m = h.migration()
+    with contextlib.suppress(FerryError):
+        m.run()
+    assert m.state in (MigrationState.COMMITTED, MigrationState.ABORTED, MigrationState.UNRESOLVED)
+    assert m.journal.get("source", MID).state == m.state.value
+    if m.state is MigrationState.ABORTED:
+        assert h.job.state is JobState.RUNNING
+        wait_running(h.pid)
+        # Resumed after the commit may have gone out only on the target's own "not here".
+        assert "commit" not in h.peer.calls or target == pb.TARGET_STATE_ABORTED
+    elif m.state is MigrationState.UNRESOLVED:
+        assert h.job.state is JobState.MIGRATING and is_stopped(h.pid) and h.resumed == []
+    else:
+        assert h.job.state is JobState.MOVED and is_dead(h.pid)
