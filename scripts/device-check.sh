@@ -38,8 +38,10 @@
 #       agent/criu_pb/, exports FERRY_CRIU, FERRY_INIT, FERRY_CUDA_COUNTER
 #       (when bundled) and PYTHONPATH, and prints a report header (host, GPU,
 #       python, torch, CRIU). Then it stops at once, with one line and exit 1,
-#       at the first precondition that does not hold: root; `criu check`; the
-#       driver's CUDA checkpoint API; NVML reporting PIDs as the agent sees
+#       at the first precondition that does not hold: root; `criu check`;
+#       cuda-bindings importable (named as missing, not as a driver without the
+#       API); /dev/shm with FERRY_DEVICE_SHM_GIB (default 16) GiB free for
+#       staging; the driver's CUDA checkpoint API; NVML reporting PIDs as the agent sees
 #       them (python -m agent.cuda.pidprobe: an agent in a PID namespace of its own
 #       gets host PIDs from NVML and could move no CUDA job). Then it runs
 #         python -m pytest tests/gpu -v -rs -p no:cacheprovider --timeout 120
@@ -467,6 +469,16 @@ preflight() {
   local out
   out="$("$FERRY_CRIU" check 2>&1)" \
     || stop_check "'criu check' fails on this host (kernel $(uname -r)): $(grep -v '^[[:space:]]*$' <<<"$out" | tail -n 1)"
+  # cuda-bindings is the host's (the bundle leaves it out): missing, it is named as missing,
+  # not read as a driver without the checkpoint API.
+  out="$("$VPY" -c 'import cuda.bindings.driver' 2>&1)" \
+    || stop_check "cuda-bindings is not importable by $VPY (the bundle does not carry it; install the build matching driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)): $(tail -n 1 <<<"$out")"
+  # Staging is tmpfs: a move of a GPU job stages its host copy there (device memory included).
+  local shm_free_gib
+  shm_free_gib=$(( $(df --output=avail -k /dev/shm 2>/dev/null | tail -n 1) / 1048576 ))
+  (( shm_free_gib >= ${FERRY_DEVICE_SHM_GIB:-16} )) \
+    || stop_check "/dev/shm has ${shm_free_gib} GiB free; the GPU tests stage their images there and need ${FERRY_DEVICE_SHM_GIB:-16} GiB (mount -o remount,size=... /dev/shm, or set FERRY_DEVICE_SHM_GIB)"
+  echo "staging: /dev/shm has ${shm_free_gib} GiB free"
   out="$("$VPY" -c 'import sys
 from agent.cuda.driver import CudaDriver
 i = CudaDriver().probe()

@@ -116,3 +116,40 @@ def test_the_report_says_when_nothing_was_measured(tmp_path: Path) -> None:
         check=True,
     )
     assert "no migration was measured" in p.stdout
+
+
+def run_preflight(tmp_path: Path, vpy_fails_on: str, **env: str) -> str:
+    """The script's own stop_check and preflight functions, with CRIU and Python stand-ins: a
+    Python that fails every command containing `vpy_fails_on` and succeeds otherwise."""
+    fns = "".join(
+        subprocess.run(
+            ["sed", "-n", f"/^{name}() {{/,/^}}/p", str(SCRIPT)], capture_output=True, text=True, check=True
+        ).stdout
+        for name in ("stop_check", "preflight")
+    )
+    assert "preflight()" in fns, "preflight is gone from device-check.sh"
+    vpy = tmp_path / "python"
+    vpy.write_text(
+        f'#!/bin/sh\ncase "$*" in *"{vpy_fails_on}"*)\n'
+        '  echo "ModuleNotFoundError: no module" >&2; exit 1;;\nesac\necho "probe: ok"\n'
+    )
+    vpy.chmod(0o755)
+    p = subprocess.run(
+        ["bash", "-c", f"{fns}\npreflight"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "VPY": str(vpy), "FERRY_CRIU": "/bin/true", **env},
+        timeout=30,
+    )
+    return p.stdout + p.stderr
+
+
+def test_preflight_names_missing_cuda_bindings_as_such(tmp_path: Path) -> None:
+    out = run_preflight(tmp_path, "import cuda.bindings.driver")
+    assert "device-check: STOPPED: cuda-bindings is not importable" in out, out
+    assert "no CUDA checkpoint API" not in out
+
+
+def test_preflight_stops_when_dev_shm_cannot_stage_the_gpu_tests(tmp_path: Path) -> None:
+    out = run_preflight(tmp_path, "never", FERRY_DEVICE_SHM_GIB="1000000")
+    assert "device-check: STOPPED: /dev/shm has" in out and "need 1000000 GiB" in out, out
