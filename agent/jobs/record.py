@@ -26,7 +26,9 @@ class JobState(StrEnum):
     a migration's frozen source, and the target turned out to run the job.
     CHECKPOINTED → PREEMPTED: the checkpoint was a preemption's suspend; PREEMPTED →
     STOPPED (`ferry stop` discards it, keeping the image). A preempted job comes back as a
-    new RUNNING record that replaces this one (as does any restore of a final job's name).
+    new RUNNING record that replaces this one (as does any restore of a final job's name);
+    RUNNING → PREEMPTED: that resume was cut short by a restart before its commit point (the
+    restored copy killed, it waits again on its image).
 
     Every state but RUNNING, MIGRATING and PREEMPTED is final for this node (LOST can still be
     corrected to MOVED); a final job's name may be reused.
@@ -56,7 +58,7 @@ _J = JobState
 JOB_TRANSITIONS: Transitions[JobState] = Transitions(
     "job",
     {
-        _J.RUNNING: frozenset({_J.MIGRATING, _J.EXITED, _J.STOPPED, _J.LOST}),
+        _J.RUNNING: frozenset({_J.MIGRATING, _J.EXITED, _J.STOPPED, _J.LOST, _J.PREEMPTED}),
         _J.MIGRATING: frozenset({_J.RUNNING, _J.MOVED, _J.CHECKPOINTED, _J.EXITED, _J.LOST}),
         _J.CHECKPOINTED: frozenset({_J.PREEMPTED}),
         _J.PREEMPTED: frozenset({_J.STOPPED}),

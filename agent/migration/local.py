@@ -268,17 +268,17 @@ def restore_image(
 
 
 class LocalRestore:
-    """`ferry restore` journaled as a target's restore is: RESTORING before CRIU starts (with
+    """`ferry restore` (kind restore) and a preempted job's resume (kind resume, with its image)
+    journaled as a target's restore is: RESTORING before CRIU starts (with
     CRIU's pid once it runs), RUNNING at the commit point, before the restored job is released.
     After a crash, target recovery kills a restore that did not reach RUNNING
     (agent.migration.target_recovery), so no copy runs that its node has not recorded."""
 
-    def __init__(self, journal: Journal, job: str, node: str) -> None:
+    def __init__(self, journal: Journal, job: str, node: str, kind: str = "restore", image: str = "") -> None:
         self.node = node
-        mid = f"restore-{uuid.uuid4().hex[:12]}"
-        self.op = LocalOp(
-            journal, MigrationRecord(mid, TARGET, job, TargetState.VERIFIED.value, kind="restore")
-        )
+        mid = f"{kind}-{uuid.uuid4().hex[:12]}"
+        record = MigrationRecord(mid, TARGET, job, TargetState.VERIFIED.value, kind=kind, image=image)
+        self.op = LocalOp(journal, record)
         self.to(TargetState.RESTORING)
 
     def to(self, state: TargetState, **changes: object) -> None:
@@ -322,12 +322,14 @@ def resume_preempted(
     rec: JobRecord,
     node: str,
     cuda_jobs: CudaJobs,
+    journal: Journal,
 ) -> JobRecord:
     """Resume a job suspended by a preemption; NoFreeGpuError while no GPU here can take it.
 
     Its GPUs are claimed in the ledger until the restore is over. The record stays PREEMPTED
-    until the restored job replaces it: a failure or a crash on the way leaves it waiting,
-    never lost.
+    until the restored job replaces it: a failure on the way leaves it waiting, never lost. The
+    restore is journaled (LocalRestore, kind resume): a crash before its commit point leaves
+    target recovery to kill the restored copy and make the job PREEMPTED again.
     """
     image_dir = Path(rec.checkpoint_dir)
     m = read_manifest(image_dir)  # cheap; the digests are checked once a GPU is free
@@ -336,17 +338,24 @@ def resume_preempted(
         gpu_map = claim_gpus(cuda_jobs, m, owner, rec.name)
         try:
             verify(image_dir, m)
-            new = restore_tree(
-                registry,
-                criu,
-                image_dir,
-                m,
-                rec.name,
-                note=f"resumed after preemption from {image_dir}",
-                cuda_jobs=cuda_jobs,
-                gpu_map=gpu_map,
-                resuming=True,
-            )
+            op = LocalRestore(journal, rec.name, node, kind="resume", image=str(image_dir))
+            try:
+                new = restore_tree(
+                    registry,
+                    criu,
+                    image_dir,
+                    m,
+                    rec.name,
+                    note=f"resumed after preemption from {image_dir}",
+                    cuda_jobs=cuda_jobs,
+                    gpu_map=gpu_map,
+                    resuming=True,
+                    on_criu_start=op.criu_started,
+                    before_release=op.commit_point,
+                )
+            except BaseException as e:
+                op.failed(f"resume failed: {e}")
+                raise
         except FerryError as e:
             registry.update(rec.name, note=f"{rec.note}; the last resume failed: {e}")
             raise

@@ -75,7 +75,11 @@ def _kill_unfinished_restore(registry: JobRegistry, rec: MigrationRecord) -> lis
     procs.signal_all(victims, signal.SIGKILL)
     if job is None:
         return victims
-    if job.state.active and job.pid in victims:
+    if job.state.active and job.pid in victims and rec.kind == "resume" and rec.image:
+        # A preempted job's resume: its image is still there, so it waits for a GPU again.
+        note = f"preempted; its resume was cut short by an agent restart; waits again (image {rec.image})"
+        registry.update(rec.job, state=JobState.PREEMPTED, checkpoint_dir=rec.image, note=note)
+    elif job.state.active and job.pid in victims:
         registry.update(
             rec.job,
             state=JobState.LOST,

@@ -204,7 +204,7 @@ class AgentNode:
 
     def _resume(self, rec: JobRecord) -> JobRecord:
         with self.counted():
-            return resume_preempted(self.registry, self.criu, rec, self.node, self.cuda)
+            return resume_preempted(self.registry, self.criu, rec, self.node, self.cuda, self.journal)
 
     def _source_migration(
         self, spec: MigrationSpec, emit: Callable[[Progress], None] = lambda p: None

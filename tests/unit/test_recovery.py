@@ -338,6 +338,30 @@ def test_a_restarted_target_kills_a_restore_it_did_not_see_finish(state, target,
         bystander.wait()
 
 
+def test_a_preempted_jobs_resume_cut_short_by_a_restart_waits_again(target, registry, tmp_path) -> None:
+    """A resume journaled (kind resume) and cut short before its commit point: its restored copy
+    is killed and the job is PREEMPTED again on its image (before: LOST, its image stranded)."""
+    job_dir = registry.job_dir("scav")
+    job_dir.mkdir(parents=True)
+    with open(job_dir / "stdout.log", "ab") as out:
+        restored = subprocess.Popen([SLEEP, "60"], stdout=out, start_new_session=True)
+    try:
+        rec = launched_record("scav", restored, job_dir / "stdout.log", job_dir / "stderr.log")
+        registry.save(rec)  # what register_restored left: RUNNING, held
+        image = tmp_path / "preempted" / "scav-1"
+        target.journal.save(
+            MigrationRecord("resume-1", TARGET, "scav", "restoring", kind="resume", image=str(image))
+        )
+        [line] = target.recover()
+        assert "killed its half-finished restore (1 processes)" in line
+        assert restored.wait(5) == -9
+        job = registry.get("scav")
+        assert job.state is JobState.PREEMPTED and job.checkpoint_dir == str(image)
+    finally:
+        restored.kill()
+        restored.wait()
+
+
 def test_a_restarted_target_leaves_finished_migrations_alone(target) -> None:
     target.journal.save(MigrationRecord("m1", TARGET, "train", "running", peer="nodea"))
     assert target.recover() == []
