@@ -15,12 +15,16 @@ import logging
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
+from typing import TypeVar
 
 from agent.durable import replace_file
 from agent.errors import FerryError
 
 log = logging.getLogger(__name__)
+
+S = TypeVar("S", bound=Enum)
 
 SOURCE, TARGET = "source", "target"
 #: Aborted records (tombstones) are kept this long, so a late message with their id is refused.
@@ -140,3 +144,16 @@ class Journal:
                 "nodes (`ferry ps`), settle it by hand, then move the file out of the migrations directory",
             )
         return sorted(out, key=lambda r: r.created_at)
+
+
+def state_of(rec: MigrationRecord, states: type[S]) -> S:
+    """A record's state as `states` (the source's or the target's). One this agent cannot read is
+    refused, never guessed: it may stand for a frozen copy or a restore that must be killed."""
+    try:
+        return states(rec.state)
+    except ValueError as e:
+        raise FerryError(
+            f"migration record {rec.migration_id} has the unknown {rec.role} state {rec.state!r}",
+            step="journal",
+            hint="settle it by hand: see docs/architecture.md, recovery",
+        ) from e

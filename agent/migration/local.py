@@ -243,24 +243,16 @@ def restore_image(
     owner = f"the restore of job {job}"
     try:
         gpu_map = claim_gpus(cj, m, owner, job)
-        op = LocalRestore(journal, job, node)
-        try:
-            rec = restore_tree(
-                registry,
-                criu,
-                image_dir,
-                m,
-                job,
-                note=f"restored from {image_dir}"
-                + (f" onto {', '.join(gpu_map.values())}" if gpu_map else ""),
-                cuda_jobs=cj,
-                gpu_map=gpu_map,
-                on_criu_start=op.criu_started,
-                before_release=op.commit_point,
-            )
-        except BaseException as e:
-            op.failed(f"restore failed: {e}")
-            raise
+        onto = f" onto {', '.join(gpu_map.values())}" if gpu_map else ""
+        rec = LocalRestore(journal, job, node).restore(
+            registry,
+            criu,
+            image_dir,
+            m,
+            note=f"restored from {image_dir}{onto}",
+            cuda_jobs=cj,
+            gpu_map=gpu_map,
+        )
     finally:
         cj.ledger.release(owner)
     log.info("job %s: restored from %s as pid %d", rec.name, image_dir, rec.pid)
@@ -280,6 +272,38 @@ class LocalRestore:
         record = MigrationRecord(mid, TARGET, job, TargetState.VERIFIED.value, kind=kind, image=image)
         self.op = LocalOp(journal, record)
         self.to(TargetState.RESTORING)
+
+    def restore(
+        self,
+        registry: JobRegistry,
+        criu: Criu,
+        image_dir: Path,
+        manifest: Manifest,
+        *,
+        note: str,
+        cuda_jobs: CudaJobs,
+        gpu_map: dict[str, str],
+        resuming: bool = False,
+    ) -> JobRecord:
+        """restore_tree, journaled: RUNNING at its commit point, ABORTED if it failed before."""
+        job = self.op.record.job
+        try:
+            return restore_tree(
+                registry,
+                criu,
+                image_dir,
+                manifest,
+                job,
+                note=note,
+                cuda_jobs=cuda_jobs,
+                gpu_map=gpu_map,
+                resuming=resuming,
+                on_criu_start=self.criu_started,
+                before_release=self.commit_point,
+            )
+        except BaseException as e:
+            self.failed(f"{self.op.record.kind} failed: {e}")
+            raise
 
     def to(self, state: TargetState, **changes: object) -> None:
         subject = f"{self.op.record.migration_id} (job {self.op.record.job})"
@@ -338,24 +362,16 @@ def resume_preempted(
         gpu_map = claim_gpus(cuda_jobs, m, owner, rec.name)
         try:
             verify(image_dir, m)
-            op = LocalRestore(journal, rec.name, node, kind="resume", image=str(image_dir))
-            try:
-                new = restore_tree(
-                    registry,
-                    criu,
-                    image_dir,
-                    m,
-                    rec.name,
-                    note=f"resumed after preemption from {image_dir}",
-                    cuda_jobs=cuda_jobs,
-                    gpu_map=gpu_map,
-                    resuming=True,
-                    on_criu_start=op.criu_started,
-                    before_release=op.commit_point,
-                )
-            except BaseException as e:
-                op.failed(f"resume failed: {e}")
-                raise
+            new = LocalRestore(journal, rec.name, node, kind="resume", image=str(image_dir)).restore(
+                registry,
+                criu,
+                image_dir,
+                m,
+                note=f"resumed after preemption from {image_dir}",
+                cuda_jobs=cuda_jobs,
+                gpu_map=gpu_map,
+                resuming=True,
+            )
         except FerryError as e:
             registry.update(rec.name, note=f"{rec.note}; the last resume failed: {e}")
             raise

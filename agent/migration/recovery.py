@@ -37,7 +37,7 @@ from agent.jobs.record import JobState
 from agent.jobs.registry import JobRegistry
 from agent.migration import rollback
 from agent.migration.fencing import TargetAnswer, Verdict, ask_target, decide
-from agent.migration.journal import SOURCE, Journal, MigrationRecord
+from agent.migration.journal import SOURCE, Journal, MigrationRecord, state_of
 from agent.migration.local import KIND_SUSPEND, end_saved
 from agent.migration.model import Peer, Resolution, unresolved_note
 from agent.migration.states import MAYBE_SENT, NOT_SENT, SOURCE_TRANSITIONS, MigrationState, cuda_left
@@ -135,7 +135,7 @@ class SourceRecovery:
 
     def _settle(self, rec: MigrationRecord, restarted: bool) -> str:
         why = "the agent restarted" if restarted else "asked again"
-        state = _journaled(rec)
+        state = state_of(rec, MigrationState)
         if state in NOT_SENT:
             self._wait_for_criu(rec)
             if not rec.image:  # a local operation has no target to tell
@@ -272,15 +272,3 @@ def image_answer(rec: MigrationRecord) -> TargetAnswer:
         log.warning("migration %s: image %s is not complete: %s", rec.migration_id, rec.image, e)
         return TargetAnswer.FENCED
     return TargetAnswer.RUNNING
-
-
-def _journaled(rec: MigrationRecord) -> MigrationState:
-    """A source record's state; one this agent cannot read is refused, never guessed."""
-    try:
-        return MigrationState(rec.state)
-    except ValueError as e:
-        raise FerryError(
-            f"migration record {rec.migration_id} has the unknown source state {rec.state!r}",
-            step="journal",
-            hint="settle it by hand: see docs/architecture.md, recovery",
-        ) from e

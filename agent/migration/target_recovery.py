@@ -14,11 +14,11 @@ import shutil
 import signal
 from pathlib import Path
 
-from agent.errors import FerryError, NotFoundError
+from agent.errors import NotFoundError
 from agent.jobs import procs
 from agent.jobs.record import JobState
 from agent.jobs.registry import JobRegistry
-from agent.migration.journal import TARGET, Journal, MigrationRecord
+from agent.migration.journal import TARGET, Journal, MigrationRecord, state_of
 from agent.migration.states import TARGET_TRANSITIONS, TargetState
 
 log = logging.getLogger(__name__)
@@ -101,13 +101,6 @@ def restored_processes(job_dir: Path, adopted_pids: list[int], criu_started: flo
 
 
 def journaled(rec: MigrationRecord) -> TargetState:
-    """A target record's state. One this agent cannot read is refused, not guessed: it may be
-    a restore that must be killed (Journal.load reports such files)."""
-    try:
-        return TargetState(rec.state)
-    except ValueError as e:
-        raise FerryError(
-            f"migration record {rec.migration_id} has the unknown target state {rec.state!r}",
-            step="journal",
-            hint="settle it by hand: see docs/architecture.md, recovery",
-        ) from e
+    """A target record's state (journal.state_of): one this agent cannot read may be a restore
+    that must be killed (Journal.load reports such files)."""
+    return state_of(rec, TargetState)
