@@ -137,7 +137,6 @@ class SourceRecovery:
         why = "the agent restarted" if restarted else "asked again"
         state = state_of(rec, MigrationState)
         if state in NOT_SENT:
-            self._wait_for_criu(rec)
             if not rec.image:  # a local operation has no target to tell
                 self._tell_target_abort(rec, f"source {self.node} restarted while {rec.state}")
             answer = TargetAnswer.UNKNOWN  # moot: commit was never sent
@@ -145,15 +144,14 @@ class SourceRecovery:
             answer = image_answer(rec) if rec.image else self._ask_target(rec)
         verdict = decide(state, answer)
         if verdict is not Verdict.HOLD:
-            self._wait_for_criu(rec)  # a lazy dump still serving holds the tree: it goes first
+            self._wait_for_criu(rec)  # a dump that outlived us, or a lazy one still serving, goes first
         if verdict is Verdict.RESUME:
-            said = (
-                f"{why} while {rec.state}; commit was never sent, so the target cannot run it"
-                if state in NOT_SENT and not rec.image
-                else f"{why} while {rec.state}, before its image in {rec.image} was complete"
-                if rec.image
-                else f"{why}: the target confirmed that it does not run the job"
-            )
+            if rec.image:
+                said = f"{why} while {rec.state}, before its image in {rec.image} was complete"
+            elif state in NOT_SENT:
+                said = f"{why} while {rec.state}; commit was never sent, so the target cannot run it"
+            else:
+                said = f"{why}: the target confirmed that it does not run the job"
             return self._resume(rec, said)
         if verdict is Verdict.FINISH and rec.image:
             return self._end_saved(rec, f"{why} while {rec.state}: its image in {rec.image} is complete")
