@@ -17,10 +17,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from agent.durable import replace_file
 from agent.errors import FerryError
+from agent.statemachine import Transitions
 
 log = logging.getLogger(__name__)
 
@@ -157,3 +158,24 @@ def state_of(rec: MigrationRecord, states: type[S]) -> S:
             step="journal",
             hint="settle it by hand: see docs/architecture.md, recovery",
         ) from e
+
+
+class JournaledRecord(Generic[S]):
+    """One migration record driven step by step (a local checkpoint, suspend or restore): every
+    state change checked against `transitions`, and durable before the step it names acts."""
+
+    def __init__(
+        self, journal: Journal, record: MigrationRecord, transitions: Transitions[S], states: type[S]
+    ) -> None:
+        self.journal, self.record = journal, record
+        self.transitions, self.states = transitions, states
+
+    def save(self, **changes: object) -> None:
+        for k, v in changes.items():
+            setattr(self.record, k, v)
+        self.journal.save(self.record)
+
+    def to(self, state: S, **changes: object) -> None:
+        subject = f"{self.record.migration_id} (job {self.record.job})"
+        self.transitions.check(state_of(self.record, self.states), state, subject)
+        self.save(state=state.value, **changes)

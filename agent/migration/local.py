@@ -30,7 +30,7 @@ from agent.migration.capture import (
     needs_shell_job,
     require_host_memory,
 )
-from agent.migration.journal import SOURCE, TARGET, Journal, MigrationRecord
+from agent.migration.journal import SOURCE, TARGET, Journal, JournaledRecord, MigrationRecord
 from agent.migration.model import Emit, MigrationResult, Progress
 from agent.migration.restore import restore_tree
 from agent.migration.states import (
@@ -72,7 +72,7 @@ def checkpoint(
     rec = registry.begin_move(name, mid, kind)
     link = LinkLock(registry.network, rec.veth)
     record = MigrationRecord(mid, SOURCE, name, MigrationState.PREPARING.value, kind=kind, image=str(out_dir))
-    op = LocalOp(journal, record)
+    op = JournaledRecord(journal, record, SOURCE_TRANSITIONS, MigrationState)
     op.save(pids=[rec.pid])
 
     def frozen(pids: list[int], left: CudaLeft) -> rollback.FrozenCopy:
@@ -184,23 +184,6 @@ KIND_CHECKPOINT, KIND_SUSPEND = "checkpoint", "suspend"
 CUDA_STEPS = {"locked": MigrationState.LOCKED, "checkpointing": MigrationState.CHECKPOINTING}
 
 
-class LocalOp:
-    """A local operation's journal record: every state change checked, durable before it acts."""
-
-    def __init__(self, journal: Journal, record: MigrationRecord) -> None:
-        self.journal, self.record = journal, record
-
-    def save(self, **changes: object) -> None:
-        for k, v in changes.items():
-            setattr(self.record, k, v)
-        self.journal.save(self.record)
-
-    def to(self, state: MigrationState, **changes: object) -> None:
-        subject = f"{self.record.migration_id} (job {self.record.job})"
-        SOURCE_TRANSITIONS.check(MigrationState(self.record.state), state, subject)
-        self.save(state=state.value, **changes)
-
-
 def end_saved(
     registry: JobRegistry,
     copy: rollback.FrozenCopy,
@@ -270,8 +253,8 @@ class LocalRestore:
         self.node = node
         mid = f"{kind}-{uuid.uuid4().hex[:12]}"
         record = MigrationRecord(mid, TARGET, job, TargetState.VERIFIED.value, kind=kind, image=image)
-        self.op = LocalOp(journal, record)
-        self.to(TargetState.RESTORING)
+        self.op = JournaledRecord(journal, record, TARGET_TRANSITIONS, TargetState)
+        self.op.to(TargetState.RESTORING)
 
     def restore(
         self,
@@ -305,21 +288,16 @@ class LocalRestore:
             self.failed(f"{self.op.record.kind} failed: {e}")
             raise
 
-    def to(self, state: TargetState, **changes: object) -> None:
-        subject = f"{self.op.record.migration_id} (job {self.op.record.job})"
-        TARGET_TRANSITIONS.check(TargetState(self.op.record.state), state, subject)
-        self.op.save(state=state.value, **changes)
-
     def criu_started(self, pid: int) -> None:
         self.op.save(criu_pid=pid, criu_started=procs.create_time(pid))
 
     def commit_point(self, rec: JobRecord) -> None:
         faults.check("restore-held", self.node)
-        self.to(TargetState.RUNNING)
+        self.op.to(TargetState.RUNNING)
 
     def failed(self, why: str) -> None:
         if self.op.record.state == TargetState.RESTORING.value:  # past RUNNING the job runs on
-            self.to(TargetState.ABORTED, note=why)
+            self.op.to(TargetState.ABORTED, note=why)
 
 
 def claim_gpus(cj: CudaJobs, m: Manifest, owner: str, job: str) -> dict[str, str]:

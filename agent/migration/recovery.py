@@ -197,11 +197,8 @@ class SourceRecovery:
         return say(done)
 
     def _finish(self, rec: MigrationRecord, why: str) -> str:
-        job = self.registry.get(rec.job)
-        pids = procs.tree_pids(job.pid) if procs.alive(job.pid, job.pid_started) else []
         note = f"moved to {rec.peer}: {why}"
-        copy = rollback.FrozenCopy(job, pids, LinkLock(self.registry.network, job.veth))
-        gone = lambda: self.ledger.release_frozen(rec.cuda_pids)  # noqa: E731
+        copy, gone = self._copy_to_end(rec)
         rollback.finish(self.registry, copy, JobState.MOVED, note, cuda_gone=gone, moved_to=rec.peer)
         self._drop_files(rec)
         self._settled(rec, MigrationState.COMMITTED, note)
@@ -210,14 +207,18 @@ class SourceRecovery:
     def _end_saved(self, rec: MigrationRecord, why: str) -> str:
         """A checkpoint or a preemption's suspend whose image is complete: the job ends here as
         it asked (CHECKPOINTED, or PREEMPTED to resume here by itself)."""
-        job = self.registry.get(rec.job)
-        pids = procs.tree_pids(job.pid) if procs.alive(job.pid, job.pid_started) else []
-        copy = rollback.FrozenCopy(job, pids, LinkLock(self.registry.network, job.veth))
-        gone = lambda: self.ledger.release_frozen(rec.cuda_pids)  # noqa: E731
+        copy, gone = self._copy_to_end(rec)
         end_saved(self.registry, copy, Path(rec.image), rec.kind == KIND_SUSPEND, cuda_gone=gone)
         note = f"{rec.kind} settled: {why}; the job's copy here ended"
         self._settled(rec, MigrationState.COMMITTED, note)
         return note
+
+    def _copy_to_end(self, rec: MigrationRecord) -> tuple[rollback.FrozenCopy, Callable[[], None]]:
+        """The frozen copy another copy (or an image) now stands for, and what frees its GPUs."""
+        job = self.registry.get(rec.job)
+        pids = procs.tree_pids(job.pid) if procs.alive(job.pid, job.pid_started) else []
+        copy = rollback.FrozenCopy(job, pids, LinkLock(self.registry.network, job.veth))
+        return copy, lambda: self.ledger.release_frozen(rec.cuda_pids)
 
     @staticmethod
     def _drop_files(rec: MigrationRecord) -> None:
