@@ -20,11 +20,13 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import psutil
 from fake_cuda import CudaWorld, fake_cuda_jobs
 
+from agent.client import from_rpc_error
 from agent.criu.runner import DumpResult, InheritFd, RestoreResult
-from agent.errors import CriuError, RefusedError
+from agent.errors import CriuError, FerryError, RefusedError
 from agent.image import StreamDigest
 from agent.jobs import procs
 from agent.jobs.record import JobKind, JobRecord, JobState
@@ -461,3 +463,21 @@ class LocalPeer:
 
     def status(self, migration_id: str) -> int:
         return self.target.status(migration_id)
+
+
+#: Every status a gRPC call can end with but OK.
+FAULT_CODES = [c for c in grpc.StatusCode if c is not grpc.StatusCode.OK]
+
+
+def rpc_error(code: grpc.StatusCode, address: str = "127.0.0.1:7071") -> FerryError:
+    """What a source sees when a call to the target ends with `code`, as the real client maps it
+    (agent.client.from_rpc_error)."""
+
+    class _E(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return code
+
+        def details(self) -> str:
+            return f"injected {code.name}"
+
+    return from_rpc_error(_E(), address, "test")

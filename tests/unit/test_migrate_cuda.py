@@ -36,6 +36,7 @@ from fakes import FakeCriu, LocalPeer, is_dead, is_stopped, launched_record, wai
 
 from agent import faults
 from agent.cli import main as cli
+from agent.cuda.jobs import CudaJobs
 from agent.errors import CriuError, MigrationAbortedError, RefusedError
 from agent.jobs.record import JobState
 from agent.jobs.registry import JobRegistry
@@ -43,7 +44,7 @@ from agent.migration import capture
 from agent.migration import target as incoming
 from agent.migration.journal import Journal
 from agent.migration.local import checkpoint, restore_image
-from agent.migration.model import Method, MigrationSpec
+from agent.migration.model import Method, MigrationResult, MigrationSpec
 from agent.migration.source import SourceMigration
 from agent.migration.target import TargetMigrations
 from agent.rpc import pb
@@ -377,6 +378,16 @@ def test_two_agents_on_one_host_share_the_gpu(tmp_path, sleeper, monkeypatch) ->
 # -- suspend and resume on one node ------------------------------------------------------
 
 
+def save_here(
+    registry: JobRegistry, criu: FakeCriu, cj: CudaJobs, tmp_path: Path, leave_running: bool
+) -> MigrationResult:
+    """`ferry checkpoint train --out TMP/img` on this node, journaled in its state directory."""
+    journal = Journal(tmp_path / "state")
+    return checkpoint(
+        registry, criu, "train", tmp_path / "img", "nodea", leave_running, journal=journal, cuda_jobs=cj
+    )
+
+
 def test_checkpoint_frees_the_gpu_and_restore_puts_the_job_back(
     tmp_path, sleeper, fake_criu, registry
 ) -> None:
@@ -388,16 +399,7 @@ def test_checkpoint_frees_the_gpu_and_restore_puts_the_job_back(
     registry.save(launched_record("train", proc, out, err))
     image = tmp_path / "img"
 
-    res = checkpoint(
-        registry,
-        fake_criu,
-        "train",
-        image,
-        "nodea",
-        leave_running=False,
-        journal=Journal(tmp_path / "state"),
-        cuda_jobs=cj,
-    )
+    res = save_here(registry, fake_criu, cj, tmp_path, leave_running=False)
     assert res.gpu_bytes == 4 * GIB and "cuda checkpoint" in res.phases
     assert registry.get("train").state is JobState.CHECKPOINTED
     assert world.used(GPU0) == 0  # suspended: its GPU is free for another job
@@ -417,16 +419,7 @@ def test_checkpoint_leave_running_resumes_cuda_in_place(tmp_path, sleeper, fake_
     world.add_cuda_process(proc.pid, [GPU0])
     cj, drv = fake_cuda_jobs(world)
     registry.save(launched_record("train", proc, out, err))
-    checkpoint(
-        registry,
-        fake_criu,
-        "train",
-        tmp_path / "img",
-        "nodea",
-        leave_running=True,
-        journal=Journal(tmp_path / "state"),
-        cuda_jobs=cj,
-    )
+    save_here(registry, fake_criu, cj, tmp_path, leave_running=True)
     assert world.state(proc.pid) == RUNNING and registry.get("train").state is JobState.RUNNING
     assert drv.actions() == ["lock", "checkpoint", "restore", "unlock"]
     wait_running(proc.pid)
@@ -439,16 +432,7 @@ def test_restore_refuses_when_no_gpu_fits(tmp_path, sleeper, fake_criu, registry
     cj, _ = fake_cuda_jobs(world)
     fake_criu.cuda_world = world
     registry.save(launched_record("train", proc, out, err))
-    checkpoint(
-        registry,
-        fake_criu,
-        "train",
-        tmp_path / "img",
-        "nodea",
-        leave_running=False,
-        journal=Journal(tmp_path / "state"),
-        cuda_jobs=cj,
-    )
+    save_here(registry, fake_criu, cj, tmp_path, leave_running=False)
     world.gpus[GPU0].others[1] = 10 * GIB
     with pytest.raises(RefusedError, match=r"has 6\.0 GiB free"):
         restore_image(

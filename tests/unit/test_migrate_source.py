@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 from fakes import (
+    FAULT_CODES,
     PAGES_BYTES,
     FakeCriu,
     FakePeer,
@@ -21,11 +22,11 @@ from fakes import (
     is_stopped,
     launched_record,
     node_parts,
+    rpc_error,
     wait_for,
     wait_running,
 )
 
-from agent.client import from_rpc_error
 from agent.errors import (
     CriuError,
     FerryError,
@@ -798,22 +799,7 @@ def test_a_broken_post_copy_is_settled_by_the_targets_word_and_never_left_paging
 # -- every gRPC status at every call of a move ----------------------------------------------
 
 
-def _rpc_error(code: grpc.StatusCode) -> FerryError:
-    """What the source sees for `code`, as the real client maps it (agent.client.from_rpc_error)."""
-
-    class _E(grpc.RpcError):
-        def code(self) -> grpc.StatusCode:
-            return code
-
-        def details(self) -> str:
-            return f"injected {code.name}"
-
-    return from_rpc_error(_E(), "127.0.0.1:7071", "test")
-
-
-@pytest.mark.parametrize(
-    "code", [c for c in grpc.StatusCode if c is not grpc.StatusCode.OK], ids=lambda c: c.name
-)
+@pytest.mark.parametrize("code", FAULT_CODES, ids=lambda c: c.name)
 @pytest.mark.parametrize("call", ["info", "prepare", "stream_pages", "push", "commit", "abort", "status"])
 @pytest.mark.parametrize("target", [pb.TARGET_STATE_RESTORING, pb.TARGET_STATE_ABORTED])
 def test_any_status_at_any_call_ends_with_one_copy_or_a_held_one(
@@ -822,10 +808,10 @@ def test_any_status_at_any_call_ends_with_one_copy_or_a_held_one(
     """Whatever a call answers, the move ends committed (the job moved), aborted (it runs here) or
     UNRESOLVED (frozen here, the target's word unknown): never resumed while the target may
     restore it, never stranded in between."""
-    h.peer.fail[call] = _rpc_error(code)
+    h.peer.fail[call] = rpc_error(code)
     h.peer.status_answers = [target]
     if call != "commit" and call != "status":
-        h.peer.fail.setdefault("commit", _rpc_error(grpc.StatusCode.UNAVAILABLE))
+        h.peer.fail.setdefault("commit", rpc_error(grpc.StatusCode.UNAVAILABLE))
     m = h.migration()
     with contextlib.suppress(FerryError):
         m.run()

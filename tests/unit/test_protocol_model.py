@@ -27,10 +27,9 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 
-import grpc
 import pytest
+from fakes import FAULT_CODES, rpc_error
 
-from agent.client import from_rpc_error
 from agent.compat import StrEnum
 from agent.errors import FerryError, RefusedError, UnavailableError
 from agent.migration import fencing
@@ -45,7 +44,6 @@ from agent.migration.states import (
 )
 
 S, T = MigrationState, TargetState
-FAULT_CODES = [c for c in grpc.StatusCode if c is not grpc.StatusCode.OK]
 
 
 class Copy(StrEnum):
@@ -117,19 +115,6 @@ def every_run(step: Callable[[Chooser], World]) -> Iterator[World]:
         if not made:
             return
         prefix = [*made[:-1], made[-1] + 1]
-
-
-def rpc_error(code: grpc.StatusCode) -> FerryError:
-    """The error a source sees for `code`, as the real client maps it."""
-
-    class _E(grpc.RpcError):
-        def code(self) -> grpc.StatusCode:
-            return code
-
-        def details(self) -> str:
-            return f"model: {code.name}"
-
-    return from_rpc_error(_E(), "target:7071", "model")
 
 
 class Net:
