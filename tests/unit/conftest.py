@@ -8,9 +8,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from fakes import SLEEP, FakeCriu
+from fakes import SLEEP, FakeCriu, target_migrations
 
 from agent.jobs.registry import JobRegistry
+from agent.migration import target as incoming
+from agent.migration.target import TargetMigrations
 from agent.rpc import pb_grpc
 from agent.service.node import AgentNode
 from agent.service.serve import create_server
@@ -56,6 +58,15 @@ def fake_criu() -> Iterator[FakeCriu]:
 @pytest.fixture
 def registry(tmp_path: Path) -> JobRegistry:
     return JobRegistry(tmp_path / "state", "nodea")
+
+
+@pytest.fixture
+def target(tmp_path: Path, fake_criu: FakeCriu, monkeypatch: pytest.MonkeyPatch) -> TargetMigrations:
+    """A target node's incoming migrations (its own registry and staging), with no fault armed."""
+    monkeypatch.delenv("FERRY_FAULTS", raising=False)
+    monkeypatch.setattr(incoming, "RESUME_LOOK_S", 0.2)
+    registry = JobRegistry(tmp_path / "tstate", "nodeb")
+    return target_migrations(registry, fake_criu, tmp_path / "tstaging")
 
 
 @pytest.fixture

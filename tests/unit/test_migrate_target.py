@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from fakes import FakeCriu, is_dead, target_migrations, wait_for
+from fakes import FakeCriu, is_dead, wait_for
 
 from agent.errors import (
     AlreadyExistsError,
@@ -44,7 +44,6 @@ from agent.image import (
 )
 from agent.jobs import procs
 from agent.jobs.record import JobKind, JobRecord, JobState
-from agent.jobs.registry import JobRegistry
 from agent.migration import source as migrate
 from agent.migration import target as incoming
 from agent.migration.datatls import KEYS_PREFIX, DataIdentity
@@ -56,14 +55,6 @@ from agent.rpc import pb
 MID = "feedfacecafe0001"
 SRC_OUT = "/var/lib/ferry/nodea/jobs/train/stdout.log"
 SRC_ERR = "/var/lib/ferry/nodea/jobs/train/stderr.log"
-
-
-@pytest.fixture
-def target(tmp_path: Path, fake_criu: FakeCriu, monkeypatch: pytest.MonkeyPatch) -> TargetMigrations:
-    monkeypatch.delenv("FERRY_FAULTS", raising=False)
-    monkeypatch.setattr(incoming, "RESUME_LOOK_S", 0.2)
-    registry = JobRegistry(tmp_path / "tstate", "nodeb")
-    return target_migrations(registry, fake_criu, tmp_path / "tstaging")
 
 
 #: The source's one-time certificate for the data connection, as every source sends one.

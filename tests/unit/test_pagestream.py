@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fakes import FakeCriu, LocalPageCall, target_migrations
+from fakes import FakeCriu, LocalPageCall
 from test_migrate_target import MID, chunks_for, make_image, prepare_req, staged, state
 
 from agent.client import split_address
@@ -31,19 +31,10 @@ from agent.errors import (
     TransferError,
 )
 from agent.image import StreamDigest
-from agent.migration import target as incoming
 from agent.migration.pagestream import CHECK, SourcePages
 from agent.migration.sockets import cut_connection
 from agent.migration.target import TargetMigrations
 from agent.rpc import pb
-
-
-@pytest.fixture
-def target(tmp_path: Path, fake_criu: FakeCriu, monkeypatch: pytest.MonkeyPatch) -> TargetMigrations:
-    monkeypatch.delenv("FERRY_FAULTS", raising=False)
-    monkeypatch.setattr(incoming, "RESUME_LOOK_S", 0.2)
-    registry = incoming.JobRegistry(tmp_path / "tstate", "nodeb")
-    return target_migrations(registry, fake_criu, tmp_path / "tstaging")
 
 
 def send(address: tuple[str, int], *blobs: bytes) -> None:

@@ -10,14 +10,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from fakes import FakeCriu, FakePageServer, is_dead, target_migrations
+from fakes import FakeCriu, FakePageServer, is_dead
 from test_migrate_target import MID, broken_stream, delivered, prepare_req, running_record, staged, state
 
 from agent.errors import PermissionDeniedError
 from agent.jobs import procs
 from agent.jobs.record import JobKind, JobRecord, JobState
-from agent.jobs.registry import JobRegistry
-from agent.migration import target as incoming
 from agent.migration.journal import TARGET
 from agent.migration.states import TargetState
 from agent.migration.target import TargetMigrations
@@ -26,14 +24,6 @@ from agent.rpc import pb
 #: How long a slow part takes to die here; GetMigration must answer well within SLOW_S.
 SLOW_S = 3.0
 ANSWER_S = 1.0
-
-
-@pytest.fixture
-def target(tmp_path: Path, fake_criu: FakeCriu, monkeypatch: pytest.MonkeyPatch) -> TargetMigrations:
-    monkeypatch.delenv("FERRY_FAULTS", raising=False)
-    monkeypatch.setattr(incoming, "RESUME_LOOK_S", 0.2)
-    registry = JobRegistry(tmp_path / "tstate", "nodeb")
-    return target_migrations(registry, fake_criu, tmp_path / "tstaging")
 
 
 class SlowPageServer(FakePageServer):
