@@ -7,8 +7,9 @@ self-healing policy and the peers it may move jobs to.
     [policy]              # PolicyConfig below
     cooldown_s = 600
 
-    [cuda]                # agent.cuda.jobs.CudaConfig: lock timeout, explicit GPU pairs
+    [cuda]                # agent.cuda.jobs.CudaConfig: lock timeout, driver call bounds, GPU pairs
     lock_timeout_s = 30
+    copy_timeout_s = 600  # a checkpoint or restore call (agent.cuda.calls)
 
     [network]             # agent.jobs.network.NetworkConfig: the job network (docs/networking.md)
     bridge = "ferry0"
@@ -34,6 +35,9 @@ from agent.errors import InvalidArgumentError
 from agent.health.monitor import HealthConfig
 from agent.jobs.network import NetworkConfig
 from agent.settings import from_table
+
+#: `[cuda]` keys that must be above zero: each bounds a wait.
+CUDA_POSITIVE = frozenset({"lock_timeout_s", "copy_timeout_s", "call_timeout_s"})
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,7 @@ def parse(raw: Mapping[str, Any], where: str = "") -> AgentConfig:
     _known(raw, {"health", "policy", "peers", "cuda", "network"}, "top level")
     health = HealthConfig.from_dict(_table(raw, "health"))
     policy = from_table(PolicyConfig, _table(raw, "policy"), "policy")
-    cuda = from_table(CudaConfig, _table(raw, "cuda"), "cuda", positive=frozenset({"lock_timeout_s"}))
+    cuda = from_table(CudaConfig, _table(raw, "cuda"), "cuda", positive=CUDA_POSITIVE)
     peers_raw = raw.get("peers", [])
     if not isinstance(peers_raw, list):
         raise InvalidArgumentError("peers must be an array of tables ([[peers]])")

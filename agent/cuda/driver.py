@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.compat import StrEnum
+from agent.cuda.calls import BoundedCalls, Bounds, CallTimedOut, InFlight
 from agent.errors import CudaCheckpointError, RefusedError
 
 log = logging.getLogger(__name__)
@@ -140,11 +141,21 @@ def uuid_text(raw: bytes) -> str:
 
 
 class CudaDriver:
-    """One method per driver action; `driver` defaults to `cuda.bindings.driver` (tests pass a fake)."""
+    """One method per driver action; `driver` defaults to `cuda.bindings.driver` (tests pass a fake).
+    Every call goes through `calls` (agent.cuda.calls): bounded, and journaled while it changes
+    a process's state; the default bounds them and journals nothing (a tool that moves no job)."""
 
-    def __init__(self, driver: Any = None, node: str = "", *, explicit_gpu_pairs: bool = False) -> None:
+    def __init__(
+        self,
+        driver: Any = None,
+        node: str = "",
+        *,
+        explicit_gpu_pairs: bool = False,
+        calls: BoundedCalls | None = None,
+    ) -> None:
         self._driver = driver
         self.node = node
+        self.calls = calls or BoundedCalls(Bounds(), InFlight(None, node), node)
         #: Pass the GPU pairs to every restore, identity pairs included (the driver then checks
         #: them), instead of none when the GPUs stay the same: `[cuda] explicit_gpu_pairs`.
         self.explicit_gpu_pairs = explicit_gpu_pairs
@@ -166,7 +177,9 @@ class CudaDriver:
                     raise self._unavailable(f"cuda-bindings is not installed ({e})") from e
                 self._driver = driver
             try:
-                (err,) = self._driver.cuInit(0)
+                (err,) = self.calls.run(0, "init", lambda: self._driver.cuInit(0), self.calls.bounds.call_s)
+            except CudaCheckpointError as e:  # it did not return in time
+                raise self._unavailable(f"cuInit did not answer: {e.cause}") from e
             except Exception as e:  # no libcuda.so: cuda-pathfinder raises its own error type
                 raise self._unavailable(f"the NVIDIA driver library cannot be loaded ({e})") from e
             if int(err) != SUCCESS:
@@ -187,7 +200,10 @@ class CudaDriver:
             drv = self._drv()
         except RefusedError as e:
             return DriverInfo(loaded=False, detail=e.cause)
-        err, version = drv.cuDriverGetVersion()
+        try:
+            err, version = self.calls.run(0, "version", drv.cuDriverGetVersion, self.calls.bounds.call_s)
+        except CudaCheckpointError as e:
+            return DriverInfo(loaded=False, detail=f"cuDriverGetVersion did not answer: {e.cause}")
         version = int(version) if int(err) == SUCCESS else 0
         checkpoint = self._has_symbol(drv, "cuCheckpointProcessLock", version)
         custom = self._has_symbol(drv, "cuCheckpointOperationComplete", version)
@@ -200,12 +216,16 @@ class CudaDriver:
         self._info = DriverInfo(True, version, checkpoint, custom, detail)
         return self._info
 
-    @staticmethod
-    def _has_symbol(drv: Any, name: str, version: int) -> bool:
+    def _has_symbol(self, drv: Any, name: str, version: int) -> bool:
         if not hasattr(drv, name):
             return False  # cuda-bindings older than the feature
         try:
-            err, pfn, _status = drv.cuGetProcAddress(name.encode(), max(version, 12000), 0)
+            err, pfn, _status = self.calls.run(
+                0,
+                "symbol",
+                lambda: drv.cuGetProcAddress(name.encode(), max(version, 12000), 0),
+                self.calls.bounds.call_s,
+            )
         except Exception:
             return False
         return int(err) == SUCCESS and bool(int(pfn or 0))
@@ -266,7 +286,7 @@ class CudaDriver:
         drv = self._drv()
         args = drv.CUcheckpointLockArgs()
         args.timeoutMs = max(1, int(timeout_s * 1000))
-        (err,) = self._call(drv, "cuCheckpointProcessLock", pid, "lock", pid, args)
+        (err,) = self._call(drv, "cuCheckpointProcessLock", pid, "lock", pid, args, lock_timeout_s=timeout_s)
         hint = ""
         if int(err) in LOCK_TIMED_OUT:
             hint = (
@@ -306,9 +326,11 @@ class CudaDriver:
 
     # -- plumbing --------------------------------------------------------------
 
-    def _call(self, drv: Any, fn: str, pid: int, action: str, *args: Any) -> Any:
+    def _call(self, drv: Any, fn: str, pid: int, action: str, *args: Any, lock_timeout_s: float = 0.0) -> Any:
+        """One driver call, bounded (agent.cuda.calls): a CallTimedOut past its bound."""
+        bound = self.calls.bounds.of(action, lock_timeout_s)
         try:
-            return getattr(drv, fn)(*args)
+            return self.calls.run(pid, action, lambda: getattr(drv, fn)(*args), bound)
         except AttributeError as e:
             raise CudaCheckpointError(pid, action, NOT_FOUND, "CUDA_ERROR_NOT_FOUND", node=self.node) from e
         except RuntimeError as e:  # cuda-bindings: the driver lacks the symbol ("Function ... not found")
@@ -389,7 +411,12 @@ def freeze(
     except BaseException as e:
         touched = pids if "cuda lock" in times else list(known)  # checkpointing: the failed one too
         report = undo(driver, touched, known)
-        if report and isinstance(e, CudaCheckpointError):
+        if isinstance(e, CallTimedOut):
+            # The driver may still finish the call: undo that process then, whatever it left.
+            stuck = e.pid
+            driver.calls.when_returned(stuck, lambda: undo(driver, [stuck]))
+            e.cause += "; that process is put back once the call returns"
+        elif report and isinstance(e, CudaCheckpointError):
             e.cause += f"; {report.summary()}"
             e.hint = UNDO_HINT
         raise

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from agent.cuda import driver as cuda
 from agent.cuda import pidprobe
+from agent.cuda.calls import BoundedCalls, Bounds, InFlight
 from agent.cuda.driver import CudaDriver, ProcessState
 from agent.errors import FerryError, RefusedError
 from agent.gpus.inventory import GpuNeed, Inventory, Nvml, choose
@@ -32,6 +33,8 @@ _DEVICE = re.compile(r"^/dev/nvidia(\d+|ctl)$")
 IPC_BRANCH = 610
 #: Restoring onto a GPU other than the one checkpointed needs this branch.
 REMAP_BRANCH = 580
+#: Under the agent's state directory: the driver calls in flight (agent.cuda.calls.InFlight).
+IN_FLIGHT_DIR = "cuda-calls"
 
 
 class ProcView:
@@ -82,6 +85,11 @@ class CudaConfig:
     #: Give the driver the GPU pairs on every restore, identity pairs included, not only when
     #: the job lands on other GPUs (a one-GPU node never remaps; this exercises the pair path).
     explicit_gpu_pairs: bool = False
+    #: How long a checkpoint or restore call may take (it copies a process's device memory)
+    #: before the move gives up on it and the process counts as stuck (agent.cuda.calls).
+    copy_timeout_s: float = Bounds.copy_s
+    #: The same for every other driver call (a lock: on top of lock_timeout_s).
+    call_timeout_s: float = Bounds.call_s
 
 
 @dataclass(frozen=True)
@@ -311,10 +319,12 @@ class CudaJobs:
         return RefusedError(cause, step="cuda check", node=self.node, hint=hint)
 
 
-def host_cuda_jobs(node: str, config: CudaConfig, ledger: GpuLedger) -> CudaJobs:
+def host_cuda_jobs(node: str, config: CudaConfig, ledger: GpuLedger, state_dir: Path) -> CudaJobs:
     """This host's CUDA side (the real driver and NVML) around the node's ledger: what the agent
-    builds, once (agent.service.node)."""
-    driver = CudaDriver(node=node, explicit_gpu_pairs=config.explicit_gpu_pairs)
+    builds, once (agent.service.node). Driver calls in flight are journaled in the state directory."""
+    bounds = Bounds(copy_s=config.copy_timeout_s, call_s=config.call_timeout_s)
+    calls = BoundedCalls(bounds, InFlight(state_dir / IN_FLIGHT_DIR, node), node)
+    driver = CudaDriver(node=node, explicit_gpu_pairs=config.explicit_gpu_pairs, calls=calls)
     return CudaJobs(driver, Nvml(node=node), node, ProcView(), config.lock_timeout_s, ledger=ledger)
 
 

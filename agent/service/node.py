@@ -92,7 +92,8 @@ class AgentNode:
         #: Read-only here (`ferry health` shows it); changed only through the ledger.
         self.quarantine = self.gpus.quarantine
         #: Built around the ledger, which only this builds (tests give fakes through make_cuda).
-        self.cuda = make_cuda(self.gpus) if make_cuda else host_cuda_jobs(node, self.config.cuda, self.gpus)
+        build = make_cuda or (lambda ledger: host_cuda_jobs(node, self.config.cuda, ledger, state_dir))
+        self.cuda = build(self.gpus)
         self.targets = TargetMigrations(
             self.registry, self.criu, staging_root, node, self.cuda, self.journal, self.gpus
         )
@@ -110,6 +111,8 @@ class AgentNode:
         self.events = EventLog(state_dir, node)
         for bad in self.registry.unreadable.values():  # on record where `ferry events` shows it
             self.events.record("alert", f"{bad.refusal()}; {bad.hint}", job=bad.name)
+        for cut in self.cuda.driver.calls.in_flight.left_over:  # driver calls the last run's end cut short
+            self.events.record("alert", f"{cut.describe()}; recovery reads its state from the driver")
         self.healing = SelfHealing(
             node=node,
             registry=self.registry,
@@ -383,7 +386,6 @@ class AgentNode:
             raise InvalidArgumentError(f"--out {out_dir} exists and is not a directory")
         self.registry.get(name)
         out = Path(out_dir)
-
         return self.run_move(lambda emit: self._checkpoint(name, out, leave_running, emit))
 
     def restore(self, image: str, name: str) -> JobRecord:
@@ -411,10 +413,7 @@ class AgentNode:
         self.monitor.clear(gpu)
         self.healing.cleared(gpu)
         self.monitor.poll()
-        was = (
-            f"quarantined since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(entry.since))}"
-            if entry
-            else "not quarantined"
-        )
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry.since)) if entry else ""
+        was = f"quarantined since {since}" if entry else "not quarantined"
         self.events.record("quarantine", f"GPU {gpu} cleared by an operator ({was})", gpu=gpu)
         return self.monitor.get(gpu) or g, entry

@@ -22,7 +22,8 @@ They are faithful where ferry depends on them:
   NOT_SUPPORTED and is left in `managed_leaves` (LOCKED by default; FAILED
   models a driver that "does not attempt to keep the process in a good
   state", NVIDIA's README). What the real driver does there is recorded by
-  the GPU suite's --managed test in the device report.
+  the GPU suite's --managed test in the device report. A call can be made
+  to wait until a test lets it go (`hang`), as one into a wedged driver does.
 - FakeNvml has the `pynvml` calls ferry uses. Its process lists follow the
   driver state: a checkpointed process holds no GPU memory.
 - FakeProcView answers what /proc would: device files, maps, thread names,
@@ -37,6 +38,7 @@ CHECKPOINTED, as on real hardware.
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -171,6 +173,8 @@ class FakeDriver:
         self.managed_leaves = LOCKED
         #: Processes whose restore failed once: the driver refuses them from then on (#44).
         self.broken: set[int] = set()
+        #: action → an Event the call waits for before it acts (a wedged driver or GPU).
+        self.hang: dict[str, threading.Event] = {}
 
     def cuInit(self, flags: int) -> tuple[R]:
         if not self.library:
@@ -200,6 +204,8 @@ class FakeDriver:
 
     def _enter(self, action: str, pid: int) -> tuple[CudaProc | None, R | None]:
         self.calls.append((action, pid))
+        if (gate := self.hang.get(action)) is not None:
+            gate.wait()
         # The driver's restore thread inside the job does the work: a stopped job would hang it.
         # Get-state and the restore thread's id are answered without it (CRIU's CUDA plugin asks
         # for the id while it holds the tree stopped; the device check verifies it on a GPU).
@@ -423,6 +429,7 @@ def fake_cuda_jobs(
     node: str = "nodea",
     host_pid_offset: int = 0,
     ledger: Any = None,
+    calls: Any = None,
     **driver_kw: Any,
 ) -> tuple[Any, FakeDriver]:
     """agent.cuda.jobs.CudaJobs over this world, and its fake driver (to inspect calls, inject faults).
@@ -437,7 +444,7 @@ def fake_cuda_jobs(
     drv = FakeDriver(world, **driver_kw)
     nvml = Nvml(FakeNvml(world, host_pid_offset=host_pid_offset), node)
     jobs = CudaJobs(
-        CudaDriver(drv, node),
+        CudaDriver(drv, node, calls=calls),
         nvml,
         node,
         FakeProcView(world),

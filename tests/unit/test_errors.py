@@ -9,6 +9,7 @@ import pytest
 
 from agent import client, errors, faults
 from agent.client import from_rpc_error
+from agent.cuda.calls import CallTimedOut
 from agent.errors import (
     AlreadyExistsError,
     BusyError,
@@ -64,6 +65,8 @@ def _make(cls: type[FerryError]) -> FerryError:
         return CriuError("dump", "no such task", log_path="/img/criu-dump.log", node="nodea")
     if cls is CudaCheckpointError:
         return CudaCheckpointError(42, "lock", 909, "CUDA_ERROR_TIMEOUT", node="nodea")
+    if cls is CallTimedOut:
+        return CallTimedOut(42, "checkpoint", "did not return within 600 s", node="nodea")
     return cls("something precise went wrong", step="transfer", node="nodea")
 
 
@@ -93,7 +96,7 @@ def test_no_ferry_error_anywhere_maps_to_unknown() -> None:
     assert faults.InjectedFault in classes and migrate._Unresolved in classes
     for cls in classes:
         assert cls.kind in STATUS_BY_KIND, cls
-        err = _make(cls) if cls in EXPECTED else cls("x")
+        err = _make(cls) if cls in EXPECTED or cls is CallTimedOut else cls("x")
         code, _ = status_for(err)
         assert code not in (S.UNKNOWN, S.OK), cls
 
