@@ -166,7 +166,9 @@ class CudaDriver:
     # -- setup -----------------------------------------------------------------
 
     def _drv(self) -> Any:
-        """The driver module after cuInit(0), which must run in this process before any restore."""
+        """The driver module after cuInit(0), which must run in this process before any restore.
+        cuInit runs outside the lock (no driver call is made under one); it is idempotent and
+        thread-safe, so two first callers may both make it."""
         with self._init_lock:
             if self._ready:
                 return self._driver
@@ -176,16 +178,18 @@ class CudaDriver:
                 except ImportError as e:
                     raise self._unavailable(f"cuda-bindings is not installed ({e})") from e
                 self._driver = driver
-            try:
-                (err,) = self.calls.run(0, "init", lambda: self._driver.cuInit(0), self.calls.bounds.call_s)
-            except CudaCheckpointError as e:  # it did not return in time
-                raise self._unavailable(f"cuInit did not answer: {e.cause}") from e
-            except Exception as e:  # no libcuda.so: cuda-pathfinder raises its own error type
-                raise self._unavailable(f"the NVIDIA driver library cannot be loaded ({e})") from e
-            if int(err) != SUCCESS:
-                raise self._unavailable(f"cuInit failed: {self._name(err)} ({int(err)})")
+            drv = self._driver
+        try:
+            (err,) = self.calls.run(0, "init", lambda: drv.cuInit(0), self.calls.bounds.call_s)
+        except CudaCheckpointError as e:  # it did not return in time
+            raise self._unavailable(f"cuInit did not answer: {e.cause}") from e
+        except Exception as e:  # no libcuda.so: cuda-pathfinder raises its own error type
+            raise self._unavailable(f"the NVIDIA driver library cannot be loaded ({e})") from e
+        if int(err) != SUCCESS:
+            raise self._unavailable(f"cuInit failed: {self._name(err)} ({int(err)})")
+        with self._init_lock:
             self._ready = True
-            return self._driver
+        return drv
 
     def _unavailable(self, cause: str) -> RefusedError:
         return RefusedError(

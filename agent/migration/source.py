@@ -41,7 +41,7 @@ from agent.migration import rollback
 from agent.migration.capture import Phases, copy_logs, dump_externals, needs_shell_job
 from agent.migration.datapath import SourceDataPath
 from agent.migration.fencing import TargetAnswer, Verdict, ask_target, decide
-from agent.migration.journal import SOURCE, Journal, MigrationRecord
+from agent.migration.journal import SOURCE, Journal, JournaledRecord, MigrationRecord, state_of
 from agent.migration.limits import RateLog
 from agent.migration.model import Emit, MigrationResult, MigrationSpec, Peer, Progress
 from agent.migration.pagestream import sent_bytes
@@ -88,7 +88,6 @@ class SourceMigration(PrepareStep, PostCopyStep, AbortPath):
         self.node = node
         self.agent_id = agent_id
         self.emit = emit
-        self.state = MigrationState.PREPARING
         self.lease = pb.Lease()
         self.prepare_sent = False
         #: The job's memory goes CRIU to CRIU on a data connection this owns (None: staged push).
@@ -104,21 +103,19 @@ class SourceMigration(PrepareStep, PostCopyStep, AbortPath):
         #: How fast this agent's moves froze jobs: a member's expected pause is judged by it.
         self.rates = RateLog(registry.root.parent)
         self.result = MigrationResult(spec.migration_id, spec.job, node, target=spec.target)
-        self.record = MigrationRecord(
-            spec.migration_id, SOURCE, spec.job, self.state.value, peer=spec.target, staging=str(self.staging)
+        record = MigrationRecord(
+            spec.migration_id, SOURCE, spec.job, "preparing", peer=spec.target, staging=str(self.staging)
         )
+        #: The move's journal record, as a local checkpoint's is: every state change checked
+        #: against SOURCE_TRANSITIONS and durable before the step it names acts.
+        self.op = JournaledRecord(self.journal, record, SOURCE_TRANSITIONS, MigrationState)
+        self.record = record
+        self._journal = self.op.save  # after a crash the record names the furthest this may have got
+        self._to = self.op.to
 
-    def _journal(self, **changes: object) -> None:
-        """Durable before acting: after a crash the record names the furthest this may have got."""
-        for k, v in changes.items():
-            setattr(self.record, k, v)
-        self.journal.save(self.record)
-
-    def _to(self, state: MigrationState, **changes: object) -> None:
-        """Every state change: checked against SOURCE_TRANSITIONS, journaled before it acts."""
-        subject = f"{self.spec.migration_id} (job {self.spec.job})"
-        self.state = SOURCE_TRANSITIONS.check(self.state, state, subject)
-        self._journal(state=state.value, **changes)
+    @property
+    def state(self) -> MigrationState:
+        return state_of(self.record, MigrationState)
 
     def _set(self, state: MigrationState, phase: str, message: str, **changes: object) -> None:
         self._to(state, **changes)

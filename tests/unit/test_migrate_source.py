@@ -771,8 +771,7 @@ def test_a_broken_post_copy_is_settled_by_the_targets_word_and_never_left_paging
     m = h.migration()
     m.lazy_dump = _BrokenLazyDump()  # type: ignore[assignment]
     m.data.pages = types.SimpleNamespace(close=lambda: None)  # type: ignore[assignment]
-    m.state = MigrationState.PAGING
-    m._journal(state=MigrationState.PAGING.value)
+    m._journal(state=MigrationState.PAGING.value)  # as if it got this far
     h.registry.begin_move("train", MID, "migration")
     procs.stop([h.pid])
     t = [0.0]  # a clock that moves only when slept on: POSTCOPY_SETTLE_S passes at once
