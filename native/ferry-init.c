@@ -92,6 +92,42 @@ static void forward(int sig)
 		kill(forward_to, sig);
 }
 
+/*
+ * SIGTERM and SIGINT wait, blocked, until there is someone to forward them to. A namespace's
+ * PID 1 gets no signal it has no handler for, and an exec resets handlers (not the mask, nor
+ * what is pending), so the re-exec inside the namespaces would otherwise drop `ferry stop`'s
+ * SIGTERM before the job ever saw it.
+ */
+static void hold_stop_signals(void)
+{
+	sigset_t stop;
+
+	sigemptyset(&stop);
+	sigaddset(&stop, SIGTERM);
+	sigaddset(&stop, SIGINT);
+	sigprocmask(SIG_BLOCK, &stop, NULL);
+}
+
+static void forward_stop_signals(void)
+{
+	struct sigaction sa;
+
+	memset(&sa, 0, sizeof(sa));
+	sa.sa_handler = forward;
+	sigaction(SIGTERM, &sa, NULL);
+	sigaction(SIGINT, &sa, NULL);
+}
+
+static void let_stop_signals_through(void)
+{
+	sigset_t stop;
+
+	sigemptyset(&stop);
+	sigaddset(&stop, SIGTERM);
+	sigaddset(&stop, SIGINT);
+	sigprocmask(SIG_UNBLOCK, &stop, NULL);
+}
+
 static int status_code(int status)
 {
 	if (WIFEXITED(status))
@@ -452,17 +488,21 @@ static int run_as_pid1(const struct opts *o)
 		return fail("cannot install the io_uring filter");
 	if (setsid() < 0)
 		return fail("setsid");
+	hold_stop_signals(); /* already held since main(); again for a caller that did not */
+	forward_stop_signals();
 	job = fork();
 	if (job < 0)
 		return fail("fork");
 	if (job == 0) {
 		signal(SIGTERM, SIG_DFL);
 		signal(SIGINT, SIG_DFL);
+		let_stop_signals_through();
 		execvp(o->argv[0], o->argv);
 		fprintf(stderr, "ferry-init: cannot run %s: %s\n", o->argv[0], strerror(errno));
 		_exit(127);
 	}
 	forward_to = job;
+	let_stop_signals_through(); /* one that came meanwhile reaches the job now */
 	/* PID 1 reaps every orphan in the namespace; it exits with the job. */
 	for (;;) {
 		pid_t pid = waitpid(-1, &status, 0);
@@ -541,22 +581,19 @@ static const char *self_path(void)
 
 int main(int argc, char **argv)
 {
-	struct sigaction sa;
 	struct opts o;
 	pid_t init;
 	int ret = parse(argc, argv, &o);
 
 	if (ret)
 		return ret;
+	hold_stop_signals(); /* until the job runs (PID 1) or PID 1 exists (this process) */
 	if (o.as_pid1) /* the re-exec: already PID 1 in the job's namespaces */
 		return run_as_pid1(&o);
 	o.self = self_path();
 	if (o.private_ns && o.self == NULL)
 		return fail("cannot read /proc/self/exe");
-	memset(&sa, 0, sizeof(sa));
-	sa.sa_handler = forward;
-	sigaction(SIGTERM, &sa, NULL);
-	sigaction(SIGINT, &sa, NULL);
+	forward_stop_signals();
 
 	if (unshare(CLONE_NEWPID) < 0) {
 		fprintf(stderr, "ferry-init: cannot create a PID namespace: %s (run the agent as root)\n",
@@ -571,5 +608,6 @@ int main(int argc, char **argv)
 	if (o.sync_fd >= 0)
 		close(o.sync_fd);
 	forward_to = init;
+	let_stop_signals_through();
 	return wait_for(init);
 }
