@@ -24,6 +24,7 @@ from agent.rpc import pb, pb_grpc
 from agent.service.follow import CONTROL_WORKERS, FOLLOW_SLOTS, FollowSlots
 from agent.service.node import AgentNode
 from agent.service.servicer import AgentService
+from agent.service.statelock import lock_state_dir
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,7 @@ def serve(
             f"this node is {node!r} but its certificate names {identity.name!r}; peers check that they match",
             hint=f"pass --node-name {identity.name}, or issue a certificate for {node}",
         )
+    lock_state_dir(state_dir, node)  # held until this process ends
     private_dir(staging_root, node)  # refuse a planted or shared staging dir before serving
     service = AgentNode(state_dir, node, staging_root, dial=client.Dial(identity, insecure), config=config)
     listen_host, _ = client.split_address(address, listen=True)

@@ -8,7 +8,10 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from agent.criu.images import bound_socket_dirs
+from agent.testing.localcluster import LocalAgent
 from tests.integration.jobtools import (
     WORKLOAD,
     assert_completed_exactly_once,
@@ -133,6 +136,19 @@ def test_stop_reaches_the_jobs_sigterm_handler(agents):
     assert "got TERM" in a.cli("logs", "trapper").stdout
     assert job(a, "trapper")["exit_code"] == 4  # its own status, not a SIGKILL's 137
     assert took < 5, f"ferry stop took {took:.1f} s: the job only ended at the SIGKILL"
+
+
+def test_a_second_agent_on_the_same_state_directory_refuses_to_start(agents, tmp_path):
+    a = agents("node-a")
+    second = LocalAgent(tmp_path, "node-a")  # the same state directory, its own socket and port
+    try:
+        with pytest.raises(RuntimeError, match=rf"another agent \(pid {a.proc.pid}\) is running"):
+            second.start(timeout_s=20)
+        assert second.proc is not None and second.proc.wait(10) == 1
+    finally:
+        second.stop()
+    assert "Traceback" not in a.log_path.read_text()
+    assert a.cli("ps").returncode == 0  # the first one is untouched
 
 
 def test_finished_job_after_completion(agents):
