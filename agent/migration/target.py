@@ -55,6 +55,15 @@ log = logging.getLogger(__name__)
 #: How long a target looks, after the job's release, for it to run (for the downtime figure):
 #: a job runs within milliseconds of its release, so this bounds an answer that comes at once.
 RESUME_LOOK_S = 0.5
+#: How long an Abort waits for its drop before it answers anyway. A usual drop takes
+#: milliseconds: then its slot is free and ABORTED journaled when the source hears back. A page
+#: server slow to die (up to 40 s, past the source's 30 s deadline for the answer) is left to the
+#: drop's own thread: DROPPING, journaled before this, is as good as fenced.
+ABORT_WAIT_S = 0.5
+#: How long a stopping agent waits for drops still running on their own threads: a page server's
+#: longest death (agent.criu.child: 30 s to exit, 10 more after SIGKILL) and some. One still
+#: running after that is left DROPPING on disk, and recovery ends it at the next start.
+DROPS_WAIT_S = 45.0
 #: A copy of the job may exist here: an Abort cannot take that back.
 _REFUSE_ABORT = frozenset(
     {TargetState.RESTORING, TargetState.UNWINDING, TargetState.POSTCOPY, TargetState.RUNNING}
@@ -87,6 +96,8 @@ class TargetMigrations:
         self.ledger = ledger
         #: Told how each incoming migration ended: "committed" (the job runs here) or "aborted".
         self.on_end: Callable[[str], None] = lambda result: None
+        #: How long an Abort waits for its drop before answering (ABORT_WAIT_S).
+        self.abort_wait_s = ABORT_WAIT_S
         #: Where this node's page servers listen for a source's CRIU (the agent's own address).
         self.data_host = "0.0.0.0"
         self.table = IncomingTable(self.journal, self.ledger)
@@ -236,8 +247,10 @@ class TargetMigrations:
                 )
             # DROPPING: never restored from here on, as good as fenced; its dropper finishes.
             dropping = self.table.drop_locked(inc, f"aborted by the source: {reason}")
-        if dropping is not None:
-            self.effects.finish(inc, dropping)
+        # Answered once DROPPING is durable: the source resumes on that, and must not wait out a
+        # page server's death (its deadline would turn the answer into UNKNOWN).
+        if dropping is not None and not self.effects.finish_later(inc, dropping, self.abort_wait_s):
+            log.info("migration %s: aborted; its drop goes on in the background", mid)
 
     def status(self, mid: str, caller: str = "") -> int:
         """GetMigration: takes the lock only to read the entry; finished ones are journaled."""
@@ -259,7 +272,10 @@ class TargetMigrations:
         return recover_incoming(self.journal, self.registry)
 
     def expire(self) -> None:
-        """Leases whose source went silent: free their slot and staging (run periodically)."""
+        """Leases whose source went silent: free their slot and staging (run periodically, and by
+        Prepare to make room). Synchronous: Prepare needs the room, and an expired lease holds no
+        running CRIU (a pre-copy page server ends with STREAMED; a post-copy daemon starts at the
+        commit), so what it waits for is only its staging's removal."""
         with self.table.lock:
             dropping = [(i, self.table.drop_locked(i, "lease expired")) for i in self.table.expired_locked()]
         for inc, effects in dropping:
@@ -269,13 +285,20 @@ class TargetMigrations:
     def shutdown(self) -> int:
         """The agent stops, its server already closed: every incoming migration that has not
         begun its restore is dropped with its staging (its source, fencing, finds it aborted and
-        resumes the job). Returns how many were dropped."""
+        resumes the job), and the drops that Aborts left running are waited for (bounded: one
+        still running is ended by recovery at the next start). Returns how many were dropped."""
         why = f"the agent on {self.node} stopped"
         with self.table.lock:
             waiting = [i for i in self._incoming.values() if i.state in BEFORE_RESTORE]
             dropping = [(i, self.table.drop_locked(i, why)) for i in waiting]
         for inc, effects in dropping:
             self.effects.finish(inc, effects)
+        if not self.effects.wait_background(DROPS_WAIT_S):
+            log.warning(
+                "drops still running after %.0f s (%s); the agent's next start finishes them",
+                DROPS_WAIT_S,
+                ", ".join(self.effects.background()),
+            )
         return len(dropping)
 
     # -- internals -------------------------------------------------------------------

@@ -6,6 +6,12 @@ all happen here, never under the table's lock, so GetMigration answers while the
 or an unwinding is three steps: journal DROPPING or UNWINDING under the lock (from then on no
 one restores or releases it), run the effects outside, journal ABORTED under the lock (the
 source may resume its copy on that, so it comes only once nothing of the migration is left).
+
+An Abort does not wait for the second step (`finish_later`): DROPPING, durable before it
+answers, is as good as fenced, and a page server may take longer to die than the source waits
+for its answer. Such an end runs on a thread named after its migration, counted here until it
+is over, so a stopping agent waits for it; one the agent did not live to finish stays DROPPING
+on disk, and recovery at the next start removes its staging and journals ABORTED.
 """
 
 from __future__ import annotations
@@ -13,8 +19,10 @@ from __future__ import annotations
 import logging
 import shutil
 import signal
+import threading
 from collections.abc import Callable, Iterable
 
+from agent import faults
 from agent.criu.logs import CriuLogs
 from agent.errors import NotFoundError
 from agent.jobs import procs
@@ -51,6 +59,9 @@ class TargetEffects:
         self.registry = registry
         self.criu_logs = criu_logs
         self.on_end = on_end
+        #: Ends running on their own threads (finish_later), by migration id.
+        self._background: dict[str, threading.Thread] = {}
+        self._background_changed = threading.Condition()
 
     def run(self, effects: Iterable[Effect]) -> list[Effect]:
         """Every effect, in order; returns those that failed."""
@@ -95,8 +106,49 @@ class TargetEffects:
         self.run(last)
         return True
 
+    def finish_later(self, inc: Incoming, effects: list[Effect] | None, wait_s: float = 0.0) -> bool:
+        """`finish` on a thread of its own, for a caller that answers once the DROPPING (or
+        UNWINDING) it journaled is durable. Waits up to `wait_s` for it (a usual end takes
+        milliseconds, and is then over when the caller answers); True if it ended meanwhile."""
+        if effects is None:
+            return self.finish(inc, None)
+        mid = inc.migration_id
+
+        def run() -> None:
+            try:
+                self.finish(inc, effects)
+            except Exception:  # a journal write failed: it stays as journaled; recovery ends it
+                log.exception("migration %s: its end failed; the agent's next start finishes it", mid)
+            finally:
+                with self._background_changed:
+                    self._background.pop(mid, None)
+                    self._background_changed.notify_all()
+
+        thread = threading.Thread(target=run, name=f"end {mid}", daemon=True)
+        with self._background_changed:
+            self._background[mid] = thread  # one per migration: only its first end has effects
+        try:
+            thread.start()
+        except RuntimeError:  # no thread to be had: end it here, as before
+            with self._background_changed:
+                self._background.pop(mid, None)
+            return self.finish(inc, effects)
+        thread.join(wait_s)
+        return not thread.is_alive()
+
+    def background(self) -> list[str]:
+        """The migrations whose end still runs on its own thread."""
+        with self._background_changed:
+            return sorted(self._background)
+
+    def wait_background(self, timeout_s: float | None) -> bool:
+        """Wait for every end running on its own thread; False if some still run."""
+        with self._background_changed:
+            return self._background_changed.wait_for(lambda: not self._background, timeout_s)
+
     def _run(self, effect: Effect) -> None:
         if isinstance(effect, StopStream):
+            faults.check("target-stop-stream")  # tests: a page server slow to die
             effect.stream.kill()
         elif isinstance(effect, CloseKeys):
             effect.keys.close()

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from fakes import FakeCriu, FakePageServer, is_dead
 from test_migrate_target import MID, broken_stream, delivered, prepare_req, running_record, staged, state
 
-from agent.errors import PermissionDeniedError
+from agent.errors import PermissionDeniedError, RefusedError
 from agent.jobs import procs
 from agent.jobs.record import JobKind, JobRecord, JobState
+from agent.migration import target as incoming
+from agent.migration.fencing import FENCEABLE, TargetAnswer, ask_target
 from agent.migration.journal import TARGET
 from agent.migration.states import TargetState
 from agent.migration.target import TargetMigrations
@@ -80,8 +82,143 @@ def test_get_migration_answers_while_a_dropped_page_server_is_slow_to_die(
     took = answers_while(target, SlowPageServer.killed, lambda: target.abort(MID, "the source gave up"))
 
     assert max(took) < ANSWER_S, took
+    assert target.effects.wait_background(10)  # the Abort answered before its drop was over
     assert state(target) == pb.TARGET_STATE_ABORTED
     assert staged(target) == []  # the drop still removed everything, only outside the lock
+
+
+class BlockedPageServer(FakePageServer):
+    """A page server whose death waits for its test to let it go: its drop's StopStream blocks."""
+
+    entered = threading.Event()
+    release = threading.Event()
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.entered, self.release = BlockedPageServer.entered, BlockedPageServer.release  # its test's
+
+    def kill(self) -> None:
+        self.entered.set()
+        assert self.release.wait(10), "the test never let the page server die"
+        super().kill()
+
+
+@pytest.fixture
+def blocked(
+    target: TargetMigrations, fake_criu: FakeCriu, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[type[BlockedPageServer]]:
+    """The target's page servers are blocked in their death until `release` is set."""
+    BlockedPageServer.entered, BlockedPageServer.release = threading.Event(), threading.Event()
+    monkeypatch.setattr(
+        fake_criu,
+        "page_server",
+        lambda images_dir, log_dir=None, *, address, tls: BlockedPageServer(images_dir / "pages-65537.img"),
+    )
+    yield BlockedPageServer
+    BlockedPageServer.release.set()  # a failed test leaves no drop blocked behind it
+    target.effects.wait_background(10)
+
+
+def streaming(target: TargetMigrations) -> Iterator[pb.PageData]:
+    """Prepared, and its page server listening for the source's dump (STREAMING); returns the
+    StreamPages answer, to be closed once the page server may die."""
+    target.prepare(prepare_req())
+    answers = target.stream_pages(iter([pb.PageData(migration_id=MID)]))
+    next(answers)
+    assert state(target) == pb.TARGET_STATE_RECEIVING
+    return answers
+
+
+class LocalPeer:
+    """The target as a source's fencing (agent.migration.fencing.ask_target) asks it."""
+
+    def __init__(self, target: TargetMigrations) -> None:
+        self.target = target
+
+    def status(self, mid: str) -> int:
+        return self.target.status(mid)
+
+    def abort(self, mid: str, reason: str) -> None:
+        self.target.abort(mid, reason)
+
+
+def test_abort_answers_once_dropping_is_journaled_and_the_drop_ends_on_its_own_thread(
+    target: TargetMigrations, blocked: type[BlockedPageServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 27: an Abort whose page server is slow to die answers once DROPPING is durable (the
+    source's deadline for it is 30 s; the death may take 40); what the migration holds is let go
+    on the drop's own thread, and only then is it ABORTED."""
+    released: list[str] = []
+    monkeypatch.setattr(target.ledger, "release", released.append)
+    answers = streaming(target)
+    target._incoming[MID].lease_owner = owner = "the lease of the test"  # as one with GPUs holds
+
+    t0 = time.monotonic()
+    target.abort(MID, "the source's dump failed")
+    took = time.monotonic() - t0
+
+    assert blocked.entered.is_set() and not blocked.release.is_set()
+    assert took < incoming.ABORT_WAIT_S + ANSWER_S, took
+    # DROPPING on disk: never restored from here on; read as fenceable, and a fence is accepted.
+    assert target.journal.get(TARGET, MID).state == "dropping"
+    took = []
+    for _ in range(3):
+        t0 = time.monotonic()
+        assert state(target) == pb.TARGET_STATE_PREPARED and state(target) in FENCEABLE
+        took.append(time.monotonic() - t0)
+    assert max(took) < ANSWER_S, took
+    assert ask_target(LocalPeer(target), MID, fence="the source asks again") is TargetAnswer.FENCED  # type: ignore[arg-type]
+    assert target.effects.background() == [MID]
+    assert f"end {MID}" in {t.name for t in threading.enumerate()}
+    # Until the drop is over it holds its staging, its lease and its slot (the same job is refused).
+    assert f"in-{MID}" in staged(target) and released == []
+    with pytest.raises(RefusedError, match="already coming in"):
+        target.prepare(prepare_req("m-again"))
+
+    blocked.release.set()
+    assert target.effects.wait_background(10)
+    assert target.journal.get(TARGET, MID).state == "aborted" and MID not in target._incoming
+    assert state(target) == pb.TARGET_STATE_ABORTED
+    assert staged(target) == [] and owner in released
+    target.prepare(prepare_req("m-again"))  # its slot is free again
+    answers.close()
+
+
+def test_a_stopping_agent_waits_for_a_drop_an_abort_left_running(
+    target: TargetMigrations, blocked: type[BlockedPageServer]
+) -> None:
+    answers = streaming(target)
+    target.abort(MID, "the source gave up")
+    stopping = threading.Thread(target=target.shutdown, daemon=True)
+    stopping.start()
+    stopping.join(0.3)
+    assert stopping.is_alive(), "the agent stopped with a drop still running"
+    assert target.journal.get(TARGET, MID).state == "dropping"
+    blocked.release.set()
+    stopping.join(10)
+    assert not stopping.is_alive()
+    assert state(target) == pb.TARGET_STATE_ABORTED and staged(target) == []
+    answers.close()
+
+
+def test_a_drop_the_agent_did_not_live_to_finish_is_ended_by_the_next_start(
+    target: TargetMigrations, blocked: type[BlockedPageServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past its bound a stop leaves the drop DROPPING on disk; recovery removes its staging and
+    journals ABORTED (the source, fenced already, resumed on the Abort's answer)."""
+    monkeypatch.setattr(incoming, "DROPS_WAIT_S", 0.2)
+    answers = streaming(target)
+    target.abort(MID, "the source gave up")
+    target.shutdown()
+    assert target.journal.get(TARGET, MID).state == "dropping"
+
+    done = target.recover()  # the next start reads the journal the stopped agent left
+
+    assert done == [f"{MID}: agent restarted while dropping: dropped its dropping image"]
+    assert target.journal.get(TARGET, MID).state == "aborted"
+    assert not (target.staging_root / f"in-{MID}").exists()
+    blocked.release.set()
+    answers.close()
 
 
 class SlowNetwork:

@@ -4,6 +4,7 @@ lock and return effects, in the order they must run, each safe to run again; the
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -190,4 +191,59 @@ def test_recovery_unwinds_an_unwinding_migration_as_a_restore(table: IncomingTab
         table.doom_locked(inc, "the daemon died")
     done = recover_incoming(table.journal, JobRegistry(tmp_path / "state", "nodeb"))
     assert done == ["m1: agent restarted while unwinding: nothing ran"]
+    assert table.journal.get(TARGET, "m1").state == "aborted" and not inc.staging.exists()
+
+
+def test_a_copy_that_could_not_be_ended_on_its_own_thread_is_never_said_aborted(
+    table: IncomingTable, tmp_path: Path
+) -> None:
+    """Fail closed off the caller's thread too (TargetEffects.finish_later): the unwinding's
+    thread ends, and the migration stays UNWINDING."""
+
+    class Registry:
+        def get(self, job: str) -> object:
+            raise OSError("job record unreadable")
+
+    inc = incoming(tmp_path, T.POSTCOPY)
+    ended: list[str] = []
+    effects = TargetEffects(table, Registry(), None, ended.append)  # type: ignore[arg-type]
+    with table.lock:
+        table.add_locked(inc, None)
+        todo = table.unwind_locked(inc, "pages stopped")
+    assert effects.finish_later(inc, todo, wait_s=10)  # its thread is over
+    assert effects.background() == []
+    assert table.journal.get(TARGET, "m1").state == "unwinding" and inc.state is T.UNWINDING
+    assert ended == [] and table.ledger.released == [] and "m1" in table.entries
+
+
+def test_an_end_already_owned_starts_no_thread(table: IncomingTable, tmp_path: Path) -> None:
+    inc = incoming(tmp_path)
+    effects = TargetEffects(table, None, None, lambda r: None)  # type: ignore[arg-type]
+    with table.lock:
+        table.add_locked(inc, None)
+        table.drop_locked(inc, "the source gave up")
+        again = table.drop_locked(inc, "again")
+    assert not effects.finish_later(inc, again, wait_s=1)
+    assert effects.background() == [] and table.journal.get(TARGET, "m1").state == "dropping"
+
+
+def test_the_stop_stream_pause_point_holds_the_page_servers_death(
+    tmp_path: Path, table: IncomingTable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FERRY_PAUSE=target-stop-stream=SECONDS: a page server slow to die, for the tests."""
+    monkeypatch.setenv("FERRY_PAUSE", "target-stop-stream=0.3")
+    stream = Stream(table.journal)
+    effects = TargetEffects(table, None, None, lambda r: None)  # type: ignore[arg-type]
+    t0 = time.monotonic()
+    assert effects.run([StopStream(stream)]) == []  # type: ignore[arg-type]
+    assert time.monotonic() - t0 >= 0.3 and stream.killed == [""]
+
+
+def test_recovery_ends_a_drop_the_agent_did_not_live_to_finish(table: IncomingTable, tmp_path: Path) -> None:
+    inc = incoming(tmp_path)
+    with table.lock:
+        table.add_locked(inc, None)
+        table.drop_locked(inc, "aborted by the source")  # its effects never ran: the agent stopped
+    done = recover_incoming(table.journal, None)  # type: ignore[arg-type]
+    assert done == ["m1: agent restarted while dropping: dropped its dropping image"]
     assert table.journal.get(TARGET, "m1").state == "aborted" and not inc.staging.exists()
