@@ -78,9 +78,13 @@ def load(path: Path | None) -> AgentConfig:
     import tomllib  # Python 3.11; only an agent given --config needs it
 
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(_read(path))
     except OSError as e:
         raise InvalidArgumentError(f"cannot read {path}: {e.strerror}", step="config") from e
+    except UnicodeDecodeError as e:
+        raise InvalidArgumentError(
+            f"{path} is not UTF-8 text (byte {e.start}: {e.reason}); a config file is TOML", step="config"
+        ) from e
     except tomllib.TOMLDecodeError as e:
         raise InvalidArgumentError(f"{path} is not valid TOML: {e}", step="config") from e
     try:
@@ -88,6 +92,20 @@ def load(path: Path | None) -> AgentConfig:
     except InvalidArgumentError as e:
         e.cause = f"{path}: {e.cause}"
         raise e.at(step="config") from None
+
+
+#: A config file is a few KiB; more is not one (and /dev/zero would never end).
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _read(path: Path) -> str:
+    with open(path, "rb") as f:
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise InvalidArgumentError(
+            f"{path} is larger than {MAX_CONFIG_BYTES >> 20} MiB; not a config file", step="config"
+        )
+    return data.decode("utf-8")
 
 
 def parse(raw: Mapping[str, Any], where: str = "") -> AgentConfig:

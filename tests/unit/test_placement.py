@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from agent.agent_config import PeerSpec, parse
+from agent.agent_config import PeerSpec, load, parse
 from agent.errors import InvalidArgumentError, RefusedError, UnavailableError
 from agent.gpus.inventory import GpuNeed
 from agent.health.placement import choose_target
@@ -173,3 +175,17 @@ def test_a_member_of_the_moving_jobs_own_group_is_never_preempted():
     with pytest.raises(RefusedError, match="GPU-s0 is held by job llm-r2"):
         choose_target(NEED, "normal", views, group="llm")
     assert choose_target(NEED, "normal", views, group="other").preempt == ("llm-r2",)
+
+
+def test_a_config_file_that_is_not_utf8_text_is_named_as_such_without_a_traceback(tmp_path):
+    bad = tmp_path / "agent.toml"
+    bad.write_bytes(b"[policy]\ncooldown_s = 1\n# \xff\xfe latin-1\n")
+    with pytest.raises(InvalidArgumentError, match=r"agent\.toml is not UTF-8 text \(byte \d+") as ei:
+        load(bad)
+    assert ei.value.step == "config"
+
+
+def test_a_config_file_that_never_ends_is_refused_at_once():
+    """`--config /dev/zero` used to read forever."""
+    with pytest.raises(InvalidArgumentError, match="larger than 1 MiB; not a config file"):
+        load(Path("/dev/zero"))
