@@ -155,6 +155,11 @@ def peer_certificate(context: grpc.ServicerContext) -> bytes | None:
     return pems[0] if pems else None
 
 
+#: What OpenSSL says when the server's first bytes are no TLS record (an HTTP/2 or other plaintext
+#: server answers our ClientHello with its own bytes).
+PLAINTEXT_ANSWERS = frozenset({"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG"})
+
+
 def diagnose(address: str, identity: Identity, timeout_s: float = 5.0) -> UnauthenticatedError | None:
     """Why a TLS connection to an agent failed, when the cause is a certificate.
 
@@ -181,6 +186,12 @@ def diagnose(address: str, identity: Identity, timeout_s: float = 5.0) -> Unauth
                 )
             except ssl.SSLError as e:
                 why = getattr(e, "reason", None) or e.args[0]
+                if why in PLAINTEXT_ANSWERS:  # the bytes that came back were not TLS at all
+                    return UnauthenticatedError(
+                        f"{address} does not speak TLS ({why}): it is a plaintext agent (--insecure) "
+                        "or not an agent at all",
+                        hint="check the address, or reach a plaintext agent on loopback with --insecure",
+                    )
                 return UnauthenticatedError(
                     f"agent {address} refused our certificate ({identity.name}): {why}",
                     hint=f"use a certificate signed by that agent's cluster CA (ours: {identity.directory})",

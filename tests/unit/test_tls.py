@@ -171,6 +171,19 @@ def test_plaintext_to_a_tls_agent_fails(tls_agent) -> None:
         call(address, None, "ListJobs", pb.ListJobsRequest())
 
 
+def test_tls_to_a_plaintext_agent_says_the_server_does_not_speak_tls(pki, tmp_path) -> None:
+    """Not "refused our certificate": our certificate is not the problem."""
+    svc = AgentNode(tmp_path / "s", "nodea", tmp_path / "st", criu=FakeCriu("x"))
+    server, port = create_server("127.0.0.1:0", svc, max_workers=2)  # --insecure
+    server.start()
+    try:
+        with pytest.raises(UnauthenticatedError, match=r"does not speak TLS \(WRONG_VERSION_NUMBER\)") as ei:
+            call(f"127.0.0.1:{port}", tls.load(pki["ours"], "alice"), "ListJobs", pb.ListJobsRequest())
+        assert "refused our certificate" not in str(ei.value) and "--insecure" in str(ei.value)
+    finally:
+        server.stop(None).wait()
+
+
 # -- roles -------------------------------------------------------------------------------
 
 
