@@ -17,9 +17,9 @@
 #         stubs/       the generated (git-ignored) ferry/ and agent/criu_pb/
 #         wheels/      CPython 3.10-3.13 manylinux x86_64 wheels of grpcio,
 #                      grpcio-health-checking, grpcio-reflection, protobuf,
-#                      psutil, nvidia-ml-py, pytest, pytest-timeout and their
-#                      dependencies, pinned to .venv's versions in
-#                      requirements.txt
+#                      psutil, nvidia-ml-py, cryptography, prometheus-client,
+#                      pytest, pytest-timeout and their dependencies, pinned
+#                      to .venv's versions in requirements.txt
 #         pip/         a pip wheel, run straight from the wheel (no ensurepip)
 #         MANIFEST.txt what is inside and the build host's versions;
 #         sources.sha256, digests of proto/ and native/ the stubs and binaries
@@ -36,14 +36,22 @@
 #       possible, installs into /tmp/ferry-device-site on PYTHONPATH instead),
 #       installs the wheels with --no-index, puts the stubs back in ferry/ and
 #       agent/criu_pb/, exports FERRY_CRIU, FERRY_INIT, FERRY_CUDA_COUNTER
-#       (when bundled) and PYTHONPATH, and prints a report header (host, GPU,
-#       python, torch, CRIU). Then it stops at once, with one line and exit 1,
-#       at the first precondition that does not hold: root; `criu check`;
+#       (when bundled) and PYTHONPATH (agent/testing/bed.py keeps what these
+#       name visible in each bed node's fresh /tmp), and prints a report header
+#       (host, GPU, python, torch, CRIU). Then it stops at once, with one line
+#       and exit 1, at the first precondition that does not hold: root; `criu check`;
 #       cuda-bindings importable (named as missing, not as a driver without the
-#       API); /dev/shm with FERRY_DEVICE_SHM_GIB (default 16) GiB free for
-#       staging; the driver's CUDA checkpoint API; NVML reporting PIDs as the agent sees
+#       API); the driver's CUDA checkpoint API; NVML reporting PIDs as the agent sees
 #       them (python -m agent.cuda.pidprobe: an agent in a PID namespace of its own
-#       gets host PIDs from NVML and could move no CUDA job). Then it runs
+#       gets host PIDs from NVML and could move no CUDA job); ip, unshare and
+#       nsenter on PATH, and a node of the multi-node bed the suite runs its jobs
+#       on (agent/testing/bed.py: network namespaces, veths, bridges, a mount
+#       namespace with fresh /tmp, /dev/shm and /run, no PID namespace) built for
+#       real, in which ferry's python, stubs and binaries, /dev/nvidia*,
+#       cuda-bindings and NVML must answer (python -m tests.gpu.bedcheck);
+#       room to stage in a node's /dev/shm, a fresh tmpfs (half of RAM, and no
+#       more than the RAM available): FERRY_DEVICE_SHM_GIB (default 16) GiB.
+#       Then it runs
 #         python -m pytest tests/gpu -v -rs -p no:cacheprovider --timeout 120
 #       plus PYTEST_ARGS, with pytest plugin autoloading off (only
 #       pytest-timeout is loaded: a preinstalled plugin cannot break the run),
@@ -52,8 +60,10 @@
 #       on a GPU machine). It ends with the figures table
 #       (scripts/device_report.py): per migration lock, checkpoint (D2H GB/s),
 #       CRIU dump, transfer, CRIU restore, CUDA restore (H2D GB/s), unlock,
-#       frozen, downtime and bit-identical; and the driver, CUDA, cuda-bindings,
-#       NVML and Python versions and the GPU's UUID.
+#       frozen, downtime and bit-identical; the driver facts (what the unit
+#       tests' fake driver assumes, what the real one answered, AGREES or
+#       DIFFERS: tests/gpu/test_gpu_driver_facts.py); and the driver, CUDA,
+#       cuda-bindings, NVML and Python versions and the GPU's UUID.
 #       With $OUT set it leaves there 4 files (the device tool brings back at
 #       most 8): device-check.log, figures.jsonl, junit.xml and
 #       test-logs.tar.gz (agent, CRIU and job logs, repacked after every test
@@ -74,13 +84,19 @@ BUNDLE_REL=.ferry/device
 BUNDLE="$REPO/$BUNDLE_REL"
 # Python versions the wheels cover; 3.14 would add ~7.4 MiB (grpcio) and overflow the budget.
 PY_VERSIONS=(3.10 3.11 3.12 3.13)
-# Runtime and test dependencies, pinned to what .venv has.
+# Runtime and test dependencies, pinned to what .venv has. Every agent imports prometheus-client
+# (agent.service.metrics); cryptography makes the bed's certificates and reads every TLS peer's
+# (agent.tls, agent.migration.datatls); its cffi brings pycparser, which pip picks per version
+# (the newest needs CPython 3.11). They add about 10 MiB: two abi3 cryptography wheels.
 PKGS=(grpcio grpcio-health-checking grpcio-reflection protobuf psutil nvidia-ml-py
+  cryptography cffi prometheus-client
   pytest pytest-timeout pluggy iniconfig packaging pygments typing-extensions)
 # Only Python 3.10 needs these (pytest's backports); .venv (3.11) has none to pin to.
 PY310_EXTRAS=("exceptiongroup>=1" "tomli>=2")
 PLATFORMS=(manylinux2014_x86_64 manylinux_2_17_x86_64 manylinux_2_28_x86_64)
-SIZE_WARN_MIB=55
+# With cryptography, about 57 MiB: wheels 41 MiB (grpcio 7 MiB a version), CRIU and its libraries
+# 12 MiB, pip 2 MiB, bin/ 2 MiB.
+SIZE_WARN_MIB=60
 SIZE_MAX_MIB=64
 
 log() { echo "device-check: $*" >&2; }
@@ -425,7 +441,8 @@ def ver(d):
     except metadata.PackageNotFoundError:
         return "not installed"
 print("packages: " + ", ".join(f"{d} {ver(d)}" for d in
-      ("cuda-bindings", "nvidia-ml-py", "grpcio", "protobuf", "psutil", "pytest")))
+      ("cuda-bindings", "nvidia-ml-py", "grpcio", "protobuf", "psutil", "cryptography",
+       "prometheus-client", "pytest")))
 EOF
   local need
   need="$(sed -n 's/^requires-python *= *"\(.*\)"/\1/p' "$REPO/pyproject.toml" 2>/dev/null | head -n 1)"
@@ -433,7 +450,7 @@ EOF
 sys.exit(platform.python_version() not in SpecifierSet(sys.argv[1]))' "$need" 2>/dev/null; then
     echo "WARNING: ferry requires python $need (pyproject.toml) and this is $("$VPY" -c 'import platform; print(platform.python_version())'): expect import errors below"
   fi
-  echo "criu: $(criu_version "$FERRY_CRIU" || true) via $BUNDLE_REL/criu/criu | ip: $(command -v ip || echo none) | iptables: $(command -v iptables || echo none)"
+  echo "criu: $(criu_version "$FERRY_CRIU" || true) via $BUNDLE_REL/criu/criu | ip: $(command -v ip || echo none) | iptables: $(command -v iptables || echo none) | unshare: $(command -v unshare || echo none) | nsenter: $(command -v nsenter || echo none)"
   if criu_out="$("$FERRY_CRIU" check 2>&1)"; then
     echo "criu check: $(tail -n 1 <<<"$criu_out")"
   else
@@ -464,21 +481,39 @@ stop_check() {
   exit 1
 }
 
+# What a node of the bed can stage in its /dev/shm, in GiB: a fresh tmpfs gets half of RAM, and
+# what it holds is RAM, so no more than is available, to this memory cgroup too where one limits it
+# (v2, then v1; its directory as mounted, else the mount's root, as in a cgroup namespace).
+staging_gib() {
+  local total avail v2 v1 entry dir lim use max cur
+  total=$(awk '/^MemTotal:/ {print $2}' /proc/meminfo)
+  avail=$(awk '/^MemAvailable:/ {print $2}' /proc/meminfo)
+  (( avail <= total / 2 )) || avail=$(( total / 2 ))
+  v2="$(sed -n 's/^0:://p' /proc/self/cgroup 2>/dev/null | head -n 1)"
+  v1="$(sed -n 's/^[0-9]*:memory://p' /proc/self/cgroup 2>/dev/null | head -n 1)"
+  for entry in "/sys/fs/cgroup$v2|memory.max|memory.current" "/sys/fs/cgroup|memory.max|memory.current" \
+    "/sys/fs/cgroup/memory$v1|memory.limit_in_bytes|memory.usage_in_bytes" \
+    "/sys/fs/cgroup/memory|memory.limit_in_bytes|memory.usage_in_bytes"; do
+    IFS='|' read -r dir lim use <<<"$entry"
+    [[ -r $dir/$lim && -r $dir/$use ]] || continue
+    max=$(<"$dir/$lim")
+    cur=$(<"$dir/$use")
+    [[ $max =~ ^[0-9]+$ && $cur =~ ^[0-9]+$ ]] || break  # "max": no limit
+    (( (max - cur) / 1024 >= avail )) || avail=$(( (max - cur) / 1024 ))
+    break
+  done
+  echo $(( avail / 1048576 ))
+}
+
 # What must hold before any GPU test: each failure is one line.
 preflight() {
-  local out
+  local out tool missing="" room
   out="$("$FERRY_CRIU" check 2>&1)" \
     || stop_check "'criu check' fails on this host (kernel $(uname -r)): $(grep -v '^[[:space:]]*$' <<<"$out" | tail -n 1)"
   # cuda-bindings is the host's (the bundle leaves it out): missing, it is named as missing,
   # not read as a driver without the checkpoint API.
   out="$("$VPY" -c 'import cuda.bindings.driver' 2>&1)" \
     || stop_check "cuda-bindings is not importable by $VPY (the bundle does not carry it; install the build matching driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)): $(tail -n 1 <<<"$out")"
-  # Staging is tmpfs: a move of a GPU job stages its host copy there (device memory included).
-  local shm_free_gib
-  shm_free_gib=$(( $(df --output=avail -k /dev/shm 2>/dev/null | tail -n 1) / 1048576 ))
-  (( shm_free_gib >= ${FERRY_DEVICE_SHM_GIB:-16} )) \
-    || stop_check "/dev/shm has ${shm_free_gib} GiB free; the GPU tests stage their images there and need ${FERRY_DEVICE_SHM_GIB:-16} GiB (mount -o remount,size=... /dev/shm, or set FERRY_DEVICE_SHM_GIB)"
-  echo "staging: /dev/shm has ${shm_free_gib} GiB free"
   out="$("$VPY" -c 'import sys
 from agent.cuda.driver import CudaDriver
 i = CudaDriver().probe()
@@ -489,6 +524,19 @@ sys.exit(0 if i.checkpoint else 1)' 2>&1)" \
   out="$("$VPY" -m agent.cuda.pidprobe 2>&1)" \
     || stop_check "NVML PID probe: $(paste -sd ' ' <<<"$out")"
   echo "$out"
+  # The suite's jobs run on the multi-node bed: each node its own network and mount namespaces,
+  # each job its own address and network namespace on the job network.
+  for tool in ip unshare nsenter; do command -v "$tool" >/dev/null || missing+=" $tool"; done
+  [[ -z $missing ]] \
+    || stop_check "the GPU suite runs its jobs on a multi-node bed (agent/testing/bed.py), which needs${missing} (iproute2, util-linux): not on PATH"
+  out="$("$VPY" -m tests.gpu.bedcheck 2>&1)" \
+    || stop_check "the GPU suite's multi-node bed cannot run here: $(grep -v '^[[:space:]]*$' <<<"$out" | tail -n 1)"
+  echo "$out"
+  # Staging is each node's /dev/shm: a move of a GPU job stages its host copy there (device memory included).
+  room=$(staging_gib)
+  (( room >= ${FERRY_DEVICE_SHM_GIB:-16} )) \
+    || stop_check "a bed node's /dev/shm (a fresh tmpfs: half of RAM, and only RAM that is free) can hold ${room} GiB here; the GPU tests stage their images there and need ${FERRY_DEVICE_SHM_GIB:-16} GiB (free memory, or set FERRY_DEVICE_SHM_GIB)"
+  echo "staging: a bed node's /dev/shm can hold ${room} GiB"
 }
 
 # How many tests of a junit report ran (not skipped).
@@ -543,8 +591,8 @@ run_inner() {
   trap 'pack_logs "$FERRY_DEVICE_BASETEMP" "$FERRY_DEVICE_LOGS"; exit 143' TERM
 
   report_header
-  preflight
   [[ -d tests/gpu ]] || stop_check "there is no tests/gpu directory in this working tree"
+  preflight
   echo "== python -m pytest tests/gpu -v -rs -p no:cacheprovider --timeout 120 $* (budget ${budget} s)"
   pylog="$(mktemp /tmp/ferry-device-pytest.XXXXXX.log)"
   timeout --signal=TERM --kill-after=20 "$budget" \

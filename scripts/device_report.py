@@ -4,7 +4,10 @@
 
 FIGURES.jsonl is what the GPU suite appended (tests/gpu/devicetools.record): one JSON object per
 migration (`ferry migrate --json` plus label, GPU and bit_identical), or a note ("label", "note").
-Prints what is there; a missing file or row is said, never invented.
+A note with "fake", "driver" and "agrees" is a driver fact (devicetools.record_fact): what the
+unit tests' fake driver assumes, what the real one answered, and whether they agree; the report
+lists those under their own heading. Prints what is there; a missing file or row is said, never
+invented.
 """
 
 from __future__ import annotations
@@ -89,6 +92,24 @@ def table(rows: list[dict]) -> list[str]:
     return ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in out]
 
 
+def is_fact(note: object) -> bool:
+    return isinstance(note, dict) and {"fake", "driver", "agrees"} <= set(note)
+
+
+def facts(notes: list[dict]) -> list[str]:
+    """Each driver fact: its verdict, what the fake assumes, what the driver answered, the rest."""
+    out = []
+    for n in notes:
+        fact = n["note"]
+        out.append(f"{n['label']}: {'AGREES' if fact['agrees'] else 'DIFFERS'}")
+        out.append(f"  the fake assumes: {fact['fake']}")
+        out.append(f"  the driver answered: {fact['driver']}")
+        rest = {k: v for k, v in fact.items() if k not in ("fake", "driver", "agrees")}
+        if rest:
+            out.append(f"  measured: {json.dumps(rest, sort_keys=True)}")
+    return out
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
@@ -107,7 +128,13 @@ def main(argv: list[str]) -> int:
         print("GPU placement: " + "; ".join(f"{r['label']}: {r.get('gpu', '?')}" for r in rows))
     else:
         print(f"no migration was measured ({path} {'is empty' if path.exists() else 'does not exist'})")
-    for n in notes:
+    print("== driver facts (the fake's assumptions)")
+    found = [n for n in notes if is_fact(n["note"])]
+    print("\n".join(facts(found)) if found else "no driver fact was recorded")
+    others = [n for n in notes if not is_fact(n["note"])]
+    if others:
+        print("== other driver answers")
+    for n in others:
         print(f"{n['label']}: {json.dumps(n['note'], sort_keys=True)}")
     return 0
 

@@ -4,7 +4,10 @@ Per process the driver walks RUNNING → LOCKED → CHECKPOINTED (device memory
 copied into the process's host memory, GPU released) → restore → LOCKED →
 unlock → RUNNING; FAILED is terminal. Every call acts on another process by
 PID, and that process's own restore thread does the work: it must be able to
-run, so nothing here may be called while the job is SIGSTOPped or frozen.
+run, so no lock, checkpoint, restore or unlock may be called while the job is
+SIGSTOPped or frozen. get-state and the restore thread's id are answered
+without it (a restore asks for the id while it holds the tree stopped; the
+device report's driver facts record what the real driver does).
 
 `freeze` and `thaw` act on all CUDA processes of a job and try to undo what
 they did when one process fails. The driver does not promise that an undo

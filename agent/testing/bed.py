@@ -48,16 +48,29 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return p
 
 
+#: Variables naming binaries a node's agent runs (agent.config; the GPU suite's CUDA counter).
+BINARY_VARS = ("FERRY_CRIU", "FERRY_INIT", "FERRY_CUDA_COUNTER")
+
+
+def _env_paths() -> list[str]:
+    """The paths this environment points a node's agent at: PYTHONPATH's entries and BINARY_VARS."""
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    return paths + [os.environ.get(v, "") for v in BINARY_VARS]
+
+
 class BedAgent(LocalAgent):
     """A node's agent: started inside the node's namespaces; its CLI runs there too, as root on
     that node would run it (its socket lives in the node's own /run)."""
 
-    def __init__(self, bed: Bed, node: str, index: int, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, bed: Bed, node: str, index: int, env: dict[str, str] | None = None, config: str = ""
+    ) -> None:
         self.bed, self.index = bed, index
         self.netns = f"{bed.tag}-{index}"
-        config = bed.root / node / "agent.toml"
-        config.parent.mkdir(parents=True, exist_ok=True)
-        config.write_text(f'[network]\nbridge = "ferry0"\nsubnet = "{SUBNET}"\npool = "10.98.{index}.0/24"\n')
+        path = bed.root / node / "agent.toml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        net = f'[network]\nbridge = "ferry0"\nsubnet = "{SUBNET}"\npool = "10.98.{index}.0/24"\n'
+        path.write_text(net + config)  # config: more of the agent's config file ([cuda], ...)
         super().__init__(
             bed.root,
             node,
@@ -65,7 +78,7 @@ class BedAgent(LocalAgent):
             tls_dir=bed.node_tls(node, f"10.98.0.{index}"),
             host=f"10.98.0.{index}",
             staging_dir=Path("/dev/shm/ferry-staging"),
-            config=config,
+            config=path,
         )
         self.socket = Path("/run/ferry/agent.sock")  # in the node's own /run
         self.cli_cwd = bed.shared
@@ -155,9 +168,11 @@ class Bed:
         _ip("link", "set", outer, "netns", self.fabric)
         _ip("-n", self.fabric, "link", "set", outer, "master", "fab0", "up")
 
-    def node(self, name: str, env: dict[str, str] | None = None, start: bool = True) -> BedAgent:
+    def node(
+        self, name: str, env: dict[str, str] | None = None, start: bool = True, config: str = ""
+    ) -> BedAgent:
         index = len(self.agents) + 1
-        agent = BedAgent(self, name, index, env)
+        agent = BedAgent(self, name, index, env, config)
         ns = agent.netns
         _ip("netns", "add", ns)
         self._uplink(ns, "uplink")
@@ -173,8 +188,12 @@ class Bed:
 
     def node_prefix(self, netns: str) -> list[str]:
         """Run a command as a node: its network namespace, a mount namespace with fresh /tmp,
-        /dev/shm and /run; the repository, this Python and the bed stay visible."""
-        keep = tmp_keeps([str(REPO), sys.prefix, os.path.realpath(sys.executable), str(self.root)])
+        /dev/shm and /run; the repository, this Python, what PYTHONPATH and ferry's binary
+        variables name (the device check's site and bundle) and the bed stay visible. /dev
+        (the NVIDIA device files) is the host's; no PID namespace: host PIDs, as NVML's."""
+        keep = tmp_keeps(
+            [str(REPO), sys.prefix, os.path.realpath(sys.executable), str(self.root), *_env_paths()]
+        )
         binds = " && ".join(
             f"mkdir -p {shlex.quote(k)} && mount -c --bind /proc/self/fd/3/{shlex.quote(k[len('/tmp/') :])} "
             f"{shlex.quote(k)}"

@@ -1,18 +1,21 @@
 """Real GPU, real CUDA checkpoint driver, real CRIU, real agents. Skipped, with the reason, elsewhere.
 
-`scripts/device-check.sh` runs this suite on a GPU machine; `make gpu` runs it here.
+`scripts/device-check.sh` runs this suite on a GPU machine; `make gpu` runs it here. The agents are
+nodes of the multi-node bed (`bed`, agent/testing/bed.py), as in tests/integration/test_nodes.py.
 """
 
 from __future__ import annotations
 
 import os
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from agent.cuda.driver import CudaDriver
 from agent.gpus.inventory import Nvml
+from agent.testing.bed import Bed, node_bed
 
 
 def _why_not() -> str:
@@ -39,6 +42,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.gpu)
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture
+def bed(tmp_path: Path) -> Iterator[Bed]:
+    """Nodes on this host that share only the cluster file system (`bed.shared`): each node its
+    own network and mount namespaces (fresh /tmp, /dev/shm, /run; /dev and the host's PIDs as
+    they are) and its agent on TLS; a job network (`[network]`) gives every job its own address
+    and network namespace, so a restore on the same host never shares its frozen source's."""
+    with node_bed(tmp_path) as b:
+        yield b
 
 
 #: Logs of the run so far, packed after every test (a run killed at its limit still brings them

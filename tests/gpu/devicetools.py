@@ -1,5 +1,8 @@
-"""Helpers of the GPU suite: the CUDA counter, where a job runs by GPU UUID, the figures the device
-check prints, and the plain word on a same-host restore that collides with its frozen source."""
+"""Helpers of the GPU suite: the CUDA counter, where a job runs by GPU UUID, the figures and driver
+facts the device check prints, and the plain word on a same-host restore that collides with its
+frozen source. The agents are nodes of the multi-node bed (agent/testing/bed.py, tests/gpu's `bed`
+fixture): what lies in a node's own /dev/shm, /run or /tmp is read through its agent's
+/proc/PID/root."""
 
 from __future__ import annotations
 
@@ -108,6 +111,14 @@ def gpu_of_job(agent: LocalAgent, name: str, timeout_s: float = 20) -> str:
         time.sleep(0.5)
 
 
+def on_node(agent: LocalAgent, path: Path) -> Path:
+    """path as the agent sees it, from here: through /proc/PID/root when the agent runs in a mount
+    namespace of its own (a bed node's /dev/shm, /run and /tmp are its own)."""
+    if agent.proc is None or agent.proc.poll() is not None:
+        return path
+    return Path(f"/proc/{agent.proc.pid}/root") / path.relative_to("/")
+
+
 def migrate(a: LocalAgent, b: LocalAgent, name: str) -> dict:
     """`ferry migrate --json` from a to b; a failure that looks like a same-host restore colliding
     with the frozen CUDA source is said plainly, as the limit docs/gpu.md names."""
@@ -116,7 +127,8 @@ def migrate(a: LocalAgent, b: LocalAgent, name: str) -> dict:
         return json.loads(p.stdout)
     hits = [p.stderr.strip()]
     for agent in (a, b):
-        for log in [agent.log_path, *agent.root.rglob("*.log"), *agent.staging_dir.rglob("*.log")]:
+        staged = on_node(agent, agent.staging_dir).rglob("*.log")
+        for log in [agent.log_path, *agent.root.rglob("*.log"), *staged]:
             try:
                 hits += [ln for ln in log.read_text(errors="replace").splitlines() if COLLISION.search(ln)]
             except OSError:
@@ -140,7 +152,13 @@ def record(label: str, result: dict, *, bit_identical: bool, gpu: str) -> None:
 
 def record_note(label: str, **facts: object) -> None:
     """A fact that is not a migration (what the driver answered, say) for the device report."""
-    print("figures:", label, json.dumps(facts, sort_keys=True))
+    print("figures:", label, json.dumps(facts, sort_keys=True, default=str))
     if FIGURES:
         with open(FIGURES, "a") as f:
-            f.write(json.dumps({"label": label, "note": facts}, sort_keys=True) + "\n")
+            f.write(json.dumps({"label": label, "note": facts}, sort_keys=True, default=str) + "\n")
+
+
+def record_fact(label: str, *, fake: str, driver: str, agrees: bool, **measured: object) -> None:
+    """What the unit tests' fake driver assumes, what the real driver answered, and whether they
+    agree: the device report lists these under "driver facts (the fake's assumptions)"."""
+    record_note(label, fake=fake, driver=driver, agrees=agrees, **measured)

@@ -1,4 +1,10 @@
-"""CUDA jobs migrated, suspended and refused on a real GPU, between two agents on one host.
+"""CUDA jobs migrated, suspended and refused on a real GPU, between two nodes on one host.
+
+The nodes are the multi-node bed's (agent/testing/bed.py, the `bed` fixture): each its own network
+and mount namespaces, its agent on TLS at its own address, and a job network, so every job runs
+in a network namespace of its own with its own address, and the copy a move restores on node-b
+never shares a network namespace (abstract unix sockets included) with the frozen source on
+node-a. Only the host's kernel, driver and GPU are common to both.
 
 Each job's device memory must survive: the CUDA counter keeps its counter and
 a checksum of a large buffer only on the GPU and prints both every step, so
@@ -16,6 +22,7 @@ import re
 import pytest
 
 from agent.cuda.driver import CudaDriver
+from agent.testing.bed import Bed, BedAgent
 from tests.gpu.devicetools import (
     counter_cmd,
     gpu_of_job,
@@ -33,16 +40,21 @@ MIB = 512
 CUDA_PHASES = {"cuda lock", "cuda checkpoint", "target cuda restore", "target cuda unlock"}
 
 
-def run(agent, name: str, cmd: list[str]) -> None:
+def run(agent: BedAgent, name: str, cmd: list[str]) -> None:
     agent.cli("run", "--name", name, "--", *cmd)
+    assert job(agent, name)["address"], f"job {name} has no address of its own on the job network"
 
 
-def move_and_check(a, b, name: str, cmd: list[str], steps: int, label: str, gpu_bytes: int) -> None:
+def move_and_check(
+    a: BedAgent, b: BedAgent, name: str, cmd: list[str], steps: int, label: str, gpu_bytes: int
+) -> None:
     before = gpu_of_job(a, name)
+    address = job(a, name)["address"]
     result = migrate(a, b, name)
     assert result["gpu_bytes"] >= gpu_bytes
     assert set(result["phases_s"]) >= CUDA_PHASES
     assert job(a, name)["state"] == "moved"
+    assert job(b, name)["address"] == address  # the job's address (and namespace) went with it
     after = gpu_of_job(b, name)
     gpus_b = {g["uuid"] for g in gpus(b)}
     assert after in gpus_b, f"job runs on {after}, not a GPU of {b.node}: {gpus_b}"
@@ -54,37 +66,36 @@ def move_and_check(a, b, name: str, cmd: list[str], steps: int, label: str, gpu_
     record(label, result, bit_identical=True, gpu=f"{before} -> {after}")
 
 
-def test_cuda_counter_1gib_moves_and_resumes_at_the_next_step(agents):
-    a, b = agents("node-a"), agents("node-b")
-    cmd = counter_cmd(40, mib=1024)
+def test_cuda_counter_1gib_moves_and_resumes_at_the_next_step(bed: Bed):
+    cmd = counter_cmd(40, mib=1024)  # first: it skips where the counter cannot start
+    a, b = bed.node("node-a"), bed.node("node-b")
     run(a, "counter", cmd)
     wait_steps(a, "counter", 5)
     move_and_check(a, b, "counter", cmd, 40, "cuda-counter 1 GiB", 1 << 30)
 
 
-def test_cuda_counter_16gib_moves_and_resumes_at_the_next_step(agents):
-    a, b = agents("node-a"), agents("node-b")
+def test_cuda_counter_16gib_moves_and_resumes_at_the_next_step(bed: Bed):
     cmd = counter_cmd(20, mib=16384, step_time=0.2)
+    a, b = bed.node("node-a"), bed.node("node-b")
     run(a, "big", cmd)
     wait_steps(a, "big", 3, timeout_s=60)
     move_and_check(a, b, "big", cmd, 20, "cuda-counter 16 GiB", 16 << 30)
 
 
-def test_pytorch_cuda_training_moves_bit_identical(agents):
-    a, b = agents("node-a"), agents("node-b")
+def test_pytorch_cuda_training_moves_bit_identical(bed: Bed):
+    a, b = bed.node("node-a"), bed.node("node-b")
     cmd = torch_cmd(40)
     run(a, "torch", cmd)
     wait_steps(a, "torch", 8, timeout_s=90)
     move_and_check(a, b, "torch", cmd, 40, "pytorch cuda training", 1)
 
 
-def test_restore_with_explicit_identity_gpu_pairs(agents, tmp_path):
+def test_restore_with_explicit_identity_gpu_pairs(bed: Bed):
     """A one-GPU node never remaps, so only `[cuda] explicit_gpu_pairs` makes the pair path
     (CUcheckpointRestoreArgs with CUuuid pairs covering every checkpointed GPU) meet the driver."""
-    conf = tmp_path / "pairs.toml"
-    conf.write_text("[cuda]\nexplicit_gpu_pairs = true\n")
-    a, b = agents("node-a"), agents("node-b", config=conf)
     cmd = counter_cmd(40)
+    a = bed.node("node-a")
+    b = bed.node("node-b", config="[cuda]\nexplicit_gpu_pairs = true\n")
     run(a, "pairs", cmd)
     wait_steps(a, "pairs", 5)
     before = gpu_of_job(a, "pairs")
@@ -93,28 +104,28 @@ def test_restore_with_explicit_identity_gpu_pairs(agents, tmp_path):
         assert before == gpus(b)[0]["uuid"]  # the identity pair: the same GPU
 
 
-def test_suspend_frees_the_gpu_and_resume_finishes(agents, tmp_path):
-    a = agents("node-a")
+def test_suspend_frees_the_gpu_and_resume_finishes(bed: Bed):
     cmd = counter_cmd(50)
+    a = bed.node("node-a")
     run(a, "suspend", cmd)
     wait_steps(a, "suspend", 8)
     gpu = gpu_of_job(a, "suspend")
 
-    a.cli("checkpoint", "suspend", "--out", str(tmp_path / "img"))
+    a.cli("checkpoint", "suspend", "--out", str(bed.shared / "img"))
 
     assert job(a, "suspend")["state"] == "checkpointed"
     assert not any(
         p for g in gpus(a) if g["uuid"] == gpu for p in g["processes"] if p["used_bytes"] > MIB << 19
     )
-    a.cli("restore", str(tmp_path / "img"), "--name", "resumed")
+    a.cli("restore", str(bed.shared / "img"), "--name", "resumed")
     assert gpu_of_job(a, "resumed") == gpu
     same_as_uninterrupted(a, "resumed", cmd, 50)
 
 
-def test_abort_after_the_cuda_checkpoint_resumes_the_source_on_its_gpu(agents):
-    a = agents("node-a", env={"FERRY_FAULTS": "transfer"})
-    b = agents("node-b")
+def test_abort_after_the_cuda_checkpoint_resumes_the_source_on_its_gpu(bed: Bed):
     cmd = counter_cmd(50)
+    a = bed.node("node-a", env={"FERRY_FAULTS": "transfer"})  # every move out of node-a fails
+    b = bed.node("node-b")
     run(a, "abort", cmd)
     wait_steps(a, "abort", 8)
     gpu = gpu_of_job(a, "abort")
@@ -127,13 +138,13 @@ def test_abort_after_the_cuda_checkpoint_resumes_the_source_on_its_gpu(agents):
     same_as_uninterrupted(a, "abort", cmd, 50)
 
 
-@pytest.mark.timeout(60)
-def test_managed_memory_is_refused_not_moved_and_its_fate_is_told_truthfully(agents):
+@pytest.mark.timeout(75)  # the bed's two nodes start and stop within it
+def test_managed_memory_is_refused_not_moved_and_its_fate_is_told_truthfully(bed: Bed):
     """Documented: the driver cannot checkpoint managed (UVM) memory, and after meeting it "does not
     attempt to keep the process in a good state". So: refused, not moved, and whatever the job's
     fate, the error and `ferry ps` say it. The driver's real answer goes into the device report."""
-    a, b = agents("node-a"), agents("node-b")
     cmd = counter_cmd(400, "--managed")
+    a, b = bed.node("node-a"), bed.node("node-b")
     run(a, "managed", cmd)
     wait_steps(a, "managed", 5, timeout_s=30)
 
@@ -165,5 +176,5 @@ def test_managed_memory_is_refused_not_moved_and_its_fate_is_told_truthfully(age
         a.cli("stop", "managed")
 
 
-def _jobs(agent) -> list[dict]:
+def _jobs(agent: BedAgent) -> list[dict]:
     return json.loads(agent.cli("ps", "--json").stdout)
