@@ -39,6 +39,7 @@ DEADLINES = {
     "commit": 600.0,
     "abort": 30.0,
     "status": 10.0,
+    "stop": 10.0,  # the target answers at once; the stop itself runs there on its own
     "health": 5.0,
     # Suspending a low-priority job writes its whole memory to storage.
     "preempt": 600.0,
@@ -182,6 +183,10 @@ class PeerClient:
 
     def abort(self, migration_id: str, reason: str) -> None:
         self._call("abort", self._stub.Abort, pb.AbortRequest(migration_id=migration_id, reason=reason))
+
+    def stop_moved(self, migration_id: str, timeout_s: float) -> pb.Job:
+        req = pb.StopMovedRequest(migration_id=migration_id, timeout_s=timeout_s)
+        return self._call("stop", self._stub.StopMoved, req)  # type: ignore[return-value]
 
     def status(self, migration_id: str) -> int:
         resp = self._call(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from agent.cli.calls import at, call, stream
 from agent.cli.output import job_out, print_json
@@ -30,20 +32,30 @@ def cmd_run(args: argparse.Namespace) -> int:
         group=args.group,
         max_pause_s=args.max_pause,
     )
+    if args.attach:
+        return _attach(args, args.name, start=lambda: call(args, "Run", req, 30))
     job = call(args, "Run", req, 30)
-    if not args.attach:
-        job_out(job, args.json, f"job {job.name} running as pid {job.pid} on {job.node_name}")
-        return EXIT_OK
-    return _attach(args, job.name)
+    job_out(job, args.json, f"job {job.name} running as pid {job.pid} on {job.node_name}")
+    return EXIT_OK
 
 
-def _attach(args: argparse.Namespace, name: str) -> int:
-    """Block while the job runs, wherever it moves; its output on ours; its exit status ours."""
-    from agent.cli.follow import Followed, StopOnSignal, exit_status, follow
+def _attach(args: argparse.Namespace, name: str, start: Callable[[], Any] | None = None) -> int:
+    """Block while the job runs, wherever it moves; its output on ours; its exit status ours.
+    SIGTERM/SIGINT stop it and wait for its end (agent.cli.follow.StopOnSignal), also when they
+    come while `start` (the Run call) is under way; a lost agent is retried for --reconnect-s."""
+    from agent.cli.follow import EXIT_END_UNKNOWN, EndUnknown, Followed, StopOnSignal, exit_status, follow
 
     where = Followed(agent=args.agent)
-    with StopOnSignal(args, name, where):
-        last = follow(args, name, after_moves=True, into=where)
+    with StopOnSignal(args, name, where) as stopping:
+        if start is not None:
+            where.job = start()
+            name = where.job.name
+        stopping.arm()
+        try:
+            last = follow(args, name, after_moves=True, into=where)
+        except EndUnknown as e:
+            print(f"ferry: {e}", file=sys.stderr)
+            return EXIT_END_UNKNOWN
     code, why = exit_status(last.job)
     if why:
         print(f"ferry: {why}", file=sys.stderr)
@@ -98,9 +110,13 @@ def cmd_logs(args: argparse.Namespace) -> int:
     from agent.rpc import pb
 
     if args.follow:
-        from agent.cli.follow import follow
+        from agent.cli.follow import EXIT_END_UNKNOWN, EndUnknown, follow
 
-        follow(args, args.name, after_moves=True)
+        try:
+            follow(args, args.name, after_moves=True)
+        except EndUnknown as e:  # its agent stayed unreachable past --reconnect-s
+            print(f"ferry: {e}", file=sys.stderr)
+            return EXIT_END_UNKNOWN
         return EXIT_OK
     req = pb.LogsRequest(name=args.name)
     for chunk in stream(args, "Logs", req, 60):
@@ -114,7 +130,10 @@ def cmd_stop(args: argparse.Namespace) -> int:
     from agent.rpc import pb
 
     job = call(args, "StopJob", pb.StopJobRequest(name=args.name, timeout_s=args.timeout), args.timeout + 30)
-    job_out(job, args.json, f"job {job.name} stopped")
+    if job.state == pb.JOB_STATE_MIGRATING:  # remembered: carried out where the move leaves it
+        job_out(job, args.json, f"job {job.name} is being moved; it is stopped where the move leaves it")
+    else:
+        job_out(job, args.json, f"job {job.name} stopped")
     return EXIT_OK
 
 

@@ -129,6 +129,10 @@ class JobRecord:
     group: str = ""  # the training job it is one member of (`ferry run --group`), or ""
     max_pause_s: float = 0.0  # the longest its peers tolerate it frozen (`ferry run --max-pause`)
     veth: str = ""  # the node's end of the job's link, on this node
+    #: A stop asked for while it was moving (the grace, seconds; 0: none), carried out where the
+    #: move leaves it: here when it resumes (JobRegistry.update), on its target once it runs there
+    #: (agent.migration.stops).
+    stop_grace_s: float = 0.0
 
     def spec(self) -> JobSpec:
         """What the job is, independent of where it runs (it travels in the image)."""

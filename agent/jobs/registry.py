@@ -147,16 +147,21 @@ class JobRegistry:
             replace_file(d / "job.json", rec.to_json().encode())
 
     def update(self, name: str, **changes: object) -> JobRecord:
-        """Change a record; a new `state` must be a transition of JOB_TRANSITIONS."""
+        """Change a record; a new `state` must be a transition of JOB_TRANSITIONS. A job whose
+        stop was asked for during a move is stopped as soon as the move leaves it here."""
         with self._lock:
             rec = self.get(name)
+            was = rec.state
             if (new := changes.get("state")) is not None and new is not rec.state:
                 assert isinstance(new, JobState)
                 JOB_TRANSITIONS.check(rec.state, new, name)
             for k, v in changes.items():
                 setattr(rec, k, v)
             self.save(rec)
-            return rec
+        landed = rec.state in (JobState.RUNNING, JobState.PREEMPTED)
+        if rec.stop_grace_s and was is JobState.MIGRATING and landed:
+            self.stop_later(name, rec.stop_grace_s)
+        return rec
 
     def reserve_name(self, name: str, resuming: bool = False) -> None:
         """Refuse a name an active or preempted job holds; a final job's name may be reused.
@@ -398,7 +403,12 @@ class JobRegistry:
                 self.save(rec)
                 return rec
             if rec.state is JobState.MIGRATING:
-                raise RefusedError(f"job {name!r} is being moved; stop it after the move", node=self.node)
+                # Remembered, not refused: a scheduler's cancel must not be lost to a move.
+                rec.stop_grace_s = timeout_s
+                rec.note = f"{rec.note}; stop requested: carried out where the move leaves the job"
+                self.save(rec)
+                log.info("job %s: stop requested during its move", name)
+                return rec
             if rec.state is not JobState.RUNNING:
                 raise RefusedError(f"job {name!r} is {rec.state.value}, not running", node=self.node)
             rec.state = JOB_TRANSITIONS.check(rec.state, JobState.STOPPED, name)
@@ -413,6 +423,21 @@ class JobRegistry:
         if procs.alive(rec.pid, rec.pid_started):
             procs.signal_all(procs.tree_pids(rec.pid), signal.SIGKILL)
         log.info("job %s: stopped", name)
+        return rec
+
+    def stop_later(self, name: str, timeout_s: float) -> JobRecord:
+        """`stop` on a thread of its own (its grace can be long); returns the record as it is now."""
+        rec = self.get(name)
+        if not rec.state.active and rec.state is not JobState.PREEMPTED:
+            raise RefusedError(f"job {name!r} is {rec.state.value}, not running", node=self.node)
+
+        def run() -> None:
+            try:
+                self.stop(name, timeout_s)
+            except FerryError as e:  # it ended meanwhile, say
+                log.info("job %s: the stop asked for during its move was not needed: %s", name, e)
+
+        threading.Thread(target=run, name=f"stop {name}", daemon=True).start()
         return rec
 
     def forget(self, name: str) -> JobRecord:

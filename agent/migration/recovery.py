@@ -35,7 +35,7 @@ from agent.jobs import procs
 from agent.jobs.network import LinkLock
 from agent.jobs.record import JobState
 from agent.jobs.registry import JobRegistry
-from agent.migration import rollback
+from agent.migration import rollback, stops
 from agent.migration.fencing import TargetAnswer, Verdict, ask_target, decide
 from agent.migration.journal import SOURCE, Journal, MigrationRecord, state_of
 from agent.migration.local import KIND_SUSPEND, end_saved
@@ -202,6 +202,7 @@ class SourceRecovery:
         rollback.finish(self.registry, copy, JobState.MOVED, note, cuda_gone=gone, moved_to=rec.peer)
         self._drop_files(rec)
         self._settled(rec, MigrationState.COMMITTED, note)
+        stops.pass_on(self.registry, self.peer_for(rec.peer), rec.job, rec.migration_id)
         return note
 
     def _end_saved(self, rec: MigrationRecord, why: str) -> str:

@@ -37,7 +37,7 @@ from agent.jobs import procs
 from agent.jobs.network import LinkLock
 from agent.jobs.record import JobState
 from agent.jobs.registry import JobRegistry
-from agent.migration import rollback
+from agent.migration import rollback, stops
 from agent.migration.capture import Phases, copy_logs, dump_externals, needs_shell_job
 from agent.migration.datapath import SourceDataPath
 from agent.migration.fencing import TargetAnswer, Verdict, ask_target, decide
@@ -247,6 +247,7 @@ class SourceMigration(PrepareStep, PostCopyStep, AbortPath):
             moved_to=self.spec.target,
             moved_to_node=self.result.target_node,
         )
+        stops.pass_on(self.registry, self.peer, rec.name, self.spec.migration_id)
         self.rates.record(self.result.image_bytes, self.result.frozen_s)
         for t in resp.phases:
             self.phases.times[f"target {t.phase}"] = t.seconds

@@ -265,6 +265,21 @@ class TargetMigrations:
         self._check_caller(inc, caller)
         return inc.state.wire
 
+    def moved_here(self, mid: str, caller: str = "") -> str:
+        """The job that migration `mid` runs here, asked by the node that moved it (StopMoved)."""
+        safe_id(mid)
+        rec = self.journal.get(TARGET, mid)
+        if rec is None:
+            raise NotFoundError(f"no migration {mid} came to this node", node=self.node)
+        inc = from_journal(rec)
+        self._check_caller(inc, caller)
+        if inc.state not in (TargetState.RUNNING, TargetState.POSTCOPY):
+            raise RefusedError(
+                f"migration {mid} is {inc.state.value} here: job {inc.job} does not run here by it",
+                node=self.node,
+            )
+        return inc.job
+
     # -- housekeeping --------------------------------------------------------------
 
     def recover(self) -> list[str]:

@@ -47,6 +47,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "Commit": PEERS,
     "Abort": PEERS,
     "GetMigration": PEERS,
+    "StopMoved": PEERS,  # only the node that moved the job, checked against its migration
     # Peers read health to choose a target; preempting is part of moving a job in.
     "GetHealth": USERS | PEERS,
     "Events": USERS,
@@ -70,6 +71,7 @@ AUDITED = frozenset(
         "Commit",
         "ClearGpu",
         "Preempt",
+        "StopMoved",
     }
 )
 

@@ -97,12 +97,7 @@ class AgentService(pb_grpc.AgentServicer):
 
     @rpc
     def StopJob(self, request: pb.StopJobRequest, context: grpc.ServicerContext) -> pb.Job:
-        timeout = request.timeout_s or 10.0
-        if not 0 < timeout <= 3600:  # NaN fails this too
-            raise InvalidArgumentError(
-                f"invalid stop timeout {request.timeout_s}: expected 0 < seconds <= 3600"
-            )
-        return job_pb(self.agent.registry.stop(request.name, timeout), self.node)
+        return job_pb(self.agent.registry.stop(request.name, _grace(request.timeout_s)), self.node)
 
     @rpc
     def ForgetJob(self, request: pb.ForgetJobRequest, context: grpc.ServicerContext) -> pb.Job:
@@ -184,6 +179,11 @@ class AgentService(pb_grpc.AgentServicer):
         state = self.agent.targets.status(request.migration_id, self._peer_name(context))
         return pb.MigrationStatus(migration_id=request.migration_id, state=state)
 
+    @rpc
+    def StopMoved(self, request: pb.StopMovedRequest, context: grpc.ServicerContext) -> pb.Job:
+        name = self.agent.targets.moved_here(request.migration_id, self._peer_name(context))
+        return job_pb(self.agent.registry.stop_later(name, _grace(request.timeout_s)), self.node)
+
     # -- self-healing ------------------------------------------------------------------
 
     @rpc
@@ -230,3 +230,11 @@ class AgentService(pb_grpc.AgentServicer):
             )
         with self.agent.counted():  # a graceful stop waits for the suspend
             return self.agent.healing.preempt(request)
+
+
+def _grace(timeout_s: float) -> float:
+    """A stop's grace between SIGTERM and SIGKILL (10 s when not given)."""
+    timeout = timeout_s or 10.0
+    if not 0 < timeout <= 3600:  # NaN fails this too
+        raise InvalidArgumentError(f"invalid stop timeout {timeout_s}: expected 0 < seconds <= 3600")
+    return timeout

@@ -521,3 +521,30 @@ def test_network_cut_mid_transfer_source_resumes(link, agents, tmp_path):
     assert "cut" not in jobs_of(b)
     assert_completed_exactly_once(a, "cut", steps=50)
     assert_no_copy(b, "cut")
+
+
+# -- a scheduler's cancel during a move -----------------------------------------------------------
+
+
+def test_a_stop_during_a_move_reaches_the_jobs_handler_on_the_target(agents):
+    """`ferry stop` (a scheduler's cancel) while the job is moving was refused and lost; it is
+    remembered and carried out where the move leaves the job, by the job's own SIGTERM handler."""
+    pause = 4
+    a = agents("node-a", env={"FERRY_PAUSE": f"source-transferring={pause}"})
+    b = agents("node-b")
+    loop = 'trap "echo got TERM; exit 4" TERM; i=0; while :; do echo step $i; i=$((i+1)); sleep 0.2; done'
+    a.cli("run", "--name", "cancel", "--", "sh", "-c", loop)
+    wait_for("the job to step", lambda: "step 3" in a.cli("logs", "cancel").stdout)
+
+    migrating = migrate_in_background(a, "cancel", b)
+    wait_paused(a, "source-transferring", seconds=pause)
+    p = a.cli("stop", "cancel")
+    assert "is being moved; it is stopped where the move leaves it" in p.stdout, p.stdout
+    rc, _, err = finish(migrating)
+    assert rc == 0, err
+
+    wait_for("the job to be stopped on node-b", lambda: jobs_of(b)["cancel"]["state"] == "stopped")
+    assert jobs_of(b)["cancel"]["exit_code"] == 4  # its handler's status, not a SIGKILL's
+    assert "got TERM" in b.cli("logs", "cancel").stdout
+    moved = jobs_of(a)["cancel"]
+    assert moved["state"] == "moved" and "passed on to node-b" in moved["note"]

@@ -461,6 +461,9 @@ class LocalPeer:
     def abort(self, migration_id: str, reason: str) -> None:
         self.target.abort(migration_id, reason)
 
+    def stop_moved(self, migration_id: str, timeout_s: float) -> Any:
+        return self.target.registry.stop_later(self.target.moved_here(migration_id), timeout_s)
+
     def status(self, migration_id: str) -> int:
         return self.target.status(migration_id)
 
