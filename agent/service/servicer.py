@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from agent.errors import InvalidArgumentError, PermissionDeniedError
+from agent.errors import InvalidArgumentError, PermissionDeniedError, UnavailableError
 from agent.jobs.logs import STDERR, STDOUT, read_logs
 from agent.jobs.record import check_job_name
 from agent.migration.model import MigrationResult, Progress
@@ -111,10 +111,20 @@ class AgentService(pb_grpc.AgentServicer):
             raise InvalidArgumentError(f"unknown log stream {request.stream}: expected stdout or stderr")
         streams = [_STREAMS[request.stream]] if request.stream else [STDOUT, STDERR]
 
+        stopping = self.agent.stopping
+
         def chunks() -> Iterator[pb.LogChunk]:
             active = lambda: registry.get(rec.name).state.active  # noqa: E731
-            for kind, data in read_logs(rec, streams, request.follow, active, context.is_active):
+            alive = lambda: context.is_active() and not stopping.is_set()  # noqa: E731
+            for kind, data in read_logs(rec, streams, request.follow, active, alive):
                 yield pb.LogChunk(stream=_STREAM_PB[kind], data=data)
+            if stopping.is_set() and active():
+                # Ended for the agent's stop, not the job's end: a follower must not mistake it
+                # for one, nor hold the agent's graceful stop for its grace.
+                raise UnavailableError(
+                    f"the agent on {self.node} is stopping; job {rec.name} goes on",
+                    hint="follow it again once the agent is back",
+                )
 
         if not request.follow:
             yield from chunks()

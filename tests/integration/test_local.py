@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -221,3 +222,28 @@ def test_sigterm_lets_an_in_flight_migration_finish(agents):
     assert migrating.returncode == 0, err
     assert "moved node-a -> node-b" in out
     assert_completed_exactly_once(b, "graceful", steps=40)
+
+
+def test_an_open_logs_follow_does_not_hold_the_agents_graceful_stop(agents):
+    """A follower held a stopping agent for gRPC's 10 s grace; it is told the agent is stopping
+    (UNAVAILABLE: the job goes on) as soon as the work in flight is done."""
+    a = agents("node-a")
+    a.cli("run", "--name", "chatty", "--", "sh", "-c", "while :; do echo tick; sleep 0.2; done")
+    follower = subprocess.Popen(
+        [*a.ferry(), "logs", "--agent", f"unix:{a.socket}", "--follow", "chatty"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=a.env,
+        start_new_session=True,
+    )
+    try:
+        assert follower.stdout is not None and follower.stdout.readline().strip() == b"tick"
+        t0 = time.monotonic()
+        a.stop()
+        took = time.monotonic() - t0
+        assert took < 5, f"the agent took {took:.1f} s to stop with a follower open"
+    finally:
+        os.killpg(follower.pid, signal.SIGKILL)
+        follower.wait()
+    a.start()
+    assert job(a, "chatty")["state"] == "running"  # the job went on
