@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from agent.durable import replace_file
 from agent.errors import RefusedError
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,5 @@ class Quarantine:
             ) from e
 
     def _save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps([asdict(e) for e in self._entries.values()], indent=2))
-        os.replace(tmp, self.path)
+        # Durable: a quarantine must outlive a power loss, or a bad GPU takes jobs again.
+        replace_file(self.path, json.dumps([asdict(e) for e in self._entries.values()], indent=2).encode())

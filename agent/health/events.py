@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from agent.durable import replace_file
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +104,7 @@ class EventLog:
 
     def _trim(self) -> None:
         keep = self._read()[-EVENTS_KEPT:]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(asdict(e), sort_keys=True) + "\n" for e in keep))
-        os.replace(tmp, self.path)
+        replace_file(self.path, "".join(json.dumps(asdict(e), sort_keys=True) + "\n" for e in keep).encode())
         self._lines = len(keep)
 
 

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.durable import replace_file
 from agent.errors import RefusedError
 from agent.jobs.record import JobRecord
 
@@ -149,9 +149,7 @@ class RateLog:
             return
         with self._lock:
             rates = [*self._read(), image_bytes / frozen_s][-KEEP_RATES:]
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(rates))
-            os.replace(tmp, self.path)
+            replace_file(self.path, json.dumps(rates).encode())
 
     def slowest(self) -> float:
         with self._lock:

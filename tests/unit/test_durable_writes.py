@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.gpus.quarantine import Quarantine
 from agent.jobs.record import JobKind, JobRecord, JobState
 from agent.jobs.registry import JobRegistry
 from agent.migration.journal import TARGET, Journal, MigrationRecord
@@ -60,12 +61,8 @@ def test_a_journal_record_is_whole_after_short_writes(tmp_path: Path, short_writ
     assert got is not None and (got.state, got.note) == ("restoring", "x" * 300)
 
 
-def test_a_job_record_is_fsynced_and_renamed_into_place(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """What `Journal.save` does: the data on disk before the rename makes it visible, and the
-    rename on disk (the directory fsynced) before save returns."""
-    reg = JobRegistry(tmp_path / "state", "nodea")
+def durable_steps(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """Every fsync (of a file or a directory) and rename, in order, from now on."""
     steps: list[tuple[str, str]] = []
     real_fsync, real_replace = os.fsync, os.replace
 
@@ -80,6 +77,16 @@ def test_a_job_record_is_fsynced_and_renamed_into_place(
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
+    return steps
+
+
+def test_a_job_record_is_fsynced_and_renamed_into_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What `Journal.save` does: the data on disk before the rename makes it visible, and the
+    rename on disk (the directory fsynced) before save returns."""
+    reg = JobRegistry(tmp_path / "state", "nodea")
+    steps = durable_steps(monkeypatch)
     rec = JobRecord("train", JobKind.ADOPTED, JobState.EXITED, 1, ["x"], "/")
     reg.save(rec)
     size = (tmp_path / "state" / "jobs" / "train" / "job.json").stat().st_size
@@ -90,3 +97,12 @@ def test_a_job_record_is_fsynced_and_renamed_into_place(
     ]
     # It holds the job's command and environment: the agent's alone, as the journal's records are.
     assert stat.S_IMODE((tmp_path / "state" / "jobs" / "train" / "job.json").stat().st_mode) == 0o600
+
+
+def test_a_quarantine_outlives_a_power_loss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad GPU quarantined must stay so after the node loses power: the file is fsynced and
+    renamed into place, the directory fsynced, before `add` returns."""
+    q = Quarantine(tmp_path)
+    steps = durable_steps(monkeypatch)
+    q.add("GPU-1", "Xid 79")
+    assert [kind for kind, _ in steps] == ["fsync", "replace", "fsync"] and steps[-1] == ("fsync", "dir")
