@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any, Protocol
 
+from agent.compat import StrEnum
 from agent.migration.pagestream import PageCall
 from agent.rpc import pb
 
