@@ -21,6 +21,9 @@
  *                  exist, then waits for "go\n" (anything else, or EOF:
  *                  exit 126) before it runs CMD; the agent plumbs the network
  *                  in between
+ *   (with --private, PID 1 also writes CMD's exit status to exit-status in the
+ *   log directory when CMD ends: an agent that restarted meanwhile is no
+ *   longer its parent and could not learn it otherwise)
  *   --no-io-uring  a seccomp filter makes io_uring_setup fail with ENOSYS for
  *                  the whole job: CRIU cannot dump io_uring, and libraries that
  *                  try it (libuv, behind torchrun's store) fall back
@@ -468,6 +471,27 @@ static int reexec_inside(const struct opts *o)
 	return 126;
 }
 
+/* CMD's status, durably, where the agent reads it (the job's log directory, bound here). */
+static void record_status(int code)
+{
+	char text[16];
+	int fd, n = snprintf(text, sizeof(text), "%d\n", code);
+
+	fd = open(LOG_MOUNT "/exit-status.tmp", O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+	if (fd < 0)
+		return;
+	if (write(fd, text, n) == n && fsync(fd) == 0) {
+		close(fd);
+		if (rename(LOG_MOUNT "/exit-status.tmp", LOG_MOUNT "/exit-status") == 0 &&
+		    (fd = open(LOG_MOUNT, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) >= 0) {
+			fsync(fd);
+			close(fd);
+		}
+		return;
+	}
+	close(fd);
+}
+
 static int run_as_pid1(const struct opts *o)
 {
 	pid_t job;
@@ -507,8 +531,11 @@ static int run_as_pid1(const struct opts *o)
 	for (;;) {
 		pid_t pid = waitpid(-1, &status, 0);
 
-		if (pid == job)
+		if (pid == job) {
+			if (o->as_pid1) /* the re-exec of --private: the log directory is bound here */
+				record_status(status_code(status));
 			return status_code(status);
+		}
 		if (pid < 0 && errno != EINTR)
 			return 1;
 	}

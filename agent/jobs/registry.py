@@ -413,6 +413,7 @@ class JobRegistry:
                 raise RefusedError(f"job {name!r} is {rec.state.value}, not running", node=self.node)
             rec.state = JOB_TRANSITIONS.check(rec.state, JobState.STOPPED, name)
             rec.note = "stopped by `ferry stop`"
+            rec.stop_grace_s = timeout_s  # a restart during the grace finishes it (_load)
             self.save(rec)
         pids = procs.tree_pids(rec.pid)
         # A launched job's PID 1 forwards SIGTERM to the command; an adopted tree gets it everywhere.
@@ -463,6 +464,20 @@ class JobRegistry:
             if rec is not None and not rec.state.holds_name:
                 self.forget(name)
 
+    def _finish_stop(self, rec: JobRecord) -> None:
+        """SIGKILL what still runs once the stop's grace (from when it was recorded) is over, and
+        record the job's end."""
+        deadline = rec.updated_at + (rec.stop_grace_s or 10.0)
+
+        def run() -> None:
+            while procs.alive(rec.pid, rec.pid_started) and time.time() < deadline:
+                time.sleep(0.1)
+            if procs.alive(rec.pid, rec.pid_started):
+                procs.signal_all(procs.tree_pids(rec.pid), signal.SIGKILL)
+
+        threading.Thread(target=run, name=f"stop {rec.name}", daemon=True).start()
+        self._watch(rec, None)
+
     def kill_tree(self, rec: JobRecord, pids: list[int]) -> None:
         """SIGKILL a (frozen) tree: PID 1 takes a launched job's namespace with it."""
         procs.signal_all(pids[:1] if rec.kind is JobKind.LAUNCHED else pids, signal.SIGKILL)
@@ -486,18 +501,30 @@ class JobRegistry:
                 log.error("unreadable job record %s (%s): its name stays taken; %s", path, bad.cause, held)
                 continue
             self._jobs[rec.name] = rec
+            alive = procs.alive(rec.pid, rec.pid_started)
             if rec.state.active:
-                if procs.alive(rec.pid, rec.pid_started):
+                if alive:
                     log.info("job %s: pid %d still runs; watching it again", rec.name, rec.pid)
                     self._watch(rec, None)
+                elif rec.state is JobState.RUNNING and (code := exit_status(rec)) is not None:
+                    rec.state = JOB_TRANSITIONS.check(rec.state, JobState.EXITED, rec.name)
+                    rec.exit_code, rec.note = code, f"exited with status {code} while the agent was down"
+                    self.save(rec)
                 else:
                     rec.state = JOB_TRANSITIONS.check(rec.state, JobState.LOST, rec.name)
                     rec.note = "its process ended while the agent was down"
                     self.save(rec)
+            elif rec.state is JobState.STOPPED and alive and rec.exit_code is None:
+                # A stop the last run did not live to finish: its grace runs on, then SIGKILL.
+                log.info("job %s: its stop was cut short by the agent's restart; finishing it", rec.name)
+                self._finish_stop(rec)
 
     def _watch(self, rec: JobRecord, wait: object) -> None:
-        """Record the job's end: by waiting on our child, or by polling a process we did not start."""
+        """Record the job's end: by waiting on our child, or by polling a process we did not start
+        (then its status is what its PID 1 wrote: `exit_status`)."""
         name, pid, started = rec.name, rec.pid, rec.pid_started
+        if callable(wait):  # our child: its status comes from waitpid; an older run's file goes
+            status_file(rec).unlink(missing_ok=True)
 
         def run() -> None:
             code: int | None = None
@@ -506,6 +533,7 @@ class JobRegistry:
             else:
                 while procs.alive(pid, started):
                     time.sleep(0.5)
+                code = exit_status(rec)
             self._ended(name, pid, code)
 
         threading.Thread(target=run, name=f"watch-{name}", daemon=True).start()
@@ -522,3 +550,21 @@ class JobRegistry:
                     rec.note = f"exited with status {code}"
                 log.info("job %s: exited (%s)", name, code)
             self.save(rec)
+
+
+#: What a launched job's PID 1 (ferry-init) writes in its log directory when the command ends.
+STATUS_FILE = "exit-status"
+
+
+def status_file(rec: JobRecord) -> Path:
+    return Path(rec.stdout_path).parent / STATUS_FILE
+
+
+def exit_status(rec: JobRecord) -> int | None:
+    """The status a job's PID 1 recorded (None: none, as for an adopted job or an older init)."""
+    if not rec.stdout_path:
+        return None
+    try:
+        return int(status_file(rec).read_text().strip())
+    except (OSError, ValueError):
+        return None

@@ -10,12 +10,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from fakes import FakeCriu, launched_record
+from fakes import FakeCriu, launched_record, wait_for
 
 from agent.errors import AlreadyExistsError, RefusedError
 from agent.gpus.ledger import GpuLedger
 from agent.jobs.record import JobKind, JobRecord, JobState
-from agent.jobs.registry import JobRegistry
+from agent.jobs.registry import STATUS_FILE, JobRegistry
 from agent.service.node import AgentNode
 
 Sleeper = Callable[[], tuple[subprocess.Popen[bytes], Path, Path]]
@@ -104,3 +104,34 @@ def test_the_agent_reports_an_unreadable_record_as_an_event(tmp_path: Path) -> N
     finally:
         criu.cleanup()
     assert len(alerts) == 1 and alerts[0].job == "train" and str(path) in alerts[0].message
+
+
+# -- a restart that is no longer the job's parent ------------------------------------------------
+
+
+def test_a_job_that_ended_while_the_agent_was_down_keeps_the_status_its_pid1_recorded(
+    registry: JobRegistry, sleeper: Sleeper
+) -> None:
+    proc, out, err = sleeper()
+    registry.save(launched_record("train", proc, out, err))
+    proc.kill()
+    proc.wait()
+    (out.parent / STATUS_FILE).write_text("7\n")  # what ferry-init's PID 1 writes at the end
+    again = JobRegistry(registry.root.parent, "nodea").get("train")
+    assert (again.state, again.exit_code) == (JobState.EXITED, 7)
+    assert "exited with status 7 while the agent was down" in again.note
+
+
+def test_a_stop_cut_short_by_a_restart_is_finished_and_its_end_recorded(
+    registry: JobRegistry, sleeper: Sleeper
+) -> None:
+    """Its SIGKILL comes at the end of the grace, counted from when the stop began."""
+    proc, out, err = sleeper()
+    rec = launched_record("train", proc, out, err)
+    rec.state, rec.stop_grace_s = JobState.STOPPED, 0.5
+    registry.save(rec)  # the agent died during the grace; the job ignores SIGTERM
+    (out.parent / STATUS_FILE).write_text("137\n")  # what its PID 1 records once it is killed
+    again = JobRegistry(registry.root.parent, "nodea")
+    assert proc.wait(10) == -9  # SIGKILLed by the restarted agent
+    wait_for(lambda: again.get("train").exit_code is not None, what="the stopped job's end recorded")
+    assert again.get("train").state is JobState.STOPPED
