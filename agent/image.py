@@ -1,7 +1,14 @@
 """The on-disk image: CRIU's files, the job's logs and a manifest, in one flat directory.
 
 One format serves local checkpoints and migrations. An image is untrusted
-input until every file matches the digest its manifest lists.
+input until every file matches the digest its manifest lists, and every other
+part of the manifest (the job's command, cwd, env, name..., field by field) the
+digest it lists in `sections`: what `ferry ps` shows of a restored job is data
+those digests cover. Digests detect an edit, not a forger who writes them anew.
+
+Beside the image, never travelling and covered by no digest: CRIU's logs, and
+the restores that reached their commit point (`RESTORES`), so that an image is
+not restored twice by accident.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.durable import replace_file
 from agent.errors import ImageError
 from agent.gpus.inventory import GpuNeed
 
@@ -24,8 +32,23 @@ STDOUT_LOG = "ferry-stdout.log"
 STDERR_LOG = "ferry-stderr.log"
 #: CRIU writes the process memory into these; they are the "host bytes".
 PAGES_PREFIX = "pages-"
-#: Files CRIU writes for people, not for restore: they never travel.
-LOCAL_ONLY = frozenset({"criu-dump.log", "criu-page-server.log", "criu-restore.log", "stats-restore"})
+#: Each restore of the image that reached its commit point (`restored`, `mark_restored`).
+RESTORES = "ferry-restores.json"
+#: Files CRIU writes for people, not for restore, and the record of the image's restores: they
+#: never travel.
+LOCAL_ONLY = frozenset(
+    {
+        "criu-dump.log",
+        "criu-page-server.log",
+        "criu-restore.log",
+        "stats-restore",
+        RESTORES,
+        RESTORES + ".tmp",
+    }
+)
+#: Manifest keys no section digest covers: the files have digests of their own, image_bytes is
+#: their sum, and `sections` holds the digests.
+_UNSECTIONED = frozenset({"files", "image_bytes", "sections"})
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}$")
 _CHUNK = 1 << 20
@@ -75,6 +98,14 @@ class JobSpec:
     address: str = ""  # its address on the job network, which it keeps wherever it runs
     group: str = ""  # the training job it is one member of (`ferry run --group`)
     max_pause_s: float = 0.0  # the longest its peers tolerate it frozen (0: the derived limits)
+
+
+def describes(spec: JobSpec, name: str, command: list[str], cwd: str, address: str) -> bool:
+    """Whether a job as a node lists it is the one `spec` describes: it has the job's address on
+    the job network, which no two jobs share, or its name, command and working directory."""
+    if spec.address and address == spec.address:
+        return True
+    return name == spec.name and list(command) == list(spec.command) and cwd == spec.cwd
 
 
 @dataclass(frozen=True)
@@ -137,6 +168,10 @@ class Manifest:
     # (agent.migration.pagestream): then its pages-/pagemap- files are not in `files`.
     page_stream: StreamDigest | None = None
     version: int = MANIFEST_VERSION
+    #: Which save this is: the checkpoint's (or suspend's) id; "" for a migration's image.
+    image_id: str = ""
+    #: Read from a manifest without `sections` (an earlier ferry's): no digest covers its job.
+    legacy: bool = field(default=False, compare=False, repr=False)
 
     @property
     def image_bytes(self) -> int:
@@ -144,7 +179,9 @@ class Manifest:
 
     def to_json(self) -> bytes:
         d = asdict(self)
+        del d["legacy"]
         d["image_bytes"] = self.image_bytes
+        d["sections"] = section_digests(d)
         return json.dumps(d, indent=2, sort_keys=True).encode()
 
     @classmethod
@@ -161,7 +198,7 @@ class Manifest:
             for f in files:
                 if not (isinstance(f.name, str) and isinstance(f.size, int) and isinstance(f.sha256, str)):
                     raise ImageError(f"{where}: malformed file entry {f!r}", step="image intake")
-            return cls(
+            m = cls(
                 job=job,
                 source_node=str(d["source_node"]),
                 files=files,
@@ -172,13 +209,52 @@ class Manifest:
                 timings={str(k): float(v) for k, v in d.get("timings", {}).items()},
                 cuda=CudaSection.from_dict(d["cuda"]) if d.get("cuda") else None,
                 page_stream=StreamDigest.from_dict(d["page_stream"]) if d.get("page_stream") else None,
+                image_id=str(d.get("image_id", "")),
+                legacy="sections" not in d,
             )
+            if "sections" in d:
+                _check_sections(d, where)
+            return m
         except ImageError:
             raise
         except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as e:
             raise ImageError(
                 f"{where}: malformed manifest ({type(e).__name__}: {e})", step="image intake"
             ) from e
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def section_digests(d: dict[str, Any]) -> dict[str, str]:
+    """The digest of each part of a manifest (as JSON data): the job field by field (`job.command`),
+    every other key but the files as a whole (`cuda`, `source_node`...), so that an edit is named."""
+    out = {f"job.{k}": _digest(v) for k, v in d["job"].items()}
+    out.update({k: _digest(v) for k, v in d.items() if k not in _UNSECTIONED and k != "job"})
+    return out
+
+
+def _check_sections(d: dict[str, Any], where: str) -> None:
+    """Every part of the manifest matches the digest `sections` lists for it, and each has one."""
+    listed = d["sections"]
+    if not isinstance(listed, dict):
+        raise ImageError(f"{where}: malformed manifest (sections is not an object)", step="image")
+    want = section_digests(d)
+    for key in sorted(set(want) | set(listed)):
+        if key not in listed:
+            problem = "is covered by no digest"
+        elif key not in want:
+            problem = "has a digest but is missing from the manifest"
+        elif listed[key] != want[key]:
+            problem = "does not match its digest"
+        else:
+            continue
+        raise ImageError(
+            f"{where}: {key} {problem}: the manifest was edited after the image was written",
+            step="image",
+            hint="restore an unedited copy of the image, or checkpoint the job again",
+        )
 
 
 def _check_types(job: JobSpec, where: str) -> None:
@@ -240,10 +316,20 @@ def read_manifest(image_dir: Path) -> Manifest:
     return Manifest.from_json(raw, where=str(path))
 
 
-def verify(image_dir: Path, manifest: Manifest | None = None) -> Manifest:
-    """Check that the directory holds exactly the manifest's files, each with its digest."""
+def verify(image_dir: Path, manifest: Manifest | None = None, *, allow_legacy: bool = False) -> Manifest:
+    """Check that the directory holds exactly the manifest's files, each with its digest, and that
+    digests cover the rest of the manifest (allow_legacy: an earlier ferry's manifest, whose job
+    no digest covers, is accepted: for an image this agent wrote into its own state directory)."""
     m = manifest or read_manifest(image_dir)
     listed = {check_name(f.name): f for f in m.files}
+    if m.legacy and not allow_legacy:
+        raise ImageError(
+            f"{image_dir}: its manifest was written by an earlier ferry, and no digest covers its job "
+            "(command, cwd, env)",
+            step="image",
+            hint="restore it with the ferry that wrote it, or checkpoint the job again; "
+            f"`ferry inspect --no-verify {image_dir}` shows it",
+        )
     present = {p.name for p in image_files(image_dir)}
     if missing := sorted(set(listed) - present):
         raise ImageError(f"{image_dir}: files listed in the manifest are missing: {', '.join(missing)}")
@@ -256,6 +342,46 @@ def verify(image_dir: Path, manifest: Manifest | None = None) -> Manifest:
         if sha256_file(path) != entry.sha256:
             raise ImageError(f"{path}: digest does not match the manifest (corrupt or altered image)")
     return m
+
+
+@dataclass(frozen=True)
+class Restored:
+    """One restore of an image that reached its commit point: a copy ran from it."""
+
+    job: str  # the name it ran under
+    node: str
+    restore_id: str  # its journal record there (`restore-…`)
+    at: float  # unix seconds
+    copy: bool = False  # asked for as a second copy (`ferry restore --as-copy`)
+
+
+def restored(image_dir: Path) -> list[Restored]:
+    """The restores of this image that reached their commit point, oldest first ([] if none).
+    An unreadable record is never "none": that would let the image run twice."""
+    path = image_dir / RESTORES
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise ImageError(f"cannot read {path}: {e.strerror}", step="restore") from e
+    try:
+        marks = [Restored(**r) for r in json.loads(raw)["restores"]]
+        if not all(isinstance(r.job, str) and isinstance(r.node, str) for r in marks):
+            raise TypeError("a restore without a job or node name")
+        return marks
+    except (ValueError, KeyError, TypeError) as e:
+        raise ImageError(
+            f"{path}, the record of this image's restores, is unreadable ({e})",
+            step="restore",
+            hint="if no copy restored from this image runs anywhere, move that file away",
+        ) from e
+
+
+def mark_restored(image_dir: Path, mark: Restored) -> None:
+    """Add a restore that reached its commit point to the image's record, durably."""
+    marks = [asdict(r) for r in [*restored(image_dir), mark]]
+    replace_file(image_dir / RESTORES, json.dumps({"restores": marks}, indent=1).encode())
 
 
 def inspect_data(image_dir: Path, *, check: bool = True) -> dict[str, Any]:

@@ -23,7 +23,11 @@ def agents(tmp_path: Path) -> Iterator[Callable[..., LocalAgent]]:
         return agent
 
     yield start
-    for agent in started:
-        agent.kill_jobs()
-        agent.stop()
-        agent.cleanup()
+    for agent in started:  # each in full, whatever another's teardown raised
+        try:
+            agent.kill_jobs()
+        finally:
+            try:
+                agent.stop()
+            finally:
+                agent.cleanup()

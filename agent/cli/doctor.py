@@ -17,7 +17,7 @@ from agent.cuda.driver import CudaDriver
 from agent.cuda.jobs import REMAP_BRANCH
 from agent.errors import FerryError
 from agent.gpus.inventory import Nvml
-from agent.jobs.network import NetworkConfig
+from agent.jobs.network import NetworkConfig, bridge_problem
 
 MIN_STAGING_BYTES = 1 << 30
 
@@ -109,16 +109,17 @@ def _job_checks(network: NetworkConfig) -> list[Check]:
             )
         )
     else:
-        bridge = os.path.isdir(f"/sys/class/net/{network.bridge}/bridge")
+        problem = bridge_problem(network.bridge)  # the agent refuses to start with it too
         checks.append(
             Check(
                 "job network",
-                bridge,
-                f"jobs get addresses from {network.pool} of {network.subnet} on bridge {network.bridge}; "
-                "their TCP connections move with them"
-                if bridge
-                else f"bridge {network.bridge} does not exist",
-                f"create bridge {network.bridge} and join it to the job network's segment",
+                not problem,
+                problem
+                or f"jobs get addresses from {network.pool} of {network.subnet} on bridge {network.bridge}; "
+                "their TCP connections move with them",
+                "name a bridge in [network] bridge"
+                if "not a bridge" in problem
+                else f"create bridge {network.bridge} and join it to the job network's segment",
             )
         )
     return checks

@@ -201,10 +201,14 @@ def follow(
     hops = 0
     hint = ""  # for an error of the agent the job just moved to
     stopped_since: float | None = None
+    # An agent never reached (a wrong address, one not running) is an error at once, not a wait:
+    # only one that answered about the job (here, or the Run call before) can be lost.
+    reached = into is not None
     while True:
         here = at(args, f.agent)
         try:
             job = find_job(here, name)
+            reached = True
             link.back(f.agent)
             f.ran = f.ran or running(job)
             _read_logs(here, f, name, follow=running(job))
@@ -215,7 +219,7 @@ def follow(
                 job = find_job(here, name)
                 drained = job.state != pb.JOB_STATE_STOPPED
         except FerryError as e:
-            if not agent_lost(e):
+            if not agent_lost(e) or not reached:
                 if hint:
                     e.hint = e.hint or hint
                 raise

@@ -77,33 +77,97 @@ def cmd_ps(args: argparse.Namespace) -> int:
 
 def _ps_group(args: argparse.Namespace) -> int:
     """The members of one training job on this agent, the given peers and the peers it knows; an
-    agent that does not answer is named on stderr, and the others still listed."""
+    agent that does not answer is named on stderr, and the others still listed. A malformed --peer
+    is a usage error (exit 2), found before any agent is asked."""
     from agent.cli.render import job_dict, jobs_table
     from agent.errors import FerryError
     from agent.rpc import pb
 
-    info = call(args, "GetInfo", pb.GetInfoRequest(), 10)
+    for peer in args.peer:
+        _check_peer(peer)
+    info = _ask(args, args.agent, "GetInfo", pb.GetInfoRequest())
     agents = [args.agent, *dict.fromkeys(a for a in [*args.peer, *info.peers] if a != args.agent)]
-    members: list[pb.Job] = []
+    members: dict[tuple[str, str], pb.Job] = {}  # one agent given twice (socket and TCP) lists once
     silent = 0
     for address in agents:
         try:
-            jobs = call(at(args, address), "ListJobs", pb.ListJobsRequest(), 10)
+            jobs = _ask(args, address, "ListJobs", pb.ListJobsRequest())
         except FerryError as e:
             print(f"ferry ps: {e}", file=sys.stderr)
             silent += 1
             continue
-        members += [j for j in jobs.jobs if j.group == args.group]
-    members.sort(key=lambda j: (j.rank if j.has_rank else 1 << 30, j.node_name, j.started_at))
+        for j in jobs.jobs:
+            if j.group == args.group:
+                members.setdefault((j.node_name, j.name), j)
+    listed = sorted(
+        members.values(), key=lambda j: (j.rank if j.has_rank else 1 << 30, j.node_name, j.started_at)
+    )
     if args.json:
-        print_json([job_dict(j) for j in members])
+        print_json([job_dict(j) for j in listed])
     else:
         print(
-            jobs_table(members)
-            if members
+            jobs_table(listed)
+            if listed
             else f"no members of group {args.group!r} on {len(agents) - silent} agent(s)"
         )
     return EXIT_OK
+
+
+def _check_peer(peer: str) -> None:
+    """A --peer must be an agent's address, HOST:PORT or unix:PATH: anything else exits 2."""
+    from agent.client import split_address
+    from agent.errors import InvalidArgumentError
+
+    try:
+        if peer.startswith("unix:"):
+            if peer == "unix:":
+                raise InvalidArgumentError(f"invalid agent address {peer!r}: expected unix:PATH")
+        else:
+            split_address(peer)
+    except InvalidArgumentError as e:
+        raise Usage(f"ferry ps: --peer: {e.cause}") from e
+
+
+#: gRPC's words for why a channel could not connect, and ours (the first that occurs wins).
+_UNREACHABLE = (
+    ("Connection refused", "connection refused: no agent listens there"),
+    ("Failed parsing HTTP/2", "something answers there, but not in gRPC: not an agent's --listen port"),
+    ("Expected SETTINGS frame", "something answers there, but not in gRPC: not an agent's --listen port"),
+    ("Socket closed", "it closed the connection: not an agent, or one that serves TLS"),
+    ("Connection reset", "it reset the connection: not an agent, or one that serves TLS"),
+    ("No route to host", "no route to its host"),
+    ("Network is unreachable", "its network is unreachable"),
+    ("DNS resolution failed", "its host name does not resolve"),
+    ("No such file or directory", "no such socket"),
+    ("Permission denied", "permission denied (the local socket is root's)"),
+    ("handshake", "the TLS handshake failed"),
+)
+
+#: What gRPC puts before the cause in an unreachable channel's details.
+_GRPC_PREFIX = r"^failed to connect to all addresses; last error: [A-Z_]+: (?:[a-z0-9]+:\S+: )?"
+
+
+def _ask(args: argparse.Namespace, address: str, method: str, req: Any) -> Any:
+    """One call to one of the group's agents; an unreachable one is named in words, not gRPC's."""
+    import re
+
+    import grpc
+
+    from agent.cli.calls import dial
+    from agent.client import from_rpc_error, stub
+    from agent.errors import UnavailableError
+
+    creds = dial(at(args, address))
+    try:
+        return getattr(stub(address, creds), method)(req, timeout=10)
+    except grpc.RpcError as e:
+        err = from_rpc_error(e, address, method, creds)
+        if type(err) is UnavailableError:  # not a certificate that tls.diagnose named
+            detail = (e.details() if hasattr(e, "details") else "") or ""
+            why = next((ours for theirs, ours in _UNREACHABLE if theirs in detail), "")
+            why = why or re.sub(_GRPC_PREFIX, "", detail) or "no cause given"
+            err = UnavailableError(f"agent {address} is unreachable: {why}", step=method)
+        raise err from e
 
 
 def cmd_logs(args: argparse.Namespace) -> int:

@@ -67,9 +67,42 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
+    import sys
+
+    from agent.cli.calls import at
+    from agent.errors import AlreadyExistsError, ImageError
+    from agent.image import describes, read_manifest
     from agent.rpc import pb
 
-    req = pb.RestoreRequest(image_dir=str(args.dir.absolute()), name=args.name)
+    image = args.dir.absolute()
+    copy = f"`ferry restore {image} --as-copy NAME` runs a second copy"
+    # The agent refuses to restore a job that runs on its node. Its peers are asked here, with
+    # the caller's credentials (agents may not list each other's jobs), when DIR is readable here.
+    try:
+        spec = None if args.as_copy else read_manifest(image).job
+    except ImageError:
+        spec = None  # DIR is on the agent's node only: the agent checks what it can
+    live = (pb.JOB_STATE_RUNNING, pb.JOB_STATE_MIGRATING, pb.JOB_STATE_PREEMPTED)
+    peers = call(args, "GetInfo", pb.GetInfoRequest(), 10).peers if spec is not None else []
+    for peer in dict.fromkeys(p for p in peers if p != args.agent):
+        assert spec is not None
+        try:
+            jobs = call(at(args, peer), "ListJobs", pb.ListJobsRequest(), 3).jobs
+        except FerryError as e:
+            print(
+                f"ferry restore: cannot ask {peer} whether job {spec.name} runs there: {e}", file=sys.stderr
+            )
+            continue
+        for j in jobs:
+            if j.state in live and describes(spec, j.name, list(j.command), j.cwd, j.address):
+                where = f"{j.node_name} ({peer}, pid {j.pid})"
+                raise AlreadyExistsError(
+                    f"job {j.name!r}, which image {image} holds, still runs on {where}",
+                    step="restore",
+                    hint=f"stop it there first, or {copy}",
+                )
+    name = args.as_copy or args.name
+    req = pb.RestoreRequest(image_dir=str(image), name=name, as_copy=bool(args.as_copy))
     job = call(args, "Restore", req, 600)
     job_out(job, args.json, f"job {job.name} restored as pid {job.pid} on {job.node_name}")
     return EXIT_OK

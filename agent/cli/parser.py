@@ -1,4 +1,9 @@
-"""The `ferry` argument tree: every command, option and `--help` text, and how bad input is reported."""
+"""The `ferry` argument tree: every command, option and `--help` text, and how bad input is reported.
+
+Why one module: it is the whole of what a user can type, read top to bottom as `ferry --help`
+shows it; split by command, the shared options (--agent, --json, TLS) would be wired in several
+places.
+"""
 
 from __future__ import annotations
 
@@ -49,6 +54,17 @@ def _agent_arg(p: argparse.ArgumentParser) -> None:
         action="store_true",
         default=os.environ.get("FERRY_INSECURE") == "1",
         help="plaintext to a loopback agent started with --insecure (default: $FERRY_INSECURE=1)",
+    )
+
+
+def _reconnect_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--reconnect-s",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="when the agent is lost while following (restarted, crashed), retry it this long before "
+        "giving up with exit status 255 (default 60)",
     )
 
 
@@ -103,7 +119,8 @@ def build_parser() -> Parser:
         "--metrics-listen",
         default="",
         metavar="HOST:PORT",
-        help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any). Plain HTTP on "
+        help="serve Prometheus metrics at http://HOST:PORT/metrics ([::1]:PORT for IPv6; port 0: any). "
+        "Plain HTTP on "
         "loopback; any other address is served over mutual TLS with --tls-dir's certificate, so the "
         "scraper needs a certificate of the cluster CA (docs/operations.md). Default: no metrics",
     )
@@ -166,9 +183,12 @@ def build_parser() -> Parser:
         "--attach",
         action="store_true",
         help="block while the job runs, wherever it moves; print its output and exit with its exit "
-        "status (128+N if killed by signal N). SIGTERM or Ctrl-C stops the job. For a scheduler's "
-        "batch step or a pod's main container: docs/slurm.md",
+        "status (128+N if killed by signal N) once it has ended. The first SIGTERM or Ctrl-C stops "
+        "the job (SIGTERM, SIGKILL 10 s later) and waits for its end; a third exits at once. Exit "
+        "status 255: its agent stayed unreachable. For a scheduler's batch step or a pod's main "
+        "container: docs/slurm.md",
     )
+    _reconnect_arg(r)
     _json_arg(r)
     r.add_argument(
         "command",
@@ -206,6 +226,7 @@ def build_parser() -> Parser:
         help="keep printing while the job runs; when it moves, say where and go on printing there "
         "(reaching that agent needs --insecure on loopback or a client certificate)",
     )
+    _reconnect_arg(lg)
 
     st = sub.add_parser("stop", help="stop a job", description="SIGTERM the job, SIGKILL after --timeout.")
     _agent_arg(st)
@@ -292,11 +313,23 @@ def build_parser() -> Parser:
     _json_arg(ck)
 
     rs = sub.add_parser(
-        "restore", help="resume a saved job", description="Resume a job saved by `checkpoint`."
+        "restore",
+        help="resume a saved job",
+        description="Resume a job saved by `checkpoint`. Refused while the job runs (on this agent, "
+        "or on a peer it lists, when DIR is readable here) and once DIR was restored: one image, "
+        "one running copy, unless --as-copy.",
     )
     _agent_arg(rs)
     rs.add_argument("dir", type=Path, metavar="DIR", help="an image saved by `ferry checkpoint`")
-    rs.add_argument("--name", default="", help="run it under another name")
+    named = rs.add_mutually_exclusive_group()
+    named.add_argument("--name", default="", help="run it under another name")
+    named.add_argument(
+        "--as-copy",
+        default="",
+        metavar="NAME",
+        help="run a second copy of the job, named NAME, although the job runs or DIR was restored "
+        "before; on a job network the copy gets its own address",
+    )
     _json_arg(rs)
 
     rv = sub.add_parser(

@@ -71,7 +71,16 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def printable(text: str) -> str:
+    """text on one terminal line: a newline, a tab or an escape sequence (a job's command, a
+    note) shown as its escape, never acted on."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def table(headers: list[str], rows: list[list[str]]) -> str:
+    rows = [[printable(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()  # noqa: E731
     return "\n".join([line(headers), *(line(r) for r in rows)])
@@ -83,13 +92,17 @@ def job_state(job: pb.Job) -> str:
 
 def jobs_table(jobs: list[pb.Job]) -> str:
     """One row a job; GROUP, RANK and NODE columns only where a job belongs to a training job."""
+    from agent.jobs.launch import exit_words
+
     grouped = any(j.group for j in jobs)
     rows = []
     for j in jobs:
-        state = job_state(j)
+        state, note = job_state(j), j.note
         if j.state == pb.JOB_STATE_EXITED and j.has_exit_code:
-            state += f" ({j.exit_code})"
-        where = f"-> {j.moved_to_node} ({j.moved_to})" if j.state == pb.JOB_STATE_MOVED else j.note
+            state += f" ({128 - j.exit_code if j.exit_code < 0 else j.exit_code})"
+            if note == f"exited with status {j.exit_code}":  # what the agent says of any status
+                note = exit_words(j.exit_code)
+        where = f"-> {j.moved_to_node} ({j.moved_to})" if j.state == pb.JOB_STATE_MOVED else note
         member = [j.group or "-", str(j.rank) if j.has_rank else "-", j.node_name] if grouped else []
         rows.append(
             [

@@ -3,8 +3,10 @@
 Each migration's CRIU logs (dump, page server, restore, lazy pages) go to
 `<state>/criu-logs/<migration id>/` on its node, not into staging: staging is
 dropped when a migration fails, and the log an error names must still be there
-to read. A successful migration's logs are removed; the newest `KEEP` failed
-ones are kept, older ones pruned when a new migration starts.
+to read. A checkpoint's dump logs there too (`<checkpoint id>`), not in its
+`--out`, which may be read-only, or full, and is emptied when it fails. A
+successful migration's logs are removed; the newest `KEEP` failed ones are
+kept, older ones pruned when a new migration starts.
 
 CRIU marks harmless lines as errors too (on this kernel every run logs
 "Can't setup RLIMIT_NOFILE"), and its RPC error message is the first error it

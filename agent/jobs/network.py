@@ -112,6 +112,16 @@ def _net(key: str, value: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
         raise InvalidArgumentError(f"[network] {key} = {value!r} is not a network (e.g. 10.77.0.0/16)") from e
 
 
+def bridge_problem(bridge: str, sysfs: str = "/sys/class/net") -> str:
+    """Why `bridge` cannot carry this node's jobs ('' if it can): it does not exist, or it is an
+    interface but no bridge."""
+    if os.path.isdir(f"{sysfs}/{bridge}/bridge"):
+        return ""
+    if os.path.exists(f"{sysfs}/{bridge}"):
+        return f"bridge {bridge} is an interface, but not a bridge"
+    return f"bridge {bridge} does not exist"
+
+
 def veth_name(key: str) -> str:
     """The node-side end of a job's link: short (IFNAMSIZ), stable for a key, and unique per key
     (a job moved back to a node gets a new key: its migration id)."""
@@ -165,6 +175,19 @@ class JobNetwork:
             return False
 
     # -- links ----------------------------------------------------------------------------
+
+    def check_bridge(self) -> None:
+        """At the agent's start: a [network] whose bridge is missing would fail every `ferry run`
+        and every arriving job later, so the agent refuses to start (as `ferry doctor` says)."""
+        if why := bridge_problem(self.config.bridge, self.sysfs):
+            fix = "name a bridge in [network] bridge" if "not a bridge" in why else "create it"
+            raise RefusedError(
+                f"the job network's {why}",
+                step="start",
+                node=self.node,
+                hint=f"{fix}, joined to the job network's segment (docs/networking.md), or leave "
+                "[network] out of the agent's config",
+            )
 
     def require_bridge(self) -> None:
         """The bridge exists, and its MAC no longer follows its ports (pinned once)."""

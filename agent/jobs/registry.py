@@ -32,7 +32,17 @@ from agent.durable import replace_file
 from agent.errors import AlreadyExistsError, FerryError, InvalidArgumentError, NotFoundError, RefusedError
 from agent.image import JobSpec
 from agent.jobs import procs
-from agent.jobs.launch import end_unstarted, fd_path, refuse_hidden, tail, tmp_keeps, wait_for_child, which
+from agent.jobs.launch import (
+    check_cwd,
+    end_unstarted,
+    exit_words,
+    fd_path,
+    find_command,
+    refuse_hidden,
+    tail,
+    tmp_keeps,
+    wait_for_child,
+)
 from agent.jobs.network import JobNetwork, veth_name
 from agent.jobs.record import (
     JOB_TRANSITIONS,
@@ -94,6 +104,16 @@ def _gpus_of(raw: str) -> tuple[str, ...] | None:
     if not isinstance(gpus, list) or not all(isinstance(u, str) for u in gpus):
         return None
     return tuple(gpus)
+
+
+def _forget_hint(rec: JobRecord) -> str:
+    """What to do before `ferry forget` of a job that still holds its name."""
+    if rec.state is JobState.MIGRATING:  # a stop now is remembered, and carried out when it settles
+        return (
+            f"wait until its move settles (`ferry ps`), or `ferry stop {rec.name}`, which takes effect "
+            "then; forget it once it has ended"
+        )
+    return f"`ferry stop {rec.name}` first"
 
 
 class JobRegistry:
@@ -211,8 +231,7 @@ class JobRegistry:
             raise InvalidArgumentError(f"working directory {cwd!r} must be an absolute path")
         if any("\0" in s for s in [cwd, *command, *env]):
             raise InvalidArgumentError("command, environment and cwd may not contain null (NUL) bytes")
-        if not os.path.isdir(cwd):
-            raise InvalidArgumentError(f"working directory {cwd!r} does not exist on {self.node}")
+        check_cwd(cwd, self.node)
         # The agent's own settings (fault injection in tests, TLS paths) are not the job's business.
         job_env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
         for item in env:
@@ -224,6 +243,7 @@ class JobRegistry:
             job_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         init = self._init_binary or config.init_binary()
         refuse_hidden(cwd, "working directory", self.node)
+        program = find_command(command[0], cwd, job_env, self.node)
         with self._lock:
             self.reserve_name(name)
             d = self.job_dir(name)
@@ -232,7 +252,7 @@ class JobRegistry:
             out_path.write_bytes(b"")
             err_path.write_bytes(b"")
             ours, theirs = socket.socketpair()
-            keep = tmp_keeps([cwd, init, which(command[0], job_env), *command[1:]])
+            keep = tmp_keeps([cwd, init, program, *command[1:]])
             args = [init, "--private", *(["--netns"] if self.network else [])]
             args += [a for k in keep for a in ("--keep", k)]
             args += ["--logs", str(d)]
@@ -449,7 +469,7 @@ class JobRegistry:
                 raise RefusedError(
                     f"job {name!r} is {rec.state.value}; only an ended job's record can be forgotten",
                     node=self.node,
-                    hint=f"`ferry stop {name}` first",
+                    hint=_forget_hint(rec),
                 )
             del self._jobs[name]
             shutil.rmtree(self.job_dir(name), ignore_errors=True)
@@ -508,7 +528,7 @@ class JobRegistry:
                     self._watch(rec, None)
                 elif rec.state is JobState.RUNNING and (code := exit_status(rec)) is not None:
                     rec.state = JOB_TRANSITIONS.check(rec.state, JobState.EXITED, rec.name)
-                    rec.exit_code, rec.note = code, f"exited with status {code} while the agent was down"
+                    rec.exit_code, rec.note = code, f"{exit_words(code)} while the agent was down"
                     self.save(rec)
                 else:
                     rec.state = JOB_TRANSITIONS.check(rec.state, JobState.LOST, rec.name)
@@ -547,7 +567,7 @@ class JobRegistry:
             if rec.state is JobState.RUNNING:
                 rec.state = JOB_TRANSITIONS.check(rec.state, JobState.EXITED, name)
                 if code is not None:  # unknown for a process we did not start: keep what the note says
-                    rec.note = f"exited with status {code}"
+                    rec.note = exit_words(code)
                 log.info("job %s: exited (%s)", name, code)
             self.save(rec)
 

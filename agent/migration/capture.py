@@ -3,6 +3,8 @@ timings, the checks before a freeze, and what CRIU must be told about the job.""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -50,6 +52,23 @@ def dump_externals(rec: JobRecord, link: LinkLock | None = None) -> list[str]:
     """What CRIU must treat as outside the job: its log mount and its link."""
     ext = [f"mnt[{LOG_MOUNT}]:{LOG_MOUNT_KEY}"] if rec.private else []
     return ext + (link.external() if link is not None else [])
+
+
+def estimated_bytes(rec: JobRecord, fp: Footprint) -> int:
+    """About what a dump of the job writes: its tree's resident memory, and the device memory its
+    CUDA checkpoint copies into it (a move's Prepare asks the target for this much)."""
+    return procs.tree_rss(rec.pid) + fp.gpu_bytes
+
+
+def log_bytes(rec: JobRecord) -> int:
+    """The job's logs, which travel with its image (copy_logs)."""
+    if rec.kind is not JobKind.LAUNCHED:
+        return 0
+    total = 0
+    for path in (rec.stdout_path, rec.stderr_path):
+        with contextlib.suppress(OSError):
+            total += os.stat(path).st_size
+    return total
 
 
 def require_host_memory(fp: Footprint, node: str) -> None:

@@ -9,9 +9,11 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import cast
 
 from agent import faults
 from agent.criu.dumpable import refuse_undumpable
+from agent.criu.logs import CriuLogs
 from agent.criu.runner import Criu
 from agent.cuda import driver as cuda
 from agent.cuda.jobs import CudaJobs, Footprint
@@ -22,16 +24,19 @@ from agent.jobs import procs
 from agent.jobs.network import LinkLock
 from agent.jobs.record import JobRecord, JobState
 from agent.jobs.registry import JobRegistry
-from agent.migration import rollback
+from agent.migration import copies, rollback
 from agent.migration.capture import (
     Phases,
     copy_logs,
     dump_externals,
+    estimated_bytes,
+    log_bytes,
     needs_shell_job,
     require_host_memory,
 )
 from agent.migration.journal import SOURCE, TARGET, Journal, JournaledRecord, MigrationRecord
 from agent.migration.model import Emit, MigrationResult, Progress
+from agent.migration.outdir import OutDir
 from agent.migration.restore import restore_tree
 from agent.migration.states import (
     SOURCE_TRANSITIONS,
@@ -63,6 +68,11 @@ def checkpoint(
     A CUDA job's device memory is saved too; ending it frees its GPUs. Every step is journaled
     as a move's is (kind "checkpoint" or "suspend", no peer): after a crash, recovery resumes
     the frozen job, or ends it once RESTORING says the image holds it (SourceRecovery).
+
+    Before anything freezes, `out_dir` must take files and have room for the image's estimate.
+    CRIU logs where a migration's does (`<state>/criu-logs/<id>/`, kept if it fails): never in
+    `out_dir`, which may be read-only or full. A failure resumes the job and removes what the
+    checkpoint wrote in `out_dir` (OutDir), naming a full filesystem as such.
     """
     cj = cuda_jobs
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -74,6 +84,8 @@ def checkpoint(
     record = MigrationRecord(mid, SOURCE, name, MigrationState.PREPARING.value, kind=kind, image=str(out_dir))
     op = JournaledRecord(journal, record, SOURCE_TRANSITIONS, MigrationState)
     op.save(pids=[rec.pid])
+    out = OutDir(out_dir, node)
+    criu_logs = CriuLogs(registry.root.parent)
 
     def frozen(pids: list[int], left: CudaLeft) -> rollback.FrozenCopy:
         return rollback.FrozenCopy(rec, pids, link, fp.pids, left)
@@ -88,7 +100,7 @@ def checkpoint(
         refuse_undumpable(tree, node, step="checkpoint", same_node=True)
         fp = cj.inspect(tree)
         require_host_memory(fp, node)
-        out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the job's memory: root only
+        out.prepare(estimated_bytes(rec, fp) + log_bytes(rec))
         emit(Progress("dump", f"dumping job {name} to {out_dir}"))
         if fp.processes:
             op.to(MigrationState.LOCKING, cuda_pids=fp.pids)
@@ -107,6 +119,7 @@ def checkpoint(
                 out_dir,
                 shell_job=shell_job,
                 external=dump_externals(rec, link),
+                log_dir=criu_logs.dir_for(mid),
                 on_start=lambda pid: op.save(criu_pid=pid, criu_started=procs.create_time(pid)),
             ),
         )
@@ -126,10 +139,11 @@ def checkpoint(
                 timings=dict(phases.times),
                 gpu_bytes=fp.gpu_bytes,
                 cuda=fp.section(),
+                image_id=mid,
             ),
         )
     except Exception as exc:
-        e = as_ferry_error(exc, "checkpoint", node)
+        e = out.failed(as_ferry_error(exc, "checkpoint", node), exc)
         note = f"checkpoint failed: {e.cause}"
 
         def failed(r: rollback.Resumed) -> str:
@@ -140,6 +154,8 @@ def checkpoint(
             registry, cj.driver, frozen(pids, left), failed, cuda_back=lambda: cj.release(fp)
         )
         op.to(MigrationState.ABORTED, note=failed(done))
+        if removed := out.remove():  # an unfinished image (no manifest): nothing can restore it
+            e.cause += f"; {removed}"
         if done.summary():
             e.cause += f"; {done.summary()}"
             e.hint = cuda.UNDO_HINT if done.undone else e.hint
@@ -148,6 +164,7 @@ def checkpoint(
             raise
         raise e from exc
     assert isinstance(m, Manifest)
+    criu_logs.done(mid)
     if leave_running:
 
         def saved(r: rollback.Resumed) -> str:
@@ -214,30 +231,47 @@ def restore_image(
     node: str,
     cuda_jobs: CudaJobs,
     journal: Journal,
+    *,
+    as_copy: bool = False,
 ) -> JobRecord:
     """Resume a saved image on this node, after checking every digest; a CUDA job onto suitable
     GPUs, claimed in the node's GPU ledger until the restored job holds them. Journaled as a
-    target's restore is (LocalRestore): a crash before its commit point leaves nothing running."""
+    target's restore is (LocalRestore): a crash before its commit point leaves nothing running.
+
+    Refused while the image's job runs here, or once the image was restored (agent.migration.copies),
+    unless `as_copy`: a second copy, under its own `name` and, on a job network, its own address.
+    """
     if not image_dir.is_dir():
         raise NotFoundError(f"no image directory {image_dir} on this node", node=node)
-    m = verify(image_dir)
-    cj = cuda_jobs
-    job = name or m.job.name
-    owner = f"the restore of job {job}"
-    try:
-        gpu_map = claim_gpus(cj, m, owner, job)
-        onto = f" onto {', '.join(gpu_map.values())}" if gpu_map else ""
-        rec = LocalRestore(journal, job, node).restore(
-            registry,
-            criu,
-            image_dir,
-            m,
-            note=f"restored from {image_dir}{onto}",
-            cuda_jobs=cj,
-            gpu_map=gpu_map,
-        )
-    finally:
-        cj.ledger.release(owner)
+    with copies.one_restore(image_dir, node):
+        m = verify(image_dir)
+        if as_copy:
+            here, old = copies.copy_of(registry, m, name, node)
+        else:
+            copies.refuse_duplicate(registry, journal, image_dir, m, node)
+            here, old = m, ""
+        job = name or m.job.name
+        owner = f"the restore of job {job}"
+        checked = copies.CheckedRestore(criu, here.job, image_dir, registry.network, old)
+        copy = f"; a second copy of job {m.job.name!r}" if as_copy else ""
+        at = f", at its own address {here.job.address}" if old else ""
+        try:
+            gpu_map = claim_gpus(cuda_jobs, m, owner, job)
+            onto = f" onto {', '.join(gpu_map.values())}" if gpu_map else ""
+            local = LocalRestore(
+                journal, job, node, image=copies.image_key(image_dir), mark=image_dir, copy=as_copy
+            )
+            rec = local.restore(
+                registry,
+                cast(Criu, checked),
+                image_dir,
+                here,
+                note=f"restored from {image_dir}{onto}{copy}{at}",
+                cuda_jobs=cuda_jobs,
+                gpu_map=gpu_map,
+            )
+        finally:
+            cuda_jobs.ledger.release(owner)
     log.info("job %s: restored from %s as pid %d", rec.name, image_dir, rec.pid)
     return rec
 
@@ -247,10 +281,22 @@ class LocalRestore:
     journaled as a target's restore is: RESTORING before CRIU starts (with
     CRIU's pid once it runs), RUNNING at the commit point, before the restored job is released.
     After a crash, target recovery kills a restore that did not reach RUNNING
-    (agent.migration.target_recovery), so no copy runs that its node has not recorded."""
+    (agent.migration.target_recovery), so no copy runs that its node has not recorded.
+    A restore's record names its image; once RUNNING is journaled, the restore is also added to
+    the image's own record of restores (`mark`: the image directory), which a later restore reads."""
 
-    def __init__(self, journal: Journal, job: str, node: str, kind: str = "restore", image: str = "") -> None:
+    def __init__(
+        self,
+        journal: Journal,
+        job: str,
+        node: str,
+        kind: str = copies.KIND_RESTORE,
+        image: str = "",
+        mark: Path | None = None,
+        copy: bool = False,
+    ) -> None:
         self.node = node
+        self.mark, self.copy = mark, copy
         mid = f"{kind}-{uuid.uuid4().hex[:12]}"
         record = MigrationRecord(mid, TARGET, job, TargetState.VERIFIED.value, kind=kind, image=image)
         self.op = JournaledRecord(journal, record, TARGET_TRANSITIONS, TargetState)
@@ -294,6 +340,8 @@ class LocalRestore:
     def commit_point(self, rec: JobRecord) -> None:
         faults.check("restore-held", self.node)
         self.op.to(TargetState.RUNNING)
+        if self.mark is not None:
+            copies.mark(self.mark, rec.name, self.node, self.op.record.migration_id, self.copy)
 
     def failed(self, why: str) -> None:
         if self.op.record.state == TargetState.RESTORING.value:  # past RUNNING the job runs on
@@ -339,7 +387,7 @@ def resume_preempted(
     try:
         gpu_map = claim_gpus(cuda_jobs, m, owner, rec.name)
         try:
-            verify(image_dir, m)
+            verify(image_dir, m, allow_legacy=True)  # written by this agent, into its state directory
             new = LocalRestore(journal, rec.name, node, kind="resume", image=str(image_dir)).restore(
                 registry,
                 criu,

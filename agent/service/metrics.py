@@ -112,15 +112,10 @@ class AgentMetrics:
         what stops it."""
         from prometheus_client import start_http_server
 
-        host, port = client.split_address(address, listen=True)
+        host, port = check_listen(address, identity)
         tls: dict[str, Any] = {}
         if not client.is_loopback(host):
-            if identity is None:
-                raise InvalidArgumentError(
-                    f"--metrics-listen {address} is not loopback: metrics off loopback are served only "
-                    "over mutual TLS, and this agent has no certificate (--insecure)",
-                    hint="serve metrics on 127.0.0.1, or run the agent with --tls-dir",
-                )
+            assert identity is not None  # check_listen refuses plain HTTP off loopback
             tls = {
                 "certfile": str(identity.cert_path),
                 "keyfile": str(identity.key_path),
@@ -135,7 +130,7 @@ class AgentMetrics:
                 f"cannot serve metrics on {address}: {e.strerror or e}",
                 hint="pick another --metrics-listen",
             ) from e
-        self.address = f"{host}:{server.server_address[1]}"
+        self.address = host_port(host, server.server_address[1])
         log.info("metrics on %s://%s/metrics", "https" if tls else "http", self.address)
 
         def stop() -> None:
@@ -144,6 +139,39 @@ class AgentMetrics:
             thread.join(5)
 
         return stop
+
+
+def split_listen(address: str, option: str) -> tuple[str, int]:
+    """An address to listen on, `HOST:PORT` or `[V6]:PORT` (port 0: any), as (host, port); anything
+    else is named as the option's (`--listen`, `--metrics-listen`), not as an agent's address."""
+    host, sep, port = address.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    host = host[1:-1] if bracketed else host
+    well_formed = sep and host and (bracketed or ":" not in host) and "[" not in host and "]" not in host
+    if not well_formed or not (port.isascii() and port.isdigit() and int(port) < 65536):
+        raise InvalidArgumentError(
+            f"invalid {option} {address!r}: expected HOST:PORT (an IPv6 address in brackets, "
+            "[::1]:PORT; port 0: any free one)"
+        )
+    return host, int(port)
+
+
+def check_listen(address: str, identity: Identity | None) -> tuple[str, int]:
+    """`--metrics-listen` as (host, port), before the agent starts: malformed, or off loopback
+    without the agent's certificate, is refused (exit 2)."""
+    host, port = split_listen(address, "--metrics-listen")
+    if not client.is_loopback(host) and identity is None:
+        raise InvalidArgumentError(
+            f"--metrics-listen {address} is not loopback: metrics off loopback are served only "
+            "over mutual TLS, and this agent has no certificate (--insecure)",
+            hint="serve metrics on 127.0.0.1, or run the agent with --tls-dir",
+        )
+    return host, port
+
+
+def host_port(host: str, port: int) -> str:
+    """HOST:PORT as a URL or a --listen takes it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _dir_bytes(root: Path) -> int:

@@ -388,15 +388,14 @@ class AgentNode:
         out = Path(out_dir)
         return self.run_move(lambda emit: self._checkpoint(name, out, leave_running, emit))
 
-    def restore(self, image: str, name: str) -> JobRecord:
+    def restore(self, image: str, name: str, as_copy: bool = False) -> JobRecord:
         if not os.path.isabs(image):
             raise InvalidArgumentError(f"image directory must be an absolute path, got {image!r}")
         if name:
             check_job_name(name)
         with self.counted():
-            return restore_image(
-                self.registry, self.criu, Path(image), name, self.node, self.cuda, self.journal
-            )
+            args = (self.registry, self.criu, Path(image), name, self.node, self.cuda, self.journal)
+            return restore_image(*args, as_copy=as_copy)  # as_copy: a second copy, named `name`
 
     def resolve(self, name: str, action: Resolution) -> JobRecord:
         check_job_name(name)

@@ -19,8 +19,10 @@ from grpc_reflection.v1alpha import reflection
 from agent import __version__, client, tls
 from agent.agent_config import AgentConfig
 from agent.errors import InvalidArgumentError
+from agent.jobs.network import JobNetwork
 from agent.migration.staging import private_dir
 from agent.rpc import pb, pb_grpc
+from agent.service import metrics
 from agent.service.follow import CONTROL_WORKERS, FOLLOW_SLOTS, FollowSlots
 from agent.service.node import AgentNode
 from agent.service.servicer import AgentService
@@ -33,7 +35,7 @@ DRAIN_S = 600.0
 
 
 def check_listen(address: str, insecure: bool, identity: tls.Identity | None) -> None:
-    host, _ = client.split_address(address, listen=True)
+    host, _ = metrics.split_listen(address, "--listen")
     if insecure and identity is not None:
         raise InvalidArgumentError("--insecure and --tls-dir exclude each other: serve TLS or plaintext")
     if insecure and not client.is_loopback(host):
@@ -149,11 +151,15 @@ def serve(
     """Run until SIGTERM/SIGINT; then health says NOT_SERVING, and in-flight moves, restores and
     preemptions finish (or abort) before the agent exits."""
     check_listen(address, insecure, identity)
+    if metrics_listen:
+        metrics.check_listen(metrics_listen, identity)
     if identity is not None and identity.name != node:
         raise InvalidArgumentError(
             f"this node is {node!r} but its certificate names {identity.name!r}; peers check that they match",
             hint=f"pass --node-name {identity.name}, or issue a certificate for {node}",
         )
+    if config is not None and config.network.enabled:  # not every `ferry run` failing later
+        JobNetwork(config.network, node).check_bridge()
     lock_state_dir(state_dir, node)  # held until this process ends
     private_dir(staging_root, node)  # refuse a planted or shared staging dir before serving
     service = AgentNode(state_dir, node, staging_root, dial=client.Dial(identity, insecure), config=config)
@@ -164,19 +170,27 @@ def serve(
     server, port = create_server(
         address, service, identity=identity, socket_path=socket_path, health_servicer=health_servicer
     )
-    stop_metrics = service.metrics.serve(metrics_listen, identity) if metrics_listen else None
-    if stop_metrics is not None:  # before "listening on", which tells a launcher the agent is up
-        print(f"ferry agent: metrics on {service.metrics.address}/metrics", flush=True)
-    service.recover()
-    server.start()
+    stop_metrics = None
+    try:
+        stop_metrics = service.metrics.serve(metrics_listen, identity) if metrics_listen else None
+        if stop_metrics is not None:  # before "listening on", which tells a launcher the agent is up
+            print(f"ferry agent: metrics on {service.metrics.address}/metrics", flush=True)
+        service.recover()
+        server.start()
+    except BaseException:  # an agent that does not start leaves no socket for the next one to trip on
+        server.stop(None)
+        if socket_path is not None:
+            socket_path.unlink(missing_ok=True)
+        if stop_metrics is not None:
+            stop_metrics()
+        raise
     host, _ = client.split_address(address, listen=True)
     mode = f"mutual TLS as {identity.name}" if identity else "plaintext (--insecure)"
     log.info(
-        "ferry agent %s (node %s) listening on %s:%d (%s), state in %s",
+        "ferry agent %s (node %s) listening on %s (%s), state in %s",
         __version__,
         node,
-        host,
-        port,
+        metrics.host_port(host, port),
         mode,
         state_dir,
     )
@@ -191,7 +205,7 @@ def serve(
         cfg.path or "no --config",
         cfg.health.interval_s,
     )
-    print(f"ferry agent: node {node} listening on {host}:{port}", flush=True)
+    print(f"ferry agent: node {node} listening on {metrics.host_port(host, port)}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

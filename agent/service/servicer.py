@@ -148,7 +148,7 @@ class AgentService(pb_grpc.AgentServicer):
 
     @rpc
     def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> pb.Job:
-        return job_pb(self.agent.restore(request.image_dir, request.name), self.node)
+        return job_pb(self.agent.restore(request.image_dir, request.name, request.as_copy), self.node)
 
     @rpc
     def Resolve(self, request: pb.ResolveRequest, context: grpc.ServicerContext) -> pb.Job:

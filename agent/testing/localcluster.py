@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -26,8 +27,8 @@ from pathlib import Path
 
 from agent.jobs import procs
 
-_LISTENING = re.compile(r"listening on ([0-9.]+:\d+)")
-_METRICS = re.compile(r"metrics on ([0-9.]+:\d+)/metrics")
+_LISTENING = re.compile(r"listening on ([0-9.]+:\d+|\[[0-9a-fA-F:.]+\]:\d+)")
+_METRICS = re.compile(r"metrics on ([0-9.]+:\d+|\[[0-9a-fA-F:.]+\]:\d+)/metrics")
 _SEQ = count()
 #: CLI commands that run on their own, not through the agent's socket.
 _LOCAL_COMMANDS = ("inspect", "doctor", "certs")
@@ -109,8 +110,11 @@ class LocalAgent:
             self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+            except (
+                subprocess.TimeoutExpired
+            ):  # with its CRIU children (its process group; jobs have their own)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         code = self.proc.returncode
         self.proc = None
@@ -179,3 +183,119 @@ class LocalAgent:
     def cli_prefix(self) -> list[str]:
         """What the CLI runs under to be on this agent's node (nothing: this host)."""
         return []
+
+
+#: The parent run_to_the_end gives a command: a child subreaper (prctl), so that whatever the
+#: command leaves behind when its own parent ends (an agent put in the background by a shell that
+#: exited, a job in a session of its own) is re-parented to it, not to init, and stays in its tree
+#: until ended; it reaps them all, says the command's exit status on fd $1, and exits with the
+#: last of them.
+_SUBREAPER = r"""
+import ctypes, os, sys
+if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
+    sys.exit("run_to_the_end: cannot become a child subreaper")
+said = int(sys.argv[1])
+command = os.fork()
+if command == 0:
+    os.close(said)
+    try:
+        os.execvp(sys.argv[2], sys.argv[2:])
+    except OSError as e:
+        print(f"{sys.argv[2]}: {e.strerror}", file=sys.stderr)
+    os._exit(127)
+while True:
+    try:
+        pid, status = os.wait()
+    except ChildProcessError:
+        break
+    if pid == command:
+        os.write(said, b"%d\n" % os.waitstatus_to_exitcode(status))
+"""
+
+
+def run_to_the_end(cmd: list[str], timeout_s: float, **popen: object) -> subprocess.CompletedProcess[str]:
+    """Run cmd, its output in files, under a parent that keeps all it starts (_SUBREAPER), and end
+    everything it started (`end_family`) once it exits, times out (TimeoutExpired, with its output)
+    or the caller is interrupted (a test's timeout, Ctrl-C): agents it put in the background,
+    their CRIU children and jobs never outlive it, nor hold its output open."""
+    said, tell = os.pipe()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        try:
+            proc = subprocess.Popen(  # type: ignore[call-overload]
+                [sys.executable, "-c", _SUBREAPER, str(tell), *cmd],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+                pass_fds=(tell,),
+                **popen,
+            )
+        except BaseException:
+            os.close(said)
+            raise
+        finally:
+            os.close(tell)
+        try:
+            ready, _, _ = select.select([said], [], [], timeout_s)
+            status = os.read(said, 64).decode().strip() if ready else None
+        finally:
+            end_family(proc.pid)
+            proc.wait()
+            os.close(said)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = (f.read().decode(errors="replace") for f in (out, err))
+    if status is None:
+        raise subprocess.TimeoutExpired(cmd, timeout_s, stdout, stderr)
+    return subprocess.CompletedProcess(cmd, int(status or proc.returncode), stdout, stderr)
+
+
+def end_family(root: int, timeout_s: float = 10.0) -> list[int]:
+    """SIGKILL root and all it started: its descendants and the rest of its session and process
+    group (root leads both: start_new_session), background children orphaned by their shell
+    included. All are frozen (SIGSTOP) as they are found, so that none forks behind the search;
+    then all but root are killed, root goes on (a subreaper reaps them) until they are gone or
+    zombies, and is killed last. Returns the PIDs still there after timeout_s, root aside (the
+    caller's child, to reap)."""
+    found: set[int] = set()
+    while new := _family(root, _processes()) - found:
+        procs.signal_all(sorted(new), signal.SIGSTOP)
+        found |= new
+    others = sorted(found - {root})
+    procs.signal_all(others, signal.SIGKILL)
+    procs.signal_all([root], signal.SIGCONT)
+    deadline = time.monotonic() + timeout_s
+    while (left := [p for p in others if procs.alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    while (zombies := [p for p in others if os.path.exists(f"/proc/{p}")]) and time.monotonic() < deadline:
+        time.sleep(0.02)  # a subreaper root reaps them
+    procs.signal_all([root], signal.SIGKILL)
+    return left or zombies
+
+
+def _processes() -> dict[int, tuple[int, int, int]]:
+    """Every process now: pid → (parent, process group, session)."""
+    out: dict[int, tuple[int, int, int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:  # gone meanwhile
+            continue
+        out[int(entry)] = (int(fields[1]), int(fields[2]), int(fields[3]))
+    return out
+
+
+def _family(root: int, table: dict[int, tuple[int, int, int]]) -> set[int]:
+    """root, the members of its session and process group, and their descendants; never this
+    process or its ancestors."""
+    spared, pid = set(), os.getpid()
+    while pid > 0 and pid not in spared:
+        spared.add(pid)
+        pid = table.get(pid, (0, 0, 0))[0]
+    family = {p for p, (_, group, session) in table.items() if p == root or root in (group, session)}
+    while more := {p for p, (parent, _, _) in table.items() if parent in family and p not in family}:
+        family |= more
+    return family - spared

@@ -145,10 +145,19 @@ def test_an_agent_lost_past_the_bound_ends_with_255_naming_it(monkeypatch, capfd
 
 
 def test_the_bound_is_reconnect_s(monkeypatch, capfd, clock) -> None:
-    agent(monkeypatch, jobs=[lost()], logs=[b""])
+    agent(monkeypatch, jobs=[job(RUNNING), lost()], logs=[lost()])
     with pytest.raises(fl.EndUnknown, match=r"unreachable for 5 s \(--reconnect-s\)"):
         fl.follow(args(reconnect_s=5.0), "j")
     assert clock.now - 1000.0 <= 5.5
+
+
+def test_an_agent_never_reached_is_an_error_at_once(monkeypatch, clock) -> None:
+    """A wrong address or an agent not running: no answer about the job ever came, so there is
+    nothing to wait for."""
+    agent(monkeypatch, jobs=[lost()], logs=[b""])
+    with pytest.raises(FerryError, match="unreachable"):
+        fl.follow(args(reconnect_s=5.0), "j")
+    assert clock.now == 1000.0
 
 
 def test_a_refusal_is_not_retried(monkeypatch, clock) -> None:

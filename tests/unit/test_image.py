@@ -13,15 +13,21 @@ from agent.errors import ImageError, TransferError
 from agent.image import (
     MANIFEST,
     MANIFEST_VERSION,
+    RESTORES,
     STDOUT_LOG,
     FileEntry,
     JobSpec,
     Manifest,
+    Restored,
     build_manifest,
     check_name,
+    describes,
     image_files,
     inspect_data,
+    mark_restored,
     read_manifest,
+    restored,
+    section_digests,
     verify,
     write_manifest,
 )
@@ -136,6 +142,98 @@ def test_verify_refuses_a_manifest_with_an_unsafe_name(image: Path) -> None:
 def test_local_only_files_do_not_count(image: Path) -> None:
     (image / "criu-restore.log").write_text("written by a restore, later")
     verify(image)
+
+
+# -- what the digests cover beside the files (issue 28, defect 6) ------------------------------
+
+
+def test_every_part_of_the_manifest_but_its_files_has_a_digest(image: Path) -> None:
+    d = _manifest_dict(image)
+    listed = d["sections"]
+    assert {f"job.{k}" for k in d["job"]} <= set(listed)  # field by field: command, cwd, env, name...
+    assert {"source_node", "created_at", "cuda", "criu_stats", "version", "image_id"} <= set(listed)
+    assert not {"files", "image_bytes", "sections"} & set(listed)  # files have digests of their own
+    assert listed == section_digests(d)
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("job", "command"), ["python", "evil.py"]),
+        (("job", "cwd"), "/elsewhere"),
+        (("job", "env"), ["SEED=2"]),
+        (("job", "name"), "other"),
+        (("job", "priority"), "low"),
+        (("job", "address"), "10.77.1.9"),
+        (("source_node",), "nodez"),
+        (("timings",), {"dump": 0.1}),
+    ],
+)
+def test_an_edited_part_of_the_manifest_is_refused_naming_it(image: Path, path: tuple, value: object) -> None:
+    d = _manifest_dict(image)
+    *outer, key = path
+    target = d[outer[0]] if outer else d
+    target[key] = value
+    (image / MANIFEST).write_text(json.dumps(d))
+    name = ".".join(path)
+    with pytest.raises(
+        ImageError, match=rf"manifest\.json: {name} does not match its digest: the manifest was edited"
+    ):
+        verify(image)  # before: accepted, and `ferry ps` showed the edited value
+    with pytest.raises(ImageError, match=f"{name} does not match its digest"):
+        inspect_data(image, check=False)  # read at all: the same check
+
+
+def test_a_part_without_a_digest_or_a_digest_without_a_part_is_refused(image: Path) -> None:
+    d = _manifest_dict(image)
+    del d["sections"]["job.cwd"]
+    with pytest.raises(ImageError, match=r"job\.cwd is covered by no digest"):
+        Manifest.from_json(json.dumps(d).encode())
+    d = _manifest_dict(image)
+    d["sections"]["job.token"] = "0" * 64
+    with pytest.raises(ImageError, match=r"job\.token has a digest but is missing from the manifest"):
+        Manifest.from_json(json.dumps(d).encode())
+    d["sections"] = ["not", "an", "object"]
+    with pytest.raises(ImageError, match="sections is not an object"):
+        Manifest.from_json(json.dumps(d).encode())
+
+
+def test_an_earlier_ferrys_manifest_is_read_but_verified_only_when_allowed(image: Path) -> None:
+    d = _manifest_dict(image)
+    del d["sections"]
+    del d["image_id"]
+    (image / MANIFEST).write_text(json.dumps(d))
+    assert read_manifest(image).legacy and read_manifest(image).job == JOB
+    with pytest.raises(ImageError, match="written by an earlier ferry, and no digest covers its job") as ei:
+        verify(image)
+    assert "--no-verify" in ei.value.hint
+    assert verify(image, allow_legacy=True).job == JOB  # a preempted job's own image
+    write_manifest(image, read_manifest(image))
+    assert not read_manifest(image).legacy  # written again: covered
+
+
+def test_the_record_of_restores_is_local_and_never_read_as_none(image: Path) -> None:
+    assert restored(image) == []
+    mark_restored(image, Restored("train", "nodea", "restore-1", 100.0))
+    mark_restored(image, Restored("copy", "nodeb", "restore-2", 200.0, copy=True))
+    assert [(r.job, r.node, r.copy) for r in restored(image)] == [
+        ("train", "nodea", False),
+        ("copy", "nodeb", True),
+    ]
+    verify(image)  # beside the image, not in it: it never travels
+    assert RESTORES not in [p.name for p in image_files(image)]
+    (image / RESTORES).write_text("{")
+    with pytest.raises(ImageError, match="the record of this image's restores, is unreadable") as ei:
+        restored(image)
+    assert "move that file away" in ei.value.hint
+
+
+def test_a_job_is_the_images_by_its_address_or_its_name_command_and_cwd() -> None:
+    assert describes(JOB, "train", JOB.command, "/work", "")
+    assert not describes(JOB, "train", ["python", "other.py"], "/work", "")
+    assert not describes(JOB, "train2", JOB.command, "/work", "")
+    on_net = JobSpec(**{**JOB.__dict__, "address": "10.77.1.5"})
+    assert describes(on_net, "renamed", ["x"], "/", "10.77.1.5")
 
 
 def test_a_directory_without_a_manifest_is_not_an_image(tmp_path: Path) -> None:
