@@ -62,6 +62,19 @@ def keys(tmp_path: Path) -> DataTls:
     return DataTls(DataIdentity.new("nodeb m1"), DataIdentity.new("nodea m1").cert_pem, tmp_path / "staging")
 
 
+class _UnreadableRegistry:
+    def get(self, job: str) -> object:
+        raise OSError("job record unreadable")
+
+
+def unkillable_postcopy(table: IncomingTable, tmp_path: Path) -> tuple[Incoming, TargetEffects, list[str]]:
+    """A post-copy migration whose job here cannot be ended (its record cannot be read), its
+    effects' executor, and the ends it reports."""
+    ended: list[str] = []
+    effects = TargetEffects(table, _UnreadableRegistry(), None, ended.append)  # type: ignore[arg-type]
+    return incoming(tmp_path, T.POSTCOPY), effects, ended
+
+
 def test_a_drop_journals_dropping_and_hands_out_what_it_holds_in_order(
     table: IncomingTable, tmp_path: Path
 ) -> None:
@@ -127,13 +140,7 @@ def test_a_copy_here_that_could_not_be_ended_is_never_said_aborted(
     """Fail closed: the source resumes its own copy on ABORTED, so a post-copy whose job here could
     not be killed stays UNWINDING (read as RESTORING: the source holds) until a restart."""
 
-    class Registry:
-        def get(self, job: str) -> object:
-            raise OSError("job record unreadable")
-
-    inc = incoming(tmp_path, T.POSTCOPY)
-    ended: list[str] = []
-    effects = TargetEffects(table, Registry(), None, ended.append)  # type: ignore[arg-type]
+    inc, effects, ended = unkillable_postcopy(table, tmp_path)
     with table.lock:
         table.add_locked(inc, None)
     effects.unwind(inc, "pages stopped")
@@ -200,13 +207,7 @@ def test_a_copy_that_could_not_be_ended_on_its_own_thread_is_never_said_aborted(
     """Fail closed off the caller's thread too (TargetEffects.finish_later): the unwinding's
     thread ends, and the migration stays UNWINDING."""
 
-    class Registry:
-        def get(self, job: str) -> object:
-            raise OSError("job record unreadable")
-
-    inc = incoming(tmp_path, T.POSTCOPY)
-    ended: list[str] = []
-    effects = TargetEffects(table, Registry(), None, ended.append)  # type: ignore[arg-type]
+    inc, effects, ended = unkillable_postcopy(table, tmp_path)
     with table.lock:
         table.add_locked(inc, None)
         todo = table.unwind_locked(inc, "pages stopped")
