@@ -8,6 +8,7 @@ say `--insecure`.
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -131,6 +132,30 @@ def stub(address: str, dial: Dial) -> pb_grpc.AgentStub:
     return pb_grpc.AgentStub(channel(address, dial))
 
 
+#: gRPC's words for why a channel could not connect, and ours (the first that occurs wins).
+UNREACHABLE_WORDS = (
+    ("Connection refused", "connection refused: no agent listens there"),
+    ("Failed parsing HTTP/2", "something answers there, but not in gRPC: not an agent's --listen port"),
+    ("Expected SETTINGS frame", "something answers there, but not in gRPC: not an agent's --listen port"),
+    ("Socket closed", "it closed the connection: not an agent, or one that serves TLS"),
+    ("Connection reset", "it reset the connection: not an agent, or one that serves TLS"),
+    ("No route to host", "no route to its host"),
+    ("Network is unreachable", "its network is unreachable"),
+    ("DNS resolution failed", "its host name does not resolve"),
+    ("No such file or directory", "no such socket"),
+    ("Permission denied", "permission denied (the local socket is root's)"),
+    ("handshake", "the TLS handshake failed"),
+)
+#: What gRPC puts before the cause in an unreachable channel's details.
+_GRPC_PREFIX = r"^failed to connect to all addresses; last error: [A-Z_]+: (?:[a-z0-9]+:\S+: )?"
+
+
+def unreachable_cause(detail: str) -> str:
+    """Why a channel could not connect, in words (gRPC's own text, trimmed, where none fit)."""
+    why = next((ours for theirs, ours in UNREACHABLE_WORDS if theirs in detail), "")
+    return why or re.sub(_GRPC_PREFIX, "", detail) or "no cause given"
+
+
 def from_rpc_error(e: grpc.RpcError, address: str, step: str, dial: Dial | None = None) -> FerryError:
     """A remote agent's error as ours: its message already names step, node and cause.
 
@@ -143,7 +168,7 @@ def from_rpc_error(e: grpc.RpcError, address: str, step: str, dial: Dial | None 
     if tls_failed and not address.startswith("unix:") and (refused := tls.diagnose(address, dial.identity)):
         return refused.at(step=step)
     if code is grpc.StatusCode.UNAVAILABLE:
-        detail = f"agent {address} is unreachable ({detail})"
+        detail = f"agent {address} is unreachable: {unreachable_cause(detail)}"
     elif code is grpc.StatusCode.DEADLINE_EXCEEDED:
         detail = f"agent {address} did not answer in time"
     cls = _ERROR_BY_CODE.get(code, FerryError)

@@ -87,9 +87,11 @@ def agent_lost(e: FerryError) -> bool:
 def _why_lost(e: FerryError) -> str:
     import grpc
 
+    from agent.client import unreachable_cause
+
     cause = e.__cause__
     if isinstance(cause, grpc.RpcError) and (detail := cause.details()):
-        return str(detail)
+        return unreachable_cause(str(detail))
     return e.cause
 
 

@@ -128,46 +128,9 @@ def _check_peer(peer: str) -> None:
         raise Usage(f"ferry ps: --peer: {e.cause}") from e
 
 
-#: gRPC's words for why a channel could not connect, and ours (the first that occurs wins).
-_UNREACHABLE = (
-    ("Connection refused", "connection refused: no agent listens there"),
-    ("Failed parsing HTTP/2", "something answers there, but not in gRPC: not an agent's --listen port"),
-    ("Expected SETTINGS frame", "something answers there, but not in gRPC: not an agent's --listen port"),
-    ("Socket closed", "it closed the connection: not an agent, or one that serves TLS"),
-    ("Connection reset", "it reset the connection: not an agent, or one that serves TLS"),
-    ("No route to host", "no route to its host"),
-    ("Network is unreachable", "its network is unreachable"),
-    ("DNS resolution failed", "its host name does not resolve"),
-    ("No such file or directory", "no such socket"),
-    ("Permission denied", "permission denied (the local socket is root's)"),
-    ("handshake", "the TLS handshake failed"),
-)
-
-#: What gRPC puts before the cause in an unreachable channel's details.
-_GRPC_PREFIX = r"^failed to connect to all addresses; last error: [A-Z_]+: (?:[a-z0-9]+:\S+: )?"
-
-
 def _ask(args: argparse.Namespace, address: str, method: str, req: Any) -> Any:
-    """One call to one of the group's agents; an unreachable one is named in words, not gRPC's."""
-    import re
-
-    import grpc
-
-    from agent.cli.calls import dial
-    from agent.client import from_rpc_error, stub
-    from agent.errors import UnavailableError
-
-    creds = dial(at(args, address))
-    try:
-        return getattr(stub(address, creds), method)(req, timeout=10)
-    except grpc.RpcError as e:
-        err = from_rpc_error(e, address, method, creds)
-        if type(err) is UnavailableError:  # not a certificate that tls.diagnose named
-            detail = (e.details() if hasattr(e, "details") else "") or ""
-            why = next((ours for theirs, ours in _UNREACHABLE if theirs in detail), "")
-            why = why or re.sub(_GRPC_PREFIX, "", detail) or "no cause given"
-            err = UnavailableError(f"agent {address} is unreachable: {why}", step=method)
-        raise err from e
+    """One call to one of the group's agents (an unreachable one is named in words by the client)."""
+    return call(at(args, address), method, req, 10)
 
 
 def cmd_logs(args: argparse.Namespace) -> int:

@@ -187,7 +187,7 @@ def test_from_rpc_error_keeps_the_remote_message_verbatim() -> None:
 def test_from_rpc_error_unreachable_names_the_address() -> None:
     e = from_rpc_error(FakeRpcError(S.UNAVAILABLE, "connection refused"), "127.0.0.1:7071", "info")
     assert isinstance(e, UnavailableError)
-    assert str(e) == "info: agent 127.0.0.1:7071 is unreachable (connection refused)"
+    assert str(e) == "info: agent 127.0.0.1:7071 is unreachable: connection refused"
 
 
 def test_from_rpc_error_deadline_names_the_address() -> None:

@@ -264,7 +264,7 @@ def test_adopted_job_sends_its_host_pids(h: Harness, registry: JobRegistry, slee
 
 
 def test_unreachable_target_is_a_refusal_that_costs_nothing(h: Harness) -> None:
-    h.peer.fail["info"] = UnavailableError("agent 127.0.0.1:7071 is unreachable (connection refused)")
+    h.peer.fail["info"] = UnavailableError("agent 127.0.0.1:7071 is unreachable: connection refused")
     m = h.migration()
     with pytest.raises(RefusedError) as exc:
         m.run()
