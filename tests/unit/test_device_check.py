@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from importlib import metadata
 from pathlib import Path
 
@@ -65,9 +66,17 @@ def test_run_without_a_bundle_says_how_to_make_one(tmp_path: Path) -> None:
     assert "no bundle at .ferry/device: run 'scripts/device-check.sh bundle' first" in p.stderr
 
 
-def test_not_root_is_refused_first_with_one_line(tmp_path: Path) -> None:
+def test_not_root_is_refused_first_with_one_line() -> None:
     as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
-    p = subprocess.run([*as_nobody, "bash", str(SCRIPT), "run"], capture_output=True, text=True, timeout=60)
+    # A copy nobody can read wherever the checkout lives (a root-only home, pytest's 0700 tmp).
+    with tempfile.TemporaryDirectory(dir="/tmp") as d:
+        copy = Path(d) / "scripts" / "device-check.sh"
+        copy.parent.mkdir()
+        copy.write_bytes(SCRIPT.read_bytes())
+        for path in (Path(d), copy.parent):
+            path.chmod(0o755)
+        copy.chmod(0o644)
+        p = subprocess.run([*as_nobody, "bash", str(copy), "run"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 1
     said = (p.stdout + p.stderr).strip().splitlines()
     assert said == [said[0]] and said[0].startswith("device-check: STOPPED: not root (euid 65534)")
