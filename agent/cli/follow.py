@@ -206,6 +206,7 @@ def follow(
     # An agent never reached (a wrong address, one not running) is an error at once, not a wait:
     # only one that answered about the job (here, or the Run call before) can be lost.
     reached = into is not None
+    preempted = False  # said so already
     while True:
         here = at(args, f.agent)
         try:
@@ -248,6 +249,18 @@ def follow(
         if running(job):  # the agent ended the stream early: read on, not in a tight loop
             _sleep(POLL_S)
             continue
+        if job.state == pb.JOB_STATE_PREEMPTED:  # not its end: its agent resumes it by itself
+            if not preempted:
+                print(
+                    f"ferry: job {name} is preempted on {job.node_name} (suspended for a higher-priority "
+                    "job); it resumes there by itself once a GPU is free; waiting",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            preempted = True
+            _sleep(POLL_S)
+            continue
+        preempted = False
         if not drained:
             continue
         if not ending(job, f.ran):

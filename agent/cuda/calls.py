@@ -123,9 +123,13 @@ class InFlight:
 class CallTimedOut(CudaCheckpointError):
     """A driver call that did not return within its bound; it may still act on the process."""
 
-    def __init__(self, pid: int, action: str, cause: str, *, node: str = "", hint: str = "") -> None:
+    def __init__(
+        self, pid: int, action: str, cause: str, *, node: str = "", hint: str = "", refused: bool = False
+    ) -> None:
         super().__init__(pid, action, TIMED_OUT, "no answer in time", node=node, hint=hint)
         self.cause = f"cuda {action} of pid {pid} {cause}"
+        #: Never made: an earlier call on the process is still under way (else: this one is).
+        self.refused = refused
 
 
 class BoundedCalls:
@@ -136,14 +140,18 @@ class BoundedCalls:
         self.in_flight = in_flight
         self.node = node
         self._lock = threading.Lock()
-        self._stuck: dict[int, tuple[str, float]] = {}  # pid -> (action, monotonic start)
+        #: pid -> (action, monotonic start, the call's done-event): the call that ran past its bound.
+        self._stuck: dict[int, tuple[str, float, threading.Event]] = {}
         self._then: dict[int, list[Callable[[], object]]] = {}  # pid -> what runs once it returns
+        #: pid -> the thread running its `then`s: its own calls pass, everyone else's still wait.
+        self._putting_back: dict[int, int] = {}
 
     def when_returned(self, pid: int, then: Callable[[], object]) -> None:
         """Run `then` once the call stuck on pid returns (at once if none is): how a freeze that
-        gave up on a call puts the process back when the driver is done with it."""
+        gave up on a call puts the process back when the driver is done with it. Until it is done,
+        no one else's call reaches the process."""
         with self._lock:
-            if pid in self._stuck:
+            if pid in self._stuck and pid not in self._putting_back:
                 self._then.setdefault(pid, []).append(then)
                 return
         _run_logged(then, pid)
@@ -151,17 +159,18 @@ class BoundedCalls:
     def stuck(self) -> dict[int, str]:
         """PID -> the call still under way on it past its bound."""
         with self._lock:
-            return {pid: action for pid, (action, _) in self._stuck.items()}
+            return {pid: action for pid, (action, _, _) in self._stuck.items()}
 
     def run(self, pid: int, action: str, call: Callable[[], T], bound_s: float) -> T:
         with self._lock:
-            if pid in self._stuck:
-                earlier, since = self._stuck[pid]
+            if pid in self._stuck and self._putting_back.get(pid) != threading.get_ident():
+                earlier, since, _ = self._stuck[pid]
                 raise self._timed_out(
                     pid,
                     action,
                     f"refused: the driver's {earlier} call on it, begun "
                     f"{time.monotonic() - since:.0f} s ago, has not returned",
+                    refused=True,
                 )
         token = self.in_flight.begin(pid, action)
         done = threading.Event()
@@ -175,10 +184,14 @@ class BoundedCalls:
                 outcome["error"] = e
             finally:
                 InFlight.end(token)
+                # Decided under the lock, as the caller decides: either it sees the call done, or
+                # it marked the process stuck before this looks.
                 with self._lock:
-                    late = self._stuck.pop(pid, None) is not None
-                    then = self._then.pop(pid, [])
-                done.set()
+                    late = pid in self._stuck and self._stuck[pid][2] is done  # this call, not another
+                    then = self._then.pop(pid, []) if late else []
+                    if late:
+                        self._putting_back[pid] = threading.get_ident()
+                    done.set()
                 if late:
                     log.error(
                         "cuda: %s of pid %d returned after %.0f s, long after its caller gave up: %s",
@@ -187,26 +200,33 @@ class BoundedCalls:
                         time.monotonic() - started,
                         outcome.get("error", outcome.get("value")),
                     )
-                for fn in then:
-                    _run_logged(fn, pid)
+                    try:
+                        for fn in then:  # still stuck for everyone else until they are done
+                            _run_logged(fn, pid)
+                    finally:
+                        with self._lock:
+                            self._stuck.pop(pid, None)
+                            self._putting_back.pop(pid, None)
 
         threading.Thread(target=work, name=f"cuda-{action}-{pid}", daemon=True).start()
         if not done.wait(bound_s):
             with self._lock:
-                if not done.is_set():  # it may have returned just now
-                    self._stuck[pid] = (action, started)
-            if not done.is_set():
+                gave_up = not done.is_set()
+                if gave_up:
+                    self._stuck[pid] = (action, started, done)
+            if gave_up:
                 cause = f"did not return within {bound_s:g} s; the call is still under way"
                 raise self._timed_out(pid, action, cause)
         if "error" in outcome:
             raise outcome["error"]
         return outcome["value"]
 
-    def _timed_out(self, pid: int, action: str, cause: str) -> CallTimedOut:
+    def _timed_out(self, pid: int, action: str, cause: str, refused: bool = False) -> CallTimedOut:
         return CallTimedOut(
             pid,
             action,
             cause,
+            refused=refused,
             node=self.node,
             hint=(
                 "the GPU or its driver may be wedged (look for Xid errors in the kernel log and at "

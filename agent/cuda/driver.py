@@ -418,10 +418,9 @@ def freeze(
     except BaseException as e:
         touched = pids if "cuda lock" in times else list(known)  # checkpointing: the failed one too
         report = undo(driver, touched, known)
-        if isinstance(e, CallTimedOut):
+        if isinstance(e, CallTimedOut) and not e.refused:
             # The driver may still finish the call: undo that process then, whatever it left.
-            stuck = e.pid
-            driver.calls.when_returned(stuck, lambda: undo(driver, [stuck]))
+            late_undo(driver, e.pid)
             e.cause += "; that process is put back once the call returns"
         elif report and isinstance(e, CudaCheckpointError):
             e.cause += f"; {report.summary()}"
@@ -446,10 +445,25 @@ def thaw(
 
 
 def unlock_all(driver: CudaDriver, pids: list[int], times: dict[str, float]) -> None:
+    """Unlock each process; one that fails does not keep the others locked (the first error is
+    raised once all were tried; a late unlock is retried when its call returns)."""
     t = time.monotonic()
+    first: Exception | None = None
     for pid in pids:
-        driver.unlock(pid)
+        try:
+            driver.unlock(pid)
+        except Exception as e:
+            if isinstance(e, CallTimedOut) and not e.refused:
+                late_undo(driver, e.pid)
+            first = first or e
     times["cuda unlock"] = time.monotonic() - t
+    if first is not None:
+        raise first
+
+
+def late_undo(driver: CudaDriver, pid: int) -> None:
+    """Once the call stuck on pid returns, put the process back from whatever state it left."""
+    driver.calls.when_returned(pid, lambda: undo(driver, [pid]))
 
 
 def undo(driver: CudaDriver, pids: list[int], known: Mapping[int, ProcessState] | None = None) -> UndoReport:
@@ -473,6 +487,8 @@ def undo(driver: CudaDriver, pids: list[int], known: Mapping[int, ProcessState] 
                 failure = f"pid {pid} is {state.value}, which the driver cannot undo"
         except Exception as e:
             failure = f"pid {pid}: {e}"
+            if isinstance(e, CallTimedOut) and not e.refused:
+                late_undo(driver, pid)  # this undo's own call ran late: try again once it returns
         if failure:
             failures.append(failure)
             states.append((pid, _state_now(driver, pid)))

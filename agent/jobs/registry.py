@@ -180,7 +180,10 @@ class JobRegistry:
             self.save(rec)
         landed = rec.state in (JobState.RUNNING, JobState.PREEMPTED)
         if rec.stop_grace_s and was is JobState.MIGRATING and landed:
-            self.stop_later(name, rec.stop_grace_s)
+            try:
+                self.stop_later(name, rec.stop_grace_s)
+            except FerryError as e:  # it ended meanwhile: the change above stands, nothing to stop
+                log.info("job %s: the stop asked for during its move was not needed: %s", name, e)
         return rec
 
     def reserve_name(self, name: str, resuming: bool = False) -> None:
@@ -543,8 +546,8 @@ class JobRegistry:
         """Record the job's end: by waiting on our child, or by polling a process we did not start
         (then its status is what its PID 1 wrote: `exit_status`)."""
         name, pid, started = rec.name, rec.pid, rec.pid_started
-        if callable(wait):  # our child: its status comes from waitpid; an older run's file goes
-            status_file(rec).unlink(missing_ok=True)
+        if callable(wait) and (old := status_file(rec)) is not None:
+            old.unlink(missing_ok=True)  # our child: its status comes from waitpid
 
         def run() -> None:
             code: int | None = None
@@ -576,15 +579,19 @@ class JobRegistry:
 STATUS_FILE = "exit-status"
 
 
-def status_file(rec: JobRecord) -> Path:
+def status_file(rec: JobRecord) -> Path | None:
+    """Where a launched job's PID 1 records its status: its own log directory, the agent's. An
+    adopted job has none (its logs sit in the user's directory, which holds the user's files)."""
+    if rec.kind is not JobKind.LAUNCHED or not rec.private or not rec.stdout_path:
+        return None
     return Path(rec.stdout_path).parent / STATUS_FILE
 
 
 def exit_status(rec: JobRecord) -> int | None:
     """The status a job's PID 1 recorded (None: none, as for an adopted job or an older init)."""
-    if not rec.stdout_path:
+    if (path := status_file(rec)) is None:
         return None
     try:
-        return int(status_file(rec).read_text().strip())
+        return int(path.read_text().strip())
     except (OSError, ValueError):
         return None

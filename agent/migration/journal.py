@@ -48,6 +48,8 @@ class MigrationRecord:
     image: str = ""  # a local operation's image directory (never removed by recovery)
     criu_pid: int = 0  # the CRIU process of the dump or restore in progress
     criu_started: float = 0.0
+    job_pid: int = 0  # target: the job's PID 1 here once restored (StopMoved checks it is still that job)
+    job_started: float = 0.0
     expires_at: float = 0.0
     max_bytes: int = 0
     reserved_bytes: int = 0

@@ -244,7 +244,11 @@ def restore_image(
     if not image_dir.is_dir():
         raise NotFoundError(f"no image directory {image_dir} on this node", node=node)
     with copies.one_restore(image_dir, node):
-        m = verify(image_dir)
+        # An earlier ferry's image (no section digests) still restores: a launched job's restored
+        # PID 1 is checked against its command, cwd and env all the same (copies.CheckedRestore).
+        m = verify(image_dir, allow_legacy=True)
+        if m.legacy:
+            log.warning("image %s is an earlier ferry's: no digest covers its job section", image_dir)
         if as_copy:
             here, old = copies.copy_of(registry, m, name, node)
         else:

@@ -201,8 +201,9 @@ class SourceRecovery:
         copy, gone = self._copy_to_end(rec)
         rollback.finish(self.registry, copy, JobState.MOVED, note, cuda_gone=gone, moved_to=rec.peer)
         self._drop_files(rec)
-        self._settled(rec, MigrationState.COMMITTED, note)
+        # Before COMMITTED: a crash in between settles it again, and passes the stop on then.
         stops.pass_on(self.registry, self.peer_for(rec.peer), rec.job, rec.migration_id)
+        self._settled(rec, MigrationState.COMMITTED, note)
         return note
 
     def _end_saved(self, rec: MigrationRecord, why: str) -> str:

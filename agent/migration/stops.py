@@ -11,13 +11,17 @@ that, from the live source and from recovery alike.
 from __future__ import annotations
 
 import logging
+import time
 
-from agent.errors import FerryError
+from agent.errors import FerryError, StepTimeoutError, UnavailableError
 from agent.jobs.record import JobState
 from agent.jobs.registry import JobRegistry
 from agent.migration.model import Peer
 
 log = logging.getLogger(__name__)
+
+#: Waits between tries of a target that does not answer (None: the last try).
+RETRY_S = (1.0, 2.0, None)
 
 
 def pass_on(registry: JobRegistry, peer: Peer, job: str, migration_id: str) -> None:
@@ -28,7 +32,14 @@ def pass_on(registry: JobRegistry, peer: Peer, job: str, migration_id: str) -> N
         return
     where = rec.moved_to_node or rec.moved_to
     try:
-        peer.stop_moved(migration_id, rec.stop_grace_s)
+        for wait_s in RETRY_S:  # a target that just took the job may be busy for a moment
+            try:
+                peer.stop_moved(migration_id, rec.stop_grace_s)
+                break
+            except (UnavailableError, StepTimeoutError):
+                if wait_s is None:
+                    raise
+                time.sleep(wait_s)
     except Exception as e:  # the move is done whatever happens here: never fail it
         cause = e.cause if isinstance(e, FerryError) else repr(e)
         log.error("job %s: the stop asked for during its move did not reach %s: %s", job, where, cause)

@@ -271,11 +271,23 @@ class TargetMigrations:
         rec = self.journal.get(TARGET, mid)
         if rec is None:
             raise NotFoundError(f"no migration {mid} came to this node", node=self.node)
+        if rec.kind != "move":  # a local restore or resume: no node moved it here
+            raise PermissionDeniedError(f"migration {mid} is a local {rec.kind} here", node=self.node)
         inc = from_journal(rec)
         self._check_caller(inc, caller)
         if inc.state not in (TargetState.RUNNING, TargetState.POSTCOPY):
             raise RefusedError(
                 f"migration {mid} is {inc.state.value} here: job {inc.job} does not run here by it",
+                node=self.node,
+            )
+        try:
+            job = self.registry.get(inc.job)
+        except NotFoundError:
+            job = None
+        if job is None or not inc.job_pid or (job.pid, job.pid_started) != (inc.job_pid, inc.job_started):
+            # Its name may now be another job's: never stop that one.
+            raise NotFoundError(
+                f"job {inc.job}, which migration {mid} brought here, is no longer the job of that name",
                 node=self.node,
             )
         return inc.job

@@ -69,6 +69,7 @@ class Restorer:
         passed = [False]  # the commit point: from there on the job is this node's one copy
 
         def commit_point(rec: JobRecord) -> None:
+            inc.job_pid, inc.job_started = rec.pid, rec.pid_started  # journaled with RUNNING
             after.extend(self._commit_point(inc))
             passed[0] = True
             held_ns[0] = cpu_ns(procs.tree_pids(rec.pid))

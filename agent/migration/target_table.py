@@ -62,6 +62,8 @@ class Incoming:
     reserved_bytes: int = 0
     criu_pid: int = 0
     criu_started: float = 0.0
+    job_pid: int = 0  # the restored job here, from the commit point on
+    job_started: float = 0.0
     pages: StreamDigest | None = None  # what the page stream delivered
     lazy: bool = False  # post-copy: the memory comes after the restore, on demand
     reason: str = ""  # why the source moves it (automatic moves say which GPU and what it showed)
@@ -84,6 +86,8 @@ class Incoming:
             pids=list(self.pids),
             criu_pid=self.criu_pid,
             criu_started=self.criu_started,
+            job_pid=self.job_pid,
+            job_started=self.job_started,
             expires_at=self.expires_at,
             max_bytes=self.max_bytes,
             reserved_bytes=self.reserved_bytes,
@@ -107,6 +111,8 @@ def from_journal(rec: MigrationRecord) -> Incoming:
         rec.expires_at,
         peer_name=rec.peer_name,
         state=journaled(rec),
+        job_pid=rec.job_pid,
+        job_started=rec.job_started,
         note=rec.note,
     )
 

@@ -313,3 +313,18 @@ def test_a_stop_of_a_job_that_ended_meanwhile_is_not_retried(monkeypatch, capfd)
     s._signalled(signal.SIGTERM, None)
     assert len(stops.asked) == 1
     assert "could not stop" not in capfd.readouterr().err
+
+
+def test_a_preempted_job_is_waited_for_not_taken_for_its_end(monkeypatch, capfd, clock) -> None:
+    """Its agent resumes it by itself once a GPU is free: a scheduler's step must not end there."""
+    preempted = pb.JOB_STATE_PREEMPTED
+    agent(
+        monkeypatch,
+        jobs=[job(RUNNING), job(preempted), job(preempted), job(RUNNING), job(EXITED, 0)],
+        logs=[b"step 0\n", b"step 0\n", b"step 0\nstep 1\n"],
+    )
+    f = fl.follow(args(), "j")
+    out, err = capfd.readouterr()
+    assert out == "step 0\nstep 1\n"
+    assert err.count("is preempted on a") == 1 and "resumes there by itself" in err
+    assert fl.exit_status(f.job) == (0, "")

@@ -153,3 +153,29 @@ def test_a_move_whose_cuda_checkpoint_hangs_gives_up_in_bound_and_the_job_goes_o
     gate.set()
     wait_for(lambda: nodes.src_world.state(nodes.pid) == RUNNING, what="CUDA put back after the late return")
     wait_running(nodes.pid)
+
+
+def test_the_process_stays_refused_to_others_until_its_late_undo_is_done(tmp_path: Path) -> None:
+    """The undo that runs after a late return owns the process: a new move's call made meanwhile
+    must not reach it (the undo would then act on that move's process)."""
+    drv, fake, _world, _journal = driver_with(tmp_path)
+    drv.lock(PID)
+    gate = fake.hang["checkpoint"] = threading.Event()
+    with pytest.raises(CallTimedOut):
+        drv.checkpoint(PID)
+    in_undo, finish = threading.Event(), threading.Event()
+    seen: list[object] = []
+
+    def undo() -> None:
+        seen.append(drv.state(PID))  # the undo's own calls pass
+        in_undo.set()
+        finish.wait(5)
+
+    drv.calls.when_returned(PID, undo)
+    gate.set()
+    assert in_undo.wait(5) and seen == [cuda.ProcessState.CHECKPOINTED]
+    with pytest.raises(CallTimedOut, match="refused"):
+        drv.state(PID)  # anyone else's still waits
+    finish.set()
+    wait_for(lambda: not drv.calls.stuck(), what="the undo to finish")
+    assert drv.state(PID) is cuda.ProcessState.CHECKPOINTED

@@ -15,7 +15,7 @@ from fakes import FakeCriu, launched_record, wait_for
 from agent.errors import AlreadyExistsError, RefusedError
 from agent.gpus.ledger import GpuLedger
 from agent.jobs.record import JobKind, JobRecord, JobState
-from agent.jobs.registry import STATUS_FILE, JobRegistry
+from agent.jobs.registry import STATUS_FILE, JobRegistry, exit_status
 from agent.service.node import AgentNode
 
 Sleeper = Callable[[], tuple[subprocess.Popen[bytes], Path, Path]]
@@ -113,7 +113,9 @@ def test_a_job_that_ended_while_the_agent_was_down_keeps_the_status_its_pid1_rec
     registry: JobRegistry, sleeper: Sleeper
 ) -> None:
     proc, out, err = sleeper()
-    registry.save(launched_record("train", proc, out, err))
+    rec = launched_record("train", proc, out, err)
+    rec.private = True  # under ferry-init --private: its log directory is the agent's
+    registry.save(rec)
     proc.kill()
     proc.wait()
     (out.parent / STATUS_FILE).write_text("7\n")  # what ferry-init's PID 1 writes at the end
@@ -128,10 +130,27 @@ def test_a_stop_cut_short_by_a_restart_is_finished_and_its_end_recorded(
     """Its SIGKILL comes at the end of the grace, counted from when the stop began."""
     proc, out, err = sleeper()
     rec = launched_record("train", proc, out, err)
-    rec.state, rec.stop_grace_s = JobState.STOPPED, 0.5
+    rec.state, rec.stop_grace_s, rec.private = JobState.STOPPED, 0.5, True
     registry.save(rec)  # the agent died during the grace; the job ignores SIGTERM
     (out.parent / STATUS_FILE).write_text("137\n")  # what its PID 1 records once it is killed
     again = JobRegistry(registry.root.parent, "nodea")
     assert proc.wait(10) == -9  # SIGKILLed by the restarted agent
     wait_for(lambda: again.get("train").exit_code is not None, what="the stopped job's end recorded")
     assert again.get("train").state is JobState.STOPPED
+
+
+def test_an_adopted_jobs_log_directory_is_never_read_or_cleaned_for_a_status(
+    registry: JobRegistry, sleeper: Sleeper
+) -> None:
+    """Its logs sit in the user's directory: a file named exit-status there is the user's."""
+    proc, out, err = sleeper()
+    rec = launched_record("mine", proc, out, err)
+    rec.kind = JobKind.ADOPTED
+    users = out.parent / STATUS_FILE
+    users.write_text("3\n")
+    registry.save(rec)
+    assert exit_status(rec) is None
+    registry._watch(rec, proc.wait)  # as a restore of it would watch it
+    proc.kill()
+    wait_for(lambda: registry.get("mine").state is JobState.EXITED, what="its end recorded")
+    assert users.read_text() == "3\n" and registry.get("mine").exit_code == -9
