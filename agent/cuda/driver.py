@@ -212,8 +212,11 @@ class CudaDriver:
         except CudaCheckpointError as e:
             return DriverInfo(loaded=False, detail=f"cuDriverGetVersion did not answer: {e.cause}")
         version = int(version) if int(err) == SUCCESS else 0
-        checkpoint = self._has_symbol(drv, "cuCheckpointProcessLock", version)
-        custom = self._has_symbol(drv, "cuCheckpointOperationComplete", version)
+        try:
+            checkpoint = self._has_symbol(drv, "cuCheckpointProcessLock", version)
+            custom = self._has_symbol(drv, "cuCheckpointOperationComplete", version)
+        except CallTimedOut as e:  # no answer is not "no API": asked again next time, not cached
+            return DriverInfo(loaded=False, detail=f"the driver did not say what it can do: {e.cause}")
         if not checkpoint:
             detail = f"driver API {_ver(version)} has no CUDA checkpoint support (needs r570+)"
         else:
@@ -233,6 +236,8 @@ class CudaDriver:
                 lambda: drv.cuGetProcAddress(name.encode(), max(version, 12000), 0),
                 self.calls.bounds.call_s,
             )
+        except CallTimedOut:
+            raise
         except Exception:
             return False
         return int(err) == SUCCESS and bool(int(pfn or 0))

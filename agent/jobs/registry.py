@@ -493,13 +493,19 @@ class JobRegistry:
         deadline = rec.updated_at + (rec.stop_grace_s or 10.0)
 
         def run() -> None:
+            killed = False
             while procs.alive(rec.pid, rec.pid_started) and time.time() < deadline:
                 time.sleep(0.1)
             if procs.alive(rec.pid, rec.pid_started):
                 procs.signal_all(procs.tree_pids(rec.pid), signal.SIGKILL)
+                killed = True
+            while procs.alive(rec.pid, rec.pid_started):
+                time.sleep(0.1)
+            # A PID 1 killed with its job writes no status: the SIGKILL is the end, as a shell says.
+            code = exit_status(rec)
+            self._ended(rec.name, rec.pid, 128 + signal.SIGKILL if code is None and killed else code)
 
         threading.Thread(target=run, name=f"stop {rec.name}", daemon=True).start()
-        self._watch(rec, None)
 
     def kill_tree(self, rec: JobRecord, pids: list[int]) -> None:
         """SIGKILL a (frozen) tree: PID 1 takes a launched job's namespace with it."""

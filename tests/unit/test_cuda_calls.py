@@ -179,3 +179,18 @@ def test_the_process_stays_refused_to_others_until_its_late_undo_is_done(tmp_pat
     finish.set()
     wait_for(lambda: not drv.calls.stuck(), what="the undo to finish")
     assert drv.state(PID) is cuda.ProcessState.CHECKPOINTED
+
+
+def test_a_driver_that_does_not_say_what_it_can_do_is_asked_again(tmp_path: Path) -> None:
+    """No answer is not "no checkpoint API": the probe is not cached, and once the driver
+    answers the node can move CUDA jobs again."""
+    world = CudaWorld([FakeGpu(GPU0)])
+    fake = FakeDriver(world)
+    real, gate = fake.cuGetProcAddress, threading.Event()
+    fake.cuGetProcAddress = lambda *a: (gate.wait(), real(*a))[1]  # type: ignore[method-assign]
+    drv = CudaDriver(fake, "nodea", calls=calls_in(None))
+    first = drv.probe()
+    assert not first.checkpoint and "did not say what it can do" in first.detail
+    gate.set()
+    wait_for(lambda: not drv.calls.stuck(), what="the late answer")
+    assert drv.probe().checkpoint

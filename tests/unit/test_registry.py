@@ -124,19 +124,22 @@ def test_a_job_that_ended_while_the_agent_was_down_keeps_the_status_its_pid1_rec
     assert "exited with status 7 while the agent was down" in again.note
 
 
+@pytest.mark.parametrize("recorded", [True, False], ids=["pid1-recorded", "pid1-killed-too"])
 def test_a_stop_cut_short_by_a_restart_is_finished_and_its_end_recorded(
-    registry: JobRegistry, sleeper: Sleeper
+    registry: JobRegistry, sleeper: Sleeper, recorded: bool
 ) -> None:
-    """Its SIGKILL comes at the end of the grace, counted from when the stop began."""
+    """Its SIGKILL comes at the end of the grace, counted from when the stop began; the end is
+    recorded as 137 whether or not its PID 1 lived to write it."""
     proc, out, err = sleeper()
     rec = launched_record("train", proc, out, err)
     rec.state, rec.stop_grace_s, rec.private = JobState.STOPPED, 0.5, True
     registry.save(rec)  # the agent died during the grace; the job ignores SIGTERM
-    (out.parent / STATUS_FILE).write_text("137\n")  # what its PID 1 records once it is killed
+    if recorded:
+        (out.parent / STATUS_FILE).write_text("137\n")  # what its PID 1 records once it is killed
     again = JobRegistry(registry.root.parent, "nodea")
     assert proc.wait(10) == -9  # SIGKILLed by the restarted agent
     wait_for(lambda: again.get("train").exit_code is not None, what="the stopped job's end recorded")
-    assert again.get("train").state is JobState.STOPPED
+    assert again.get("train").state is JobState.STOPPED and again.get("train").exit_code == 137
 
 
 def test_an_adopted_jobs_log_directory_is_never_read_or_cleaned_for_a_status(
