@@ -112,7 +112,7 @@ class AgentNode:
         for bad in self.registry.unreadable.values():  # on record where `ferry events` shows it
             self.events.record("alert", f"{bad.refusal()}; {bad.hint}", job=bad.name)
         for cut in self.cuda.driver.calls.in_flight.left_over:  # driver calls the last run's end cut short
-            self.events.record("alert", f"{cut.describe()}; recovery reads its state from the driver")
+            self.events.record("alert", f"{cut.describe()}; its CUDA state is what that call left")
         self.healing = SelfHealing(
             node=node,
             registry=self.registry,
