@@ -19,6 +19,10 @@ just before the dump, and puts it back on abort. Setting it down instead breaks 
 Addresses: a node hands out the lowest address of its pool that no job record of its own
 holds and that nobody answers an ARP probe for (RFC 5227), so an address still used by a job
 that moved away is not given out again while that job runs elsewhere.
+
+Why one module: everything that touches a job's link (plumbing, the lock, a copy's new
+address, the announcement) goes through one `ip` runner and one config; split, each part would
+need both.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import hashlib
 import ipaddress
 import logging
 import os
+import random
 import re
 import socket
 import struct
@@ -238,6 +243,26 @@ class JobNetwork:
         """The lock: nothing reaches the job through its link (it stays up: see the module doc)."""
         self._ip("link", "set", veth, "nomaster")
 
+    def readdress(self, pid: int, veth: str, old: str, new: str) -> None:
+        """A copy's namespace, restored off the bridge, takes `new` and a MAC of its own in place
+        of the original's `old`; then its link's outer end `veth` comes up (restore_tree puts it
+        on the bridge once the copy is recorded). Its TCP connections keep the old address and go
+        silent."""
+        net = f"--net=/proc/{pid}/ns/net"
+        try:
+            self._nsenter(net, "addr", "del", self.config.interface(old), "dev", INNER)
+            self._nsenter(net, "-6", "addr", "flush", "dev", INNER)  # its link-local came from the old MAC
+            self._nsenter(net, "link", "set", "dev", INNER, "address", local_mac())
+            self._nsenter(net, "addr", "add", self.config.interface(new), "dev", INNER)
+            if self.config.gateway:
+                self._nsenter(net, "route", "replace", "default", "via", self.config.gateway)
+            if veth:
+                self._ip("link", "set", veth, "up")
+        except FerryError as e:
+            e.cause, e.step = f"giving the copy its address {new}: {e.cause}", "restore"
+            raise
+        log.info("job network: the copy at pid %d has its own address %s (not %s)", pid, new, old)
+
     def reconnect(self, veth: str) -> None:
         self._ip("link", "set", veth, "master", self.config.bridge)
 
@@ -281,6 +306,13 @@ class JobNetwork:
                 step="network",
                 node=self.node,
             )
+
+
+def local_mac() -> str:
+    """A random unicast, locally administered MAC."""
+    b = [random.randrange(256) for _ in range(6)]
+    b[0] = (b[0] & 0xFC) | 0x02
+    return ":".join(f"{x:02x}" for x in b)
 
 
 def carrying(network: JobNetwork | None, address: str, node: str, step: str) -> JobNetwork:

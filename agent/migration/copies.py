@@ -17,8 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import random
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -29,7 +27,7 @@ from typing import Any
 from agent.criu.runner import Criu, RestoreResult
 from agent.errors import AlreadyExistsError, BusyError, FerryError, ImageError, InvalidArgumentError
 from agent.image import JobSpec, Manifest, Restored, describes, mark_restored, restored
-from agent.jobs.network import INNER, IP_TIMEOUT_S, JobNetwork, carrying
+from agent.jobs.network import INNER, JobNetwork, carrying
 from agent.jobs.record import JobKind, JobState
 from agent.jobs.registry import JobRegistry
 from agent.migration.journal import TARGET, Journal
@@ -161,7 +159,7 @@ class CheckedRestore:
     """The Criu a `ferry restore` runs through (restore_tree takes it for the real one): once CRIU
     has restored the tree, still stopped and unregistered, it checks that the tree is the job the
     manifest describes and, for a copy, moves its namespace to the copy's address (CRIU then
-    leaves its link off the bridge: `readdress`). A tree that fails either is killed here."""
+    leaves its link off the bridge: `JobNetwork.readdress`). A tree that fails either is killed here."""
 
     def __init__(self, criu: Criu, spec: JobSpec, image_dir: Path, network: JobNetwork | None, old: str = ""):
         self.criu = criu
@@ -191,7 +189,7 @@ class CheckedRestore:
         try:
             check_restored(res.pid, self.spec, self.image_dir, self.node)
             if self.old and self.network is not None:
-                readdress(self.network, res.pid, veth, self.old, self.spec.address)
+                self.network.readdress(res.pid, veth, self.old, self.spec.address)
         except BaseException:
             kill_restored(res.pid)
             raise
@@ -237,39 +235,3 @@ def check_restored(pid: int, spec: JobSpec, image_dir: Path, node: str) -> None:
             node=node,
             hint="the manifest was edited: restore an unedited copy of the image",
         )
-
-
-def readdress(network: JobNetwork, pid: int, veth: str, old: str, new: str) -> None:
-    """A copy's namespace, restored off the bridge, takes `new` and a MAC of its own in place of
-    the original's; then its link's outer end comes up (restore_tree puts it on the bridge once
-    the copy is recorded). Its TCP connections keep the old address and go silent."""
-    cfg = network.config
-    ns = ["nsenter", f"--net=/proc/{pid}/ns/net", network.ip]
-    steps = [
-        [*ns, "addr", "del", cfg.interface(old), "dev", INNER],
-        [*ns, "-6", "addr", "flush", "dev", INNER],  # its link-local address came from the old MAC
-        [*ns, "link", "set", "dev", INNER, "address", local_mac()],
-        [*ns, "addr", "add", cfg.interface(new), "dev", INNER],
-        *([[*ns, "route", "replace", "default", "via", cfg.gateway]] if cfg.gateway else []),
-        *([[network.ip, "link", "set", veth, "up"]] if veth else []),
-    ]
-    for cmd in steps:
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=IP_TIMEOUT_S, check=False)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise FerryError(f"`{' '.join(cmd)}` failed: {e}", step="restore", node=network.node) from e
-        if p.returncode != 0:
-            why = p.stderr.strip() or p.returncode
-            raise FerryError(
-                f"giving the copy its address {new}: `{' '.join(cmd)}` failed: {why}",
-                step="restore",
-                node=network.node,
-            )
-    log.info("restore: the copy at pid %d has its own address %s (the original keeps %s)", pid, new, old)
-
-
-def local_mac() -> str:
-    """A random unicast, locally administered MAC."""
-    b = [random.randrange(256) for _ in range(6)]
-    b[0] = (b[0] & 0xFC) | 0x02
-    return ":".join(f"{x:02x}" for x in b)

@@ -27,7 +27,7 @@ from agent.jobs import procs
 from agent.jobs.network import LinkLock
 from agent.jobs.record import JobKind, JobRecord
 from agent.jobs.registry import JobRegistry
-from agent.migration.capture import require_host_memory
+from agent.migration.capture import estimated_bytes, require_host_memory
 from agent.migration.datapath import SourceDataPath
 from agent.migration.limits import RateLog, refuse_long_pause
 from agent.migration.model import Method, MigrationResult, MigrationSpec, Peer
@@ -122,7 +122,7 @@ class PrepareStep:
         require_host_memory(self.footprint, self.node)
         self._choose_method(info)
         own = {rec.stdout_path, rec.stderr_path} if rec.kind is JobKind.LAUNCHED else set()
-        self.estimated_bytes = procs.tree_rss(rec.pid) + self.footprint.gpu_bytes
+        self.estimated_bytes = estimated_bytes(rec, self.footprint)
         # A member of a distributed job: its peers wait only so long (agent.migration.limits).
         refuse_long_pause(rec, self.estimated_bytes, self.rates, self.node)
         req = pb.PrepareRequest(
