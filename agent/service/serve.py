@@ -184,13 +184,13 @@ def serve(
         if stop_metrics is not None:
             stop_metrics()
         raise
-    host, _ = client.split_address(address, listen=True)
+    where = metrics.host_port(listen_host, port)
     mode = f"mutual TLS as {identity.name}" if identity else "plaintext (--insecure)"
     log.info(
         "ferry agent %s (node %s) listening on %s (%s), state in %s",
         __version__,
         node,
-        metrics.host_port(host, port),
+        where,
         mode,
         state_dir,
     )
@@ -205,7 +205,7 @@ def serve(
         cfg.path or "no --config",
         cfg.health.interval_s,
     )
-    print(f"ferry agent: node {node} listening on {metrics.host_port(host, port)}", flush=True)
+    print(f"ferry agent: node {node} listening on {where}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
