@@ -441,11 +441,7 @@ class JobRegistry:
         pids = procs.tree_pids(rec.pid)
         # A launched job's PID 1 forwards SIGTERM to the command; an adopted tree gets it everywhere.
         procs.signal_all(pids[:1] if rec.kind is JobKind.LAUNCHED else pids, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and procs.alive(rec.pid, rec.pid_started):
-            time.sleep(0.05)
-        if procs.alive(rec.pid, rec.pid_started):
-            procs.signal_all(procs.tree_pids(rec.pid), signal.SIGKILL)
+        _kill_after_grace(rec, timeout_s)
         log.info("job %s: stopped", name)
         return rec
 
@@ -490,15 +486,10 @@ class JobRegistry:
     def _finish_stop(self, rec: JobRecord) -> None:
         """SIGKILL what still runs once the stop's grace (from when it was recorded) is over, and
         record the job's end."""
-        deadline = rec.updated_at + (rec.stop_grace_s or 10.0)
+        left = rec.updated_at + (rec.stop_grace_s or 10.0) - time.time()  # the stop began at its save
 
         def run() -> None:
-            killed = False
-            while procs.alive(rec.pid, rec.pid_started) and time.time() < deadline:
-                time.sleep(0.1)
-            if procs.alive(rec.pid, rec.pid_started):
-                procs.signal_all(procs.tree_pids(rec.pid), signal.SIGKILL)
-                killed = True
+            killed = _kill_after_grace(rec, left)
             while procs.alive(rec.pid, rec.pid_started):
                 time.sleep(0.1)
             # A PID 1 killed with its job writes no status: the SIGKILL is the end, as a shell says.
@@ -579,6 +570,18 @@ class JobRegistry:
                     rec.note = exit_words(code)
                 log.info("job %s: exited (%s)", name, code)
             self.save(rec)
+
+
+def _kill_after_grace(rec: JobRecord, grace_s: float) -> bool:
+    """Wait up to grace_s for the job (SIGTERMed) to end; SIGKILL its tree if it has not. True if
+    it had to."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and procs.alive(rec.pid, rec.pid_started):
+        time.sleep(0.05)
+    if not procs.alive(rec.pid, rec.pid_started):
+        return False
+    procs.signal_all(procs.tree_pids(rec.pid), signal.SIGKILL)
+    return True
 
 
 #: What a launched job's PID 1 (ferry-init) writes in its log directory when the command ends.
