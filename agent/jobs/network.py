@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from agent.errors import FerryError, InvalidArgumentError, RefusedError
+from agent.jobs.standin import StandIn
 
 log = logging.getLogger(__name__)
 
@@ -334,22 +335,47 @@ def carrying(network: JobNetwork | None, address: str, node: str, step: str) -> 
 
 class LinkLock:
     """A job's link off its bridge for the length of a move: engaged just before the dump,
-    released only if the source copy is to go on (abort); a moved job's link just goes."""
+    released only if the source copy is to go on (abort); a moved job's link just goes
+    (dropped). Given the job's address, a stand-in answers its peers while the link is cut
+    (agent.jobs.standin), so that they retry at their base timeout, not a backed-off one."""
 
-    def __init__(self, network: JobNetwork | None, veth: str, engaged: bool = False) -> None:
+    def __init__(
+        self, network: JobNetwork | None, veth: str, engaged: bool = False, address: str = ""
+    ) -> None:
         self.network = network if veth else None
         self.veth = veth
+        self.address = address
         self.engaged = engaged  # recovery cannot know: it says True, and reconnecting is harmless
+        self._standin: StandIn | None = None
 
     def engage(self) -> None:
         if self.network is not None:
             self.network.cut(self.veth)
             self.engaged = True
+            if self.address and self._standin is None:
+                standin = StandIn(self.network.config.bridge, self.address)
+                try:
+                    standin.start()
+                    self._standin = standin
+                except OSError as e:  # the move goes on; its peers just back off as before
+                    log.warning("job network: no stand-in for %s on %s: %s", self.address, standin.bridge, e)
 
     def release(self) -> None:
         if self.network is not None and self.engaged:
             self.network.reconnect(self.veth)
             self.engaged = False
+        self._stop_standin()  # after the reconnect: a peer's retry in between is still answered
+
+    def drop(self) -> None:
+        """The copy this link served is gone: the node's end goes, and the stand-in with it."""
+        if self.network is not None:
+            self.network.delete(self.veth)
+        self._stop_standin()
+
+    def _stop_standin(self) -> None:
+        if self._standin is not None:
+            self._standin.stop()
+            self._standin = None
 
     def external(self) -> list[str]:
         """The dump's --external item for the link (none for a job on the node's network)."""

@@ -80,7 +80,7 @@ def checkpoint(
     kind = KIND_SUSPEND if suspend else KIND_CHECKPOINT
     mid = f"{kind}-{uuid.uuid4().hex[:12]}"
     rec = registry.begin_move(name, mid, kind)
-    link = LinkLock(registry.network, rec.veth)
+    link = LinkLock(registry.network, rec.veth, address=rec.address)
     record = MigrationRecord(mid, SOURCE, name, MigrationState.PREPARING.value, kind=kind, image=str(out_dir))
     op = JournaledRecord(journal, record, SOURCE_TRANSITIONS, MigrationState)
     op.save(pids=[rec.pid])

@@ -107,7 +107,6 @@ def finish(
     is killed, its link deleted, and the GPUs its freeze kept are nobody's any more."""
     if copy.pids:  # the stopped tree as dumped; a launched job's PID 1 takes its namespace along
         registry.kill_tree(copy.rec, copy.pids)
-    if copy.link.network is not None:
-        copy.link.network.delete(copy.link.veth)
+    copy.link.drop()
     cuda_gone()
     registry.update(copy.rec.name, state=state, migration_id="", note=note, **changes)

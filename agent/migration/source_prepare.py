@@ -111,7 +111,7 @@ class PrepareStep:
         refuse_undumpable(pids, self.node)  # what CRIU would fail on half-way through the dump
         if not rec.address:
             refuse_node_sockets(pids, self.node)  # the node's addresses stay here
-        self.link = LinkLock(self.registry.network, rec.veth)
+        self.link = LinkLock(self.registry.network, rec.veth, address=rec.address)
         if rec.veth and self.registry.network is None:
             raise RefusedError(
                 f"job {rec.name!r} has a job-network address ({rec.address}) but this agent has no [network]",
