@@ -71,13 +71,28 @@ slurm:
 	  apt-get install -y -q --no-install-recommends $(SLURM_PKGS) >/dev/null 2>&1 || \
 	  { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $(SLURM_PKGS) >/dev/null; }; }
 
-test: all slurm
+# etcd's server (Debian's package; etcdctl from etcd-client for debugging), for
+# tests/integration/test_etcd_client.py and agent/testing/etcd.py.
+ETCD_PKGS := etcd-server etcd-client
+ETCD_PB := ferry/etcdpb/rpc_pb2.py
+.PHONY: etcd
+etcd: $(ETCD_PB)
+	@command -v etcd >/dev/null && command -v etcdctl >/dev/null || { \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q --no-install-recommends $(ETCD_PKGS) >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $(ETCD_PKGS) >/dev/null; }; }
+# agent.coord.etcd's gRPC stubs, from the protos of the same etcd version (never committed).
+proto: $(ETCD_PB)
+$(ETCD_PB): scripts/gen-etcd-proto.sh $(VENV)/.installed
+	scripts/gen-etcd-proto.sh $(PY) $(BUILD)/etcd-proto
+
+test: all slurm etcd
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 unit: all
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
-integration: all slurm
+integration: all slurm etcd
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
 
 # GPU tests (skipped, with the reason, where there is no GPU).

@@ -1,0 +1,1 @@
+"""Coordination state shared by the agents (liveness leases, membership, epochs, spare claims)."""
