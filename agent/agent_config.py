@@ -16,6 +16,9 @@ self-healing policy and the peers it may move jobs to.
     subnet = "10.77.0.0/16"
     pool = "10.77.1.0/24"
 
+    [coordination]        # agent.coord.config.CoordConfig: etcd, leases and fencing
+    endpoints = ["10.0.0.9:2379"]
+
     [[peers]]             # other agents, in order of preference
     address = "10.0.0.2:7070"
     spare = true          # an idle node kept for jobs moving off failing GPUs
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.coord.config import CoordConfig
 from agent.cuda.jobs import CudaConfig
 from agent.errors import InvalidArgumentError
 from agent.health.monitor import HealthConfig
@@ -69,6 +73,7 @@ class AgentConfig:
     peers: tuple[PeerSpec, ...] = ()
     cuda: CudaConfig = field(default_factory=CudaConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
+    coordination: CoordConfig = field(default_factory=CoordConfig)
     path: str = ""  # where it was read from ("" for the defaults)
 
 
@@ -109,7 +114,7 @@ def _read(path: Path) -> str:
 
 
 def parse(raw: Mapping[str, Any], where: str = "") -> AgentConfig:
-    _known(raw, {"health", "policy", "peers", "cuda", "network"}, "top level")
+    _known(raw, {"health", "policy", "peers", "cuda", "network", "coordination"}, "top level")
     health = HealthConfig.from_dict(_table(raw, "health"))
     policy = from_table(PolicyConfig, _table(raw, "policy"), "policy")
     cuda = from_table(CudaConfig, _table(raw, "cuda"), "cuda", positive=CUDA_POSITIVE)
@@ -118,7 +123,8 @@ def parse(raw: Mapping[str, Any], where: str = "") -> AgentConfig:
         raise InvalidArgumentError("peers must be an array of tables ([[peers]])")
     network = from_table(NetworkConfig, _table(raw, "network"), "network").check()
     peers = tuple(_peer(p, i) for i, p in enumerate(peers_raw))
-    return AgentConfig(health, policy, peers, cuda, network, where)
+    coordination = from_table(CoordConfig, _table(raw, "coordination"), "coordination").check()
+    return AgentConfig(health, policy, peers, cuda, network, coordination, where)
 
 
 def _table(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:

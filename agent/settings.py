@@ -34,7 +34,11 @@ def from_table(
 
 
 def _value(table: str, key: str, raw: object, kind: str, positive: bool) -> Any:
-    if kind.startswith("tuple"):
+    if kind.startswith("tuple[str"):
+        if isinstance(raw, (list, tuple)) and all(isinstance(v, str) for v in raw):
+            return tuple(raw)
+        want = "a list of strings"
+    elif kind.startswith("tuple"):
         if isinstance(raw, (list, tuple)) and all(_count(v) is not None for v in raw):
             return tuple(int(v) for v in raw)  # type: ignore[call-overload]
         want = "a list of whole numbers"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent import config
+from agent.coord.config import CoordConfig
 from agent.criu.runner import LAZY_PIPE_BYTES, Criu, lazy_dump_blocker
 from agent.cuda import pidprobe
 from agent.cuda.driver import CudaDriver
@@ -31,7 +33,9 @@ class Check:
     required: bool = True
 
 
-def run_checks(staging_root: Path, network: NetworkConfig | None = None) -> list[Check]:
+def run_checks(
+    staging_root: Path, network: NetworkConfig | None = None, coordination: CoordConfig | None = None
+) -> list[Check]:
     checks: list[Check] = []
     checks.append(Check("root", os.geteuid() == 0, f"euid {os.geteuid()}", "run the agent as root"))
     try:
@@ -54,8 +58,41 @@ def run_checks(staging_root: Path, network: NetworkConfig | None = None) -> list
     except OSError as e:
         checks.append(Check("staging space", False, f"{probe}: {e.strerror}", "create it or pick another"))
     checks.extend(_job_checks(network or NetworkConfig()))
+    checks.append(_coordination_check(coordination or CoordConfig()))
     checks.extend(_gpu_checks())
     return checks
+
+
+def _coordination_check(coord: CoordConfig) -> Check:
+    """etcd: what automatic recovery needs (planned moves and checkpoints do not)."""
+    name, fix = (
+        "coordination (etcd)",
+        "configure [coordination] endpoints in the agent's config (docs/recovery.md)",
+    )
+    if not coord.enabled:
+        return Check(
+            name,
+            False,
+            "none given (`ferry doctor --config FILE` reads the agent's [coordination]): planned moves "
+            "and checkpoints work, but automatic recovery after a node dies needs etcd",
+            fix,
+            required=False,
+        )
+    answered, why = [], []
+    for endpoint in coord.endpoints:
+        host, _, port = endpoint.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()
+            answered.append(endpoint)
+        except OSError as e:
+            why.append(f"{endpoint}: {e.strerror or e}")
+    detail = (
+        f"etcd answers at {', '.join(answered)}; this node's lease lasts {coord.lease_ttl_s} s and its "
+        f"group members are fenced {coord.fence_margin_s:g} s before it could expire"
+        if answered
+        else f"no etcd endpoint answers ({'; '.join(why)}): this node's members would be fenced"
+    )
+    return Check(name, bool(answered), detail, "start etcd or fix [coordination] endpoints", required=False)
 
 
 def _job_checks(network: NetworkConfig) -> list[Check]:

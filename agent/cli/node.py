@@ -82,7 +82,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from agent import agent_config
     from agent.cli.doctor import can_migrate, run_checks
 
-    checks = run_checks(args.staging_dir, agent_config.load(args.config).network)
+    cfg = agent_config.load(args.config)
+    checks = run_checks(args.staging_dir, cfg.network, cfg.coordination)
     ok = can_migrate(checks)
     if args.json:
         print_json({"can_migrate": ok, "checks": [c.__dict__ for c in checks]})

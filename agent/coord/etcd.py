@@ -9,6 +9,9 @@ gateway to one host and adds requests, futurist and pbr. So scripts/gen-etcd-pro
 stubs from the installed server's own protos (Debian's etcd 3.4.23) with our pinned
 grpcio-tools into the git-ignored ferry/etcdpb. Every failure leaves this module as a
 FerryError naming the endpoint, the operation, the cause and what to do.
+
+Why one module: the client, its lease keep-alive and its watch share the channels, the endpoint
+hand-over and the one mapping of gRPC failures to ferry's errors.
 """
 
 from __future__ import annotations
@@ -238,6 +241,16 @@ class EtcdClient:
             key=k, target=rpc_pb2.Compare.MOD, result=rpc_pb2.Compare.EQUAL, mod_revision=mod_revision
         )
         return self._txn("swap", cmp, rpc_pb2.PutRequest(key=k, value=_b(value), lease=lease))
+
+    def delete_if(self, key: Bytes, mod_revision: int) -> bool:
+        """Delete only if the key was last changed at mod_revision (as read); True if it went."""
+        k = _b(key)
+        cmp = rpc_pb2.Compare(
+            key=k, target=rpc_pb2.Compare.MOD, result=rpc_pb2.Compare.EQUAL, mod_revision=mod_revision
+        )
+        op = rpc_pb2.RequestOp(request_delete_range=rpc_pb2.DeleteRangeRequest(key=k))
+        req = rpc_pb2.TxnRequest(compare=[cmp], success=[op])
+        return self._call("delete if", lambda ch, t: rpc_pb2_grpc.KVStub(ch).Txn(req, timeout=t)).succeeded
 
     # -- leases -------------------------------------------------------------------------------
 

@@ -30,8 +30,12 @@ class JobState(StrEnum):
     RUNNING → PREEMPTED: that resume was cut short by a restart before its commit point (the
     restored copy killed, it waits again on its image).
 
-    Every state but RUNNING, MIGRATING and PREEMPTED is final for this node (LOST can still be
-    corrected to MOVED); a final job's name may be reused.
+    RUNNING → FENCED: its node lost etcd, so it is stopped and cut off before its lease can
+    expire (agent.coord.liveness); FENCED → RUNNING (etcd answered: no other copy was started)
+    | STOPPED (another copy was started elsewhere, or `ferry stop`: killed, never resumed) |
+    EXITED | LOST (its process ended).
+    Every state but RUNNING, MIGRATING, FENCED and PREEMPTED is final for this node (LOST can
+    still be corrected to MOVED); a final job's name may be reused.
     """
 
     RUNNING = "running"
@@ -42,11 +46,12 @@ class JobState(StrEnum):
     CHECKPOINTED = "checkpointed"
     LOST = "lost"
     PREEMPTED = "preempted"
+    FENCED = "fenced"
 
     @property
     def active(self) -> bool:
         """A process of the job exists on this node."""
-        return self in (JobState.RUNNING, JobState.MIGRATING)
+        return self in (JobState.RUNNING, JobState.MIGRATING, JobState.FENCED)
 
     @property
     def holds_name(self) -> bool:
@@ -58,7 +63,8 @@ _J = JobState
 JOB_TRANSITIONS: Transitions[JobState] = Transitions(
     "job",
     {
-        _J.RUNNING: frozenset({_J.MIGRATING, _J.EXITED, _J.STOPPED, _J.LOST, _J.PREEMPTED}),
+        _J.RUNNING: frozenset({_J.MIGRATING, _J.EXITED, _J.STOPPED, _J.LOST, _J.PREEMPTED, _J.FENCED}),
+        _J.FENCED: frozenset({_J.RUNNING, _J.STOPPED, _J.EXITED, _J.LOST}),
         _J.MIGRATING: frozenset({_J.RUNNING, _J.MOVED, _J.CHECKPOINTED, _J.EXITED, _J.LOST}),
         _J.CHECKPOINTED: frozenset({_J.PREEMPTED}),
         _J.PREEMPTED: frozenset({_J.STOPPED}),

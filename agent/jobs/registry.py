@@ -133,6 +133,8 @@ class JobRegistry:
         #: The job network this node's jobs get their address on (None: they share the node's).
         self.network = network if network is not None and network.enabled else None
         self._lock = threading.RLock()
+        #: Held across a read and its change by those who act on the record (agent.jobs.fence).
+        self.lock = self._lock
         self._jobs: dict[str, JobRecord] = {}
         #: Records that could not be read at start, by job name: never "no job" (see _load).
         self.unreadable: dict[str, UnreadableRecord] = {}
@@ -432,6 +434,8 @@ class JobRegistry:
                 self.save(rec)
                 log.info("job %s: stop requested during its move", name)
                 return rec
+            if rec.state is JobState.FENCED:
+                return self._end_fenced(rec, "stopped by `ferry stop` while fenced")
             if rec.state is not JobState.RUNNING:
                 raise RefusedError(f"job {name!r} is {rec.state.value}, not running", node=self.node)
             rec.state = JOB_TRANSITIONS.check(rec.state, JobState.STOPPED, name)
@@ -444,6 +448,25 @@ class JobRegistry:
         _kill_after_grace(rec, timeout_s)
         log.info("job %s: stopped", name)
         return rec
+
+    def _end_fenced(self, rec: JobRecord, why: str) -> JobRecord:
+        """A fenced copy never runs again, not even its SIGTERM handler: its link goes first (a
+        killed copy's kernel would close its TCP connections from the job's own address), then
+        SIGKILL."""
+        rec.state = JOB_TRANSITIONS.check(rec.state, JobState.STOPPED, rec.name)
+        rec.note = f"{why}: killed without running again (a fenced copy must not run)"
+        self.save(rec)
+        if self.network is not None and rec.veth:
+            self.network.delete(rec.veth)
+        procs.signal_all(procs.tree_pids(rec.pid), signal.SIGKILL)
+        log.info("job %s: %s", rec.name, rec.note)
+        return rec
+
+    def end_fenced(self, name: str, why: str) -> JobRecord | None:
+        """End a fenced copy because another runs (None if it is not fenced any more)."""
+        with self._lock:
+            rec = self.get(name)
+            return self._end_fenced(rec, why) if rec.state is JobState.FENCED else None
 
     def stop_later(self, name: str, timeout_s: float) -> JobRecord:
         """`stop` on a thread of its own (its grace can be long); returns the record as it is now."""
@@ -564,7 +587,7 @@ class JobRegistry:
             if rec is None or rec.pid != pid:
                 return  # the name now belongs to a newer job
             rec.exit_code = code
-            if rec.state is JobState.RUNNING:
+            if rec.state in (JobState.RUNNING, JobState.FENCED):
                 rec.state = JOB_TRANSITIONS.check(rec.state, JobState.EXITED, name)
                 if code is not None:  # unknown for a process we did not start: keep what the note says
                     rec.note = exit_words(code)

@@ -2,6 +2,9 @@
 
 The servicer (agent.service.servicer) calls it and only converts; serve (agent.service.serve)
 starts and stops it.
+
+Why one module: it is the wiring; split, each part would be built in one place and handed its
+collaborators in another.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 
 from agent import __version__, client
 from agent.agent_config import AgentConfig
+from agent.coord.liveness import for_agent
 from agent.criu.runner import Criu
 from agent.cuda.jobs import CudaJobs, host_cuda_jobs
 from agent.errors import FerryError, InvalidArgumentError, NotFoundError, RefusedError
@@ -29,6 +33,7 @@ from agent.gpus.quarantine import Entry, Quarantine
 from agent.health.events import EventLog
 from agent.health.healing import Hooks, SelfHealing
 from agent.health.monitor import GpuHealth, HealthMonitor
+from agent.jobs import fence
 from agent.jobs.network import JobNetwork
 from agent.jobs.record import JobRecord, OnDegraded, Priority, check_job_name
 from agent.jobs.registry import JobRegistry
@@ -137,6 +142,9 @@ class AgentNode:
         reads = Sources(self.registry.list, self.monitor.snapshot, self.quarantine.all, staging_root)
         self.metrics = AgentMetrics(node, self.criu_version(), reads)  # what it reads, not the node
         self.targets.on_end = self.metrics.target_ended
+        #: This node's lease in etcd (`[coordination]`), fencing its members when it cannot renew.
+        coord = self.config.coordination
+        self.liveness = for_agent(coord, node, self.registry, self.dial.identity, self.events)
 
     # -- start and housekeeping ----------------------------------------------------------
 
@@ -147,6 +155,7 @@ class AgentNode:
         # Every record must be readable before anything is served: one that is not may stand for
         # a frozen copy here (source) or a held restore (target, which recover() reads strictly).
         self.journal.load(SOURCE, strict=True)
+        fence.hold_all(self.registry)  # fenced by the last run: held until etcd settles them
         for line in self.targets.recover():
             log.warning("recovered incoming migration %s", line)
         if n := sweep_keys(self.staging_root):

@@ -205,6 +205,9 @@ def serve(
         cfg.path or "no --config",
         cfg.health.interval_s,
     )
+    if service.liveness is not None:
+        service.liveness.start(where if listen_host not in ("", "0.0.0.0", "::") else f"{node}:{port}")
+        log.info("coordination: etcd at %s", ", ".join(service.config.coordination.endpoints))
     print(f"ferry agent: node {node} listening on {where}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -218,6 +221,8 @@ def serve(
     if not service.wait_idle(timeout_s=DRAIN_S):
         log.warning("work in flight did not finish in %.0f s; stopping anyway", DRAIN_S)
     service.stop_housekeeping()
+    if service.liveness is not None:  # its members fenced, its lease revoked: see NodeLiveness.stop
+        service.liveness.stop()
     server.stop(grace=10).wait()
     if dropped := service.targets.shutdown():
         log.info("dropped %d incoming migration(s) that had not begun to restore, and their staging", dropped)

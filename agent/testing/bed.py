@@ -34,11 +34,14 @@ from pathlib import Path
 
 from agent import certs
 from agent.jobs.registry import tmp_keeps
+from agent.testing.etcd import EtcdServer
 from agent.testing.localcluster import LocalAgent
 
 REPO = Path(__file__).resolve().parents[2]
 SUBNET = "10.98.0.0/16"
 OUTSIDE_ADDR = "10.98.0.200"
+#: The bed's etcd: a namespace of its own on the fabric, as a cluster's etcd is a host of its own.
+ETCD_ADDR = "10.98.0.250"
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -134,6 +137,7 @@ class Bed:
         self.outside_ns = f"{self.tag}-out"
         self.agents: list[BedAgent] = []
         self._links = 0
+        self.etcd_server: EtcdServer | None = None
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -220,6 +224,27 @@ class Bed:
             "node",
         ]
 
+    def etcd(self) -> EtcdServer:
+        """Start the bed's etcd (mutual TLS, the bed's CA) at ETCD_ADDR:2379, in a namespace of its
+        own; an agent joins it with `coordination_config()` in its config."""
+        ns = f"{self.tag}-etcd"
+        _ip("netns", "add", ns)
+        self._uplink(ns, "eth0")
+        _ip("-n", ns, "addr", "add", f"{ETCD_ADDR}/16", "dev", "eth0")
+        _ip("-n", ns, "link", "set", "eth0", "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        if not (self.pki / certs.CA_CERT).exists():
+            certs.create_ca(self.pki)
+        server = EtcdServer(
+            self.pki,
+            host=ETCD_ADDR,
+            port=2379,
+            data_dir=self.root / "etcd",
+            prefix=["ip", "netns", "exec", ns],
+        )
+        self.etcd_server = server.start()
+        return server
+
     def outside(self, cmd: list[str], **kw: object) -> subprocess.Popen[str]:
         """A process on the outside host (not a job, not a node)."""
         return subprocess.Popen(["ip", "netns", "exec", self.outside_ns, *cmd], text=True, **kw)  # type: ignore[call-overload]
@@ -230,8 +255,17 @@ class Bed:
                 agent.kill_jobs()
             with contextlib.suppress(Exception):
                 agent.stop()
+        if self.etcd_server is not None:
+            self.etcd_server.close()
+            _ip("netns", "del", f"{self.tag}-etcd", check=False)
         for ns in [a.netns for a in self.agents] + [self.outside_ns, self.fabric]:
             _ip("netns", "del", ns, check=False)
+
+
+def coordination_config(ttl_s: int = 3, margin_s: float = 1.0) -> str:
+    """The `[coordination]` table that joins an agent to the bed's etcd (short timings: tests)."""
+    table = f'[coordination]\nendpoints = ["{ETCD_ADDR}:2379"]\n'
+    return table + f"lease_ttl_s = {ttl_s}\nfence_margin_s = {margin_s}\n"
 
 
 @contextlib.contextmanager

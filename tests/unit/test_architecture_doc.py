@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.coord.liveness import LIVENESS
 from agent.jobs.registry import JOB_TRANSITIONS
 from agent.migration.states import SOURCE_TRANSITIONS, TARGET_TRANSITIONS
 from agent.statemachine import Transitions
@@ -31,7 +32,12 @@ def _block(name: str) -> dict[str, set[str]]:
 
 @pytest.mark.parametrize(
     ("name", "table"),
-    [("source", SOURCE_TRANSITIONS), ("target", TARGET_TRANSITIONS), ("job", JOB_TRANSITIONS)],
+    [
+        ("source", SOURCE_TRANSITIONS),
+        ("target", TARGET_TRANSITIONS),
+        ("job", JOB_TRANSITIONS),
+        ("liveness", LIVENESS),
+    ],
 )
 def test_the_documented_transitions_are_the_codes(name: str, table: Transitions) -> None:
     code = {s.value: {n.value for n in nxt} for s, nxt in table.table.items()}

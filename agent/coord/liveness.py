@@ -1,0 +1,278 @@
+"""This node's life in etcd: a lease kept alive, its group members published, and fencing when
+the lease can no longer be trusted (docs/recovery.md has the timings and their order).
+
+    CONNECTING → LIVE        a lease is granted, the node's key put, fenced members settled
+    LIVE → FENCED            no renewal landed and the fencing deadline came: members fenced
+    FENCED → LIVE            a renewal landed: the lease never expired, so no one can have
+                             started a member elsewhere; the fenced members run again
+    FENCED → CONNECTING      etcd says the lease is gone: a new one, then each fenced member is
+                             settled by its key (still ours: claimed back and unfenced; another
+                             node's: that copy ends without running)
+    LIVE → CONNECTING        the lease is gone without the deadline passing (fenced first)
+    any → STOPPED            the agent stops
+
+The deadline is the last renewal's *send* time plus the TTL etcd granted, less the margin:
+etcd restarts the TTL when the renewal arrives, later, so the lease cannot expire before it.
+
+Keys (under the configured prefix, "/ferry/"):
+    nodes/<node>                    {"agent": HOST:PORT, "agent_id": ...}, on the lease
+    groups/<group>/members/<job>    {"node", "agent", "address", "rank"}, no lease: it must
+                                    outlive its node to say where the member was
+A recovery (elsewhere) takes a member over by swapping its key to its own node before it
+restores anything; a fenced copy whose key names another node therefore never runs again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from agent.compat import StrEnum
+from agent.coord.config import CoordConfig
+from agent.coord.etcd import EtcdClient, Lease
+from agent.errors import FerryError, InvalidArgumentError
+from agent.health.events import EventLog
+from agent.jobs import fence
+from agent.jobs.record import JobRecord, JobState
+from agent.jobs.registry import JobRegistry
+from agent.statemachine import Transitions
+from agent.tls import Identity
+
+log = logging.getLogger(__name__)
+
+
+class Liveness(StrEnum):
+    CONNECTING = "connecting"
+    LIVE = "live"
+    FENCED = "fenced"
+    STOPPED = "stopped"
+
+
+_L = Liveness
+LIVENESS: Transitions[Liveness] = Transitions(
+    "liveness",
+    {
+        _L.CONNECTING: frozenset({_L.LIVE, _L.STOPPED}),
+        _L.LIVE: frozenset({_L.FENCED, _L.CONNECTING, _L.STOPPED}),
+        _L.FENCED: frozenset({_L.LIVE, _L.CONNECTING, _L.STOPPED}),
+        _L.STOPPED: frozenset(),
+    },
+)
+
+
+@dataclass(frozen=True)
+class Member:
+    """A group member as etcd holds it."""
+
+    group: str
+    job: str
+    node: str
+    agent: str
+    address: str
+    rank: str
+
+    def value(self) -> str:
+        return json.dumps({k: getattr(self, k) for k in ("node", "agent", "address", "rank")}, sort_keys=True)
+
+    @classmethod
+    def parse(cls, group: str, job: str, raw: bytes) -> Member:
+        d = json.loads(raw)
+        rest = (str(d.get(k, "")) for k in ("agent", "address", "rank"))
+        return cls(group, job, str(d["node"]), *rest)
+
+
+def rank_of(rec: JobRecord) -> str:
+    env = dict(kv.partition("=")[::2] for kv in rec.env)
+    return env.get("RANK", "")
+
+
+def for_agent(
+    config: CoordConfig, node: str, registry: JobRegistry, identity: Identity | None, events: EventLog
+) -> NodeLiveness | None:
+    """The agent's NodeLiveness (None without `[coordination]`); etcd needs its certificate."""
+    if not config.enabled:
+        return None
+    if identity is None:
+        raise InvalidArgumentError(
+            "[coordination] needs the agent's TLS identity: etcd admits the cluster CA's certificates",
+            hint="start the agent with --tls-dir, or remove [coordination] from its config",
+        )
+    return NodeLiveness(config, node, registry, identity, lambda k, m, j: events.record(k, m, job=j))
+
+
+class NodeLiveness:
+    """Owns this node's lease and its members' keys; runs on one thread of its own."""
+
+    def __init__(
+        self,
+        config: CoordConfig,
+        node: str,
+        registry: JobRegistry,
+        identity: Identity,
+        record: Callable[[str, str, str], None],  # (kind, message, job): the node's event log
+    ) -> None:
+        self.config, self.node, self.registry, self.record = config, node, registry, record
+        self.client = EtcdClient.with_identity(config.endpoints, identity, timeout_s=config.renew_every_s)
+        self.state = Liveness.CONNECTING
+        self.agent = ""  # this agent's HOST:PORT, once it listens
+        self.lease: Lease | None = None
+        self.valid_until = 0.0  # monotonic: etcd cannot expire the lease before this
+        self.fenced_at = 0.0  # monotonic, of the last fencing (for the tests and the log)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="coordination", daemon=True)
+
+    def key(self, *parts: str) -> str:
+        return self.config.prefix + "/".join(parts)
+
+    def start(self, agent: str) -> None:
+        self.agent = agent
+        self._thread.start()
+
+    def stop(self) -> None:
+        """The agent stops, its jobs do not: with no one to renew the lease they are fenced first
+        (its next start settles them), then the lease is revoked."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(self.config.lease_ttl_s + 2)
+        if self.state is Liveness.LIVE:
+            self._fence_all("the agent stopped: no one renews this node's lease")
+        if self.lease is not None:
+            try:
+                self.client.revoke(self.lease.id)
+            except FerryError as e:
+                log.info("coordination: lease not revoked (%s); it expires by itself", e)
+        self.client.close()
+
+    def _to(self, new: Liveness, why: str) -> None:
+        old, self.state = self.state, LIVENESS.check(self.state, new, f"of node {self.node}")
+        log.info("coordination: %s → %s (%s)", old.value, new.value, why)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                wait = self._connect() if self.state is Liveness.CONNECTING else self._tick()
+            except Exception:  # the loop is the node's liveness: it must not end on a bug
+                log.exception("coordination: unexpected failure; trying again")
+                wait = 0.5
+            self._stop.wait(wait)
+
+    def _connect(self) -> float:
+        try:
+            lease = self.client.grant(self.config.lease_ttl_s)
+            value = json.dumps({"agent": self.agent, "node": self.node})
+            self.client.put(self.key("nodes", self.node), value, lease=lease.id)
+        except FerryError as e:
+            log.warning("coordination: no lease yet (%s); fenced members stay fenced", e)
+            return 0.5
+        self.lease, self.valid_until = lease, lease.granted_at + lease.ttl
+        self._to(Liveness.LIVE, f"lease {lease.id:x}, {lease.ttl} s")
+        self._settle_fenced()
+        return 0.0
+
+    def _tick(self) -> float:
+        assert self.lease is not None
+        deadline = self.valid_until - self.config.fence_margin_s
+        sent = time.monotonic()
+        if sent >= deadline and self.state is Liveness.LIVE:
+            self._fence_all(f"no lease renewal landed for {sent - (self.valid_until - self.lease.ttl):.1f} s")
+        try:
+            # Never past the deadline: a renewal that hangs must not delay fencing.
+            budget = max(deadline - sent, 0.1) if self.state is Liveness.LIVE else self.config.renew_every_s
+            ttl = self.client.refresh(self.lease.id, min(budget, self.config.renew_every_s))
+        except FerryError as e:
+            log.warning("coordination: lease renewal failed: %s", e)
+            if self.state is Liveness.FENCED:
+                return 0.2
+            return max(min(0.2, deadline - time.monotonic()), 0.0)
+        if ttl <= 0:
+            if self.state is Liveness.LIVE:  # expired though its deadline had not come: fence now
+                self._fence_all("etcd says this node's lease expired")
+            self._to(Liveness.CONNECTING, "etcd says the lease is gone")
+            return 0.0
+        self.valid_until = sent + ttl
+        if self.state is Liveness.FENCED:
+            self._to(Liveness.LIVE, "a renewal landed: the lease never expired")
+            self._unfence_all("etcd answered again and this node's lease never expired")
+        self._publish()
+        to_deadline = self.valid_until - self.config.fence_margin_s - time.monotonic()
+        return min(self.config.renew_every_s, max(to_deadline, 0.0))
+
+    # -- fencing ----------------------------------------------------------------------------
+
+    def _fence_all(self, why: str) -> None:
+        self.fenced_at = time.monotonic()
+        self._to(Liveness.FENCED, why)
+        fenced = [
+            r.name
+            for r in self.registry.list()
+            if r.group and r.state is JobState.RUNNING and fence.fence(self.registry, r.name, why)
+        ]
+        if fenced:
+            self.record("alert", f"fenced {', '.join(fenced)}: {why}; they wait for etcd", "")
+
+    def _unfence_all(self, why: str) -> None:
+        for rec in self.registry.list():
+            if rec.state is JobState.FENCED:
+                self._unfence(rec.name, why)
+
+    def _unfence(self, name: str, why: str) -> None:
+        try:
+            if fence.unfence(self.registry, name, why):
+                self.record("info", f"unfenced: {why}", name)
+        except FerryError as e:
+            log.error("coordination: job %s stays fenced: %s", name, e)
+
+    def _settle_fenced(self) -> None:
+        """After a lost lease: each fenced member's key decides (fail closed: any doubt, it waits)."""
+        for rec in self.registry.list():
+            if rec.state is not JobState.FENCED or not rec.group:
+                continue
+            key = self.key("groups", rec.group, "members", rec.name)
+            try:
+                kv = self.client.get(key)
+                other = Member.parse(rec.group, rec.name, kv.value).node if kv is not None else self.node
+                if other != self.node:
+                    self.registry.end_fenced(rec.name, f"its group recovered it on node {other}")
+                    self.record("alert", f"ended without running again: node {other} runs it now", rec.name)
+                    continue
+                mine = self._member(rec).value()
+                ok = (
+                    self.client.compare_and_swap(key, mine, kv.mod_revision)
+                    if kv is not None
+                    else self.client.create_if_absent(key, mine)
+                )
+            except (FerryError, ValueError, KeyError) as e:
+                log.warning("coordination: job %s stays fenced until its key can be read: %s", rec.name, e)
+                continue
+            if ok:  # claimed back before anyone else: no copy can start elsewhere now
+                self._unfence(rec.name, "its key in etcd still names this node")
+
+    # -- members ----------------------------------------------------------------------------
+
+    def _member(self, rec: JobRecord) -> Member:
+        return Member(rec.group, rec.name, self.node, self.agent, rec.address, rank_of(rec))
+
+    def _publish(self) -> None:
+        """Every running member here has its key naming this node (a move's target rewrites it);
+        one that ended here (exited, stopped) has none, unless another node's copy took it."""
+        for rec in self.registry.list():
+            ended = rec.state in (JobState.EXITED, JobState.STOPPED)
+            if not rec.group or not (rec.state is JobState.RUNNING or ended):
+                continue
+            key, want = self.key("groups", rec.group, "members", rec.name), self._member(rec).value()
+            try:
+                kv = self.client.get(key)
+                if ended:
+                    if kv is not None and Member.parse(rec.group, rec.name, kv.value).node == self.node:
+                        self.client.delete_if(key, kv.mod_revision)
+                elif kv is None or kv.value.decode() != want:
+                    self.client.put(key, want)
+            except (FerryError, ValueError, KeyError) as e:
+                log.warning("coordination: member %s not published: %s", rec.name, e)
+                return
