@@ -191,8 +191,8 @@ class PeerClient:
         except grpc.RpcError as e:
             raise from_rpc_error(e, self.address, step, self.dial) from e
 
-    def info(self) -> pb.NodeInfo:
-        return self._call("info", self._stub.GetInfo, pb.GetInfoRequest())  # type: ignore[return-value]
+    def info(self, timeout_s: float | None = None) -> pb.NodeInfo:
+        return self._call("info", self._stub.GetInfo, pb.GetInfoRequest(), timeout_s)  # type: ignore[return-value]
 
     def prepare(self, req: pb.PrepareRequest) -> pb.Lease:
         return self._call("prepare", self._stub.Prepare, req)  # type: ignore[return-value]

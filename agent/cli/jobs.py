@@ -88,6 +88,7 @@ def _ps_group(args: argparse.Namespace) -> int:
     info = _ask(args, args.agent, "GetInfo", pb.GetInfoRequest())
     agents = [args.agent, *dict.fromkeys(a for a in [*args.peer, *info.peers] if a != args.agent)]
     members: dict[tuple[str, str], pb.Job] = {}  # one agent given twice (socket and TCP) lists once
+    lost: dict[str, pb.LostMember] = {}  # members on dead nodes, as the agents with etcd saw them
     silent = 0
     for address in agents:
         try:
@@ -99,8 +100,14 @@ def _ps_group(args: argparse.Namespace) -> int:
         for j in jobs.jobs:
             if j.group == args.group:
                 members.setdefault((j.node_name, j.name), j)
+        for m in jobs.lost:
+            if m.group == args.group:
+                lost.setdefault(m.name, m)
+    running = {name for (_node, name), j in members.items() if j.state != pb.JOB_STATE_MOVED}
+    dead = [_lost_row(m) for name, m in sorted(lost.items()) if name not in running]
     listed = sorted(
-        members.values(), key=lambda j: (j.rank if j.has_rank else 1 << 30, j.node_name, j.started_at)
+        [*members.values(), *dead],
+        key=lambda j: (j.rank if j.has_rank else 1 << 30, j.node_name, j.started_at),
     )
     if args.json:
         print_json([job_dict(j) for j in listed])
@@ -110,7 +117,26 @@ def _ps_group(args: argparse.Namespace) -> int:
             if listed
             else f"no members of group {args.group!r} on {len(agents) - silent} agent(s)"
         )
+        if dead:
+            print(
+                f"group {args.group} is degraded: {len(dead)} member(s) on a dead node (see `ferry events`)"
+            )
     return EXIT_OK
+
+
+def _lost_row(m: Any) -> Any:
+    """A member on a dead node, as a row: state lost, where it was, since when and why."""
+    import time
+
+    from agent.rpc import pb
+
+    when = time.strftime("%H:%M:%S", time.localtime(m.since))
+    note = f"node {m.node} is dead (seen by {m.seen_by} at {when}): its agent: {m.why}"
+    job = pb.Job(name=m.name, group=m.group, node_name=m.node, state=pb.JOB_STATE_LOST, address=m.address)
+    job.note = note
+    if m.rank.isdigit():
+        job.rank, job.has_rank = int(m.rank), True
+    return job
 
 
 def _check_peer(peer: str) -> None:

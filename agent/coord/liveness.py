@@ -85,13 +85,28 @@ class Member:
         return cls(group, job, str(d["node"]), *rest)
 
 
+@dataclass(frozen=True)
+class LostMember:
+    """A member of a group with a member here, on a node that is dead: its lease expired and its
+    agent does not answer. Shown by `ferry ps --group` until it is back or recovered."""
+
+    member: Member
+    since: float  # wall time it was found lost
+    why: str  # what its agent's address answered
+
+
 def rank_of(rec: JobRecord) -> str:
     env = dict(kv.partition("=")[::2] for kv in rec.env)
     return env.get("RANK", "")
 
 
 def for_agent(
-    config: CoordConfig, node: str, registry: JobRegistry, identity: Identity | None, events: EventLog
+    config: CoordConfig,
+    node: str,
+    registry: JobRegistry,
+    identity: Identity | None,
+    events: EventLog,
+    probe: Callable[[str], str],
 ) -> NodeLiveness | None:
     """The agent's NodeLiveness (None without `[coordination]`); etcd needs its certificate."""
     if not config.enabled:
@@ -101,7 +116,7 @@ def for_agent(
             "[coordination] needs the agent's TLS identity: etcd admits the cluster CA's certificates",
             hint="start the agent with --tls-dir, or remove [coordination] from its config",
         )
-    return NodeLiveness(config, node, registry, identity, lambda k, m, j: events.record(k, m, job=j))
+    return NodeLiveness(config, node, registry, identity, lambda k, m, j: events.record(k, m, job=j), probe)
 
 
 class NodeLiveness:
@@ -114,8 +129,12 @@ class NodeLiveness:
         registry: JobRegistry,
         identity: Identity,
         record: Callable[[str, str, str], None],  # (kind, message, job): the node's event log
+        probe: Callable[[str], str] = lambda agent: "not asked",  # an agent's HOST:PORT -> "" if it answers
     ) -> None:
         self.config, self.node, self.registry, self.record = config, node, registry, record
+        self.probe = probe
+        self.lost: dict[str, LostMember] = {}  # by job name
+        self._cut_off: set[str] = set()  # nodes without a lease whose agent answers (said once)
         self.client = EtcdClient.with_identity(config.endpoints, identity, timeout_s=config.renew_every_s)
         self.state = Liveness.CONNECTING
         self.agent = ""  # this agent's HOST:PORT, once it listens
@@ -124,6 +143,8 @@ class NodeLiveness:
         self.fenced_at = 0.0  # monotonic, of the last fencing (for the tests and the log)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="coordination", daemon=True)
+        # Its own thread: asking a dead node's agent takes seconds, which must never delay a renewal.
+        self._watcher = threading.Thread(target=self._watch, name="group-watch", daemon=True)
 
     def key(self, *parts: str) -> str:
         return self.config.prefix + "/".join(parts)
@@ -131,13 +152,15 @@ class NodeLiveness:
     def start(self, agent: str) -> None:
         self.agent = agent
         self._thread.start()
+        self._watcher.start()
 
     def stop(self) -> None:
         """The agent stops, its jobs do not: with no one to renew the lease they are fenced first
         (its next start settles them), then the lease is revoked."""
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(self.config.lease_ttl_s + 2)
+        for t in (self._thread, self._watcher):
+            if t.is_alive():
+                t.join(self.config.lease_ttl_s + 2)
         if self.state is Liveness.LIVE:
             self._fence_all("the agent stopped: no one renews this node's lease")
         if self.lease is not None:
@@ -252,6 +275,65 @@ class NodeLiveness:
                 continue
             if ok:  # claimed back before anyone else: no copy can start elsewhere now
                 self._unfence(rec.name, "its key in etcd still names this node")
+
+    # -- the other nodes of our groups --------------------------------------------------------
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.config.renew_every_s):
+            if self.state is not Liveness.LIVE:
+                continue  # a node that cannot trust its own lease judges no other
+            try:
+                self.check_peers()
+            except FerryError as e:
+                log.warning("coordination: cannot read the groups' members: %s", e)
+            except Exception:
+                log.exception("coordination: checking the groups' members failed")
+
+    def check_peers(self) -> None:
+        """A member of a group with a member here is lost when its node has no lease and its agent
+        does not answer: the group is degraded, and `ferry events` says so once."""
+        here = {r.group for r in self.registry.list() if r.group and r.state.active}
+        live = {kv.key.decode().rsplit("/", 1)[-1] for kv in self.client.get_prefix(self.key("nodes", ""))}
+        members = []
+        for kv in self.client.get_prefix(self.key("groups", "")):
+            parts = kv.key.decode()[len(self.config.prefix) :].split("/")  # groups/<g>/members/<job>
+            if len(parts) == 4 and parts[1] in here:
+                try:
+                    members.append(Member.parse(parts[1], parts[3], kv.value))
+                except (ValueError, KeyError):
+                    log.warning("coordination: unreadable member key %s", kv.key.decode())
+        seen = set()
+        for m in members:
+            seen.add(m.job)
+            if m.node == self.node or m.node in live:
+                self._cut_off.discard(m.node)
+                if (gone := self.lost.pop(m.job, None)) is not None:
+                    self.record("info", f"group {m.group}: member {m.job} runs on node {m.node} again", m.job)
+                    log.info("coordination: %s no longer lost (was on %s)", m.job, gone.member.node)
+                continue
+            if m.job in self.lost:
+                continue
+            why = self.probe(m.agent)
+            if not why:
+                if m.node not in self._cut_off:
+                    self._cut_off.add(m.node)
+                    self.record(
+                        "warning",
+                        f"node {m.node} has no lease in etcd but its agent answers: "
+                        f"its members are fenced there until it reaches etcd again",
+                        "",
+                    )
+                continue
+            self.lost[m.job] = LostMember(m, time.time(), why)
+            rank = f" (rank {m.rank})" if m.rank else ""
+            self.record(
+                "alert",
+                f"group {m.group} is degraded: member {m.job}{rank} on node {m.node} is lost: its "
+                f"lease in etcd expired and its agent at {m.agent or '?'} does not answer ({why})",
+                m.job,
+            )
+        for job in set(self.lost) - seen:  # its key went: ended, or taken by a recovery elsewhere
+            del self.lost[job]
 
     # -- members ----------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from agent.coord.liveness import LostMember
 from agent.cuda.driver import DriverInfo
 from agent.errors import InvalidArgumentError
 from agent.gpus.inventory import Inventory
@@ -186,4 +187,19 @@ def progress_pb(p: Progress, elapsed_s: float) -> pb.ProgressEvent:
         bytes_done=p.bytes_done,
         bytes_total=p.bytes_total,
         elapsed_s=elapsed_s,
+    )
+
+
+def lost_pb(lost: LostMember, seen_by: str) -> pb.LostMember:
+    m = lost.member
+    return pb.LostMember(
+        group=m.group,
+        name=m.job,
+        node=m.node,
+        agent=m.agent,
+        address=m.address,
+        rank=m.rank,
+        since=lost.since,
+        why=lost.why,
+        seen_by=seen_by,
     )

@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 
 #: How often an agent expires leases and asks about unresolved migrations.
 HOUSEKEEPING_S = float(os.environ.get("FERRY_HOUSEKEEPING_S", "5"))
+#: How long a dead node's agent is given to answer before its member counts as lost.
+PROBE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,15 @@ class AgentNode:
         self.targets.on_end = self.metrics.target_ended
         #: This node's lease in etcd (`[coordination]`), fencing its members when it cannot renew.
         coord = self.config.coordination
-        self.liveness = for_agent(coord, node, self.registry, self.dial.identity, self.events)
+        self.liveness = for_agent(coord, node, self.registry, self.dial.identity, self.events, self._answers)
+
+    def _answers(self, address: str) -> str:
+        """ "" if the agent at address answers within PROBE_S; else why not, in words."""
+        try:
+            client.PeerClient(address, self.dial).info(timeout_s=PROBE_S)
+            return ""
+        except FerryError as e:
+            return e.cause
 
     # -- start and housekeeping ----------------------------------------------------------
 

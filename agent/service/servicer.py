@@ -20,6 +20,7 @@ from agent.service.convert import (
     info_pb,
     inventory_pb,
     job_pb,
+    lost_pb,
     method_of,
     progress_pb,
     result_pb,
@@ -93,7 +94,9 @@ class AgentService(pb_grpc.AgentServicer):
 
     @rpc
     def ListJobs(self, request: pb.ListJobsRequest, context: grpc.ServicerContext) -> pb.ListJobsResponse:
-        return pb.ListJobsResponse(jobs=[job_pb(r, self.node) for r in self.agent.registry.list()])
+        live = self.agent.liveness
+        lost = [lost_pb(m, self.node) for m in live.lost.values()] if live is not None else []
+        return pb.ListJobsResponse(jobs=[job_pb(r, self.node) for r in self.agent.registry.list()], lost=lost)
 
     @rpc
     def StopJob(self, request: pb.StopJobRequest, context: grpc.ServicerContext) -> pb.Job:

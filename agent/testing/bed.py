@@ -26,6 +26,7 @@ import re
 import secrets
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -244,6 +245,13 @@ class Bed:
         )
         self.etcd_server = server.start()
         return server
+
+    def power_off(self, agent: BedAgent) -> None:
+        """The node dies without warning: its agent and every job SIGKILLed, its link to the
+        fabric gone (no FIN, no RST: its peers' packets just stop being answered)."""
+        agent.stop(sig=signal.SIGKILL, timeout_s=10)
+        agent.kill_jobs()
+        _ip("-n", agent.netns, "link", "del", "uplink", check=False)
 
     def outside(self, cmd: list[str], **kw: object) -> subprocess.Popen[str]:
         """A process on the outside host (not a job, not a node)."""

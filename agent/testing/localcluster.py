@@ -130,7 +130,8 @@ class LocalAgent:
         for path in self.state_dir.glob("jobs/*/job.json"):
             with contextlib.suppress(OSError, ValueError, KeyError):
                 rec = json.loads(path.read_text())
-                if rec["state"] in ("running", "migrating") and procs.alive(rec["pid"], rec["pid_started"]):
+                active = rec["state"] in ("running", "migrating", "fenced")
+                if active and procs.alive(rec["pid"], rec["pid_started"]):
                     procs.signal_all(procs.tree_pids(rec["pid"]), signal.SIGKILL)
 
     def cli(

@@ -165,3 +165,25 @@ def test_a_member_taken_over_while_fenced_ends_without_running_again(bed) -> Non
     assert "node-b" in a.job("m1")["note"]
     assert ticks(a, "m1")[-1] == last, "the fenced copy ran again"
     assert "node-b" in ctl("get", "/ferry/groups/g1/members/m1")  # its key stays the new node's
+
+
+def test_a_node_that_dies_shows_its_member_lost_on_the_survivors(bed) -> None:
+    b, a, ctl = bed
+    ctl("del", "/ferry/groups/g1/members/m1")  # the takeover above was played by hand
+    node_b = b.node("node-b", config=coordination_config(ttl_s=3, margin_s=1.0))
+    node_b.cli("run", "--name", "b1", "--group", "g1", "--env", "RANK=1", "--", sys.executable, "-c", TICK)
+    wait_for("b1's member key", lambda: '"node": "node-b"' in ctl("get", "/ferry/groups/g1/members/b1"), 20)
+    killed = time.time()
+    b.power_off(node_b)
+
+    def lost() -> list[dict]:
+        return [e for e in events(a) if "member b1 (rank 1) on node node-b is lost" in e["message"]]
+
+    wait_for("node-a to find b1 lost", lost, 30)
+    print(f"b1 found lost {lost()[0]['time'] - killed:.2f} s after node-b died")
+    ps = a.cli("ps", "--group", "g1").stdout
+    row = next(line for line in ps.splitlines() if line.startswith("b1 "))
+    assert "lost" in row and "node-b" in row and "is dead" in row, ps
+    assert "group g1 is degraded: 1 member(s) on a dead node" in ps
+    listed = {j["name"]: j for j in json.loads(a.cli("ps", "--group", "g1", "--json").stdout)}
+    assert listed["b1"]["state"] == "lost" and listed["m0"]["state"] == "running"
