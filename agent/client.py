@@ -219,6 +219,13 @@ class PeerClient:
         )
         return resp.state  # type: ignore[attr-defined]
 
+    def peer_wait(self, migration_id: str, wait_s: float) -> pb.PeerWait | None:
+        """The target's measure of a moved member's peers (agent.migration.peerwait), waiting up
+        to wait_s for it; None if the target sent none."""
+        req = pb.GetMigrationRequest(migration_id=migration_id, peer_wait_s=wait_s)
+        resp = self._call("status", self._stub.GetMigration, req, wait_s + 5.0)
+        return resp.peer_wait if resp.HasField("peer_wait") else None  # type: ignore[attr-defined]
+
     def health(self, timeout_s: float) -> pb.HealthReport:
         return self._call("health", self._stub.GetHealth, pb.GetHealthRequest(), timeout_s)  # type: ignore[return-value]
 

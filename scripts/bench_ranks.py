@@ -13,14 +13,20 @@ per node, each holding --ballast-mb of live state) runs four times, one after th
                        when checkpoints come every --interval-steps)
 
 Lost time = the run's wall time (rank 0's first step to its last) minus the undisturbed
-run's. Each run must end with the undisturbed run's parameters, bit for bit. Then it
-projects goodput for a 1,024- and a 16,384-GPU job (MTTF 7.9 h and 1.8 h) from the lost
-time per failure. Needs root, CRIU (`make criu`) and `ip`.
+run's. For the move it also prints the group's pause ferry reported (frozen time plus the peers'
+wait after the release, which the target measured on the moved rank's connections), the peers'
+longest step gap in their own logs, and checks issue 29's target: the peers' pause (that gap
+minus their median step, which a freeze does not remove) is at most the frozen time + 0.5 s.
+Each run must end with the undisturbed run's parameters, bit for bit. Then it projects
+goodput for a 1,024- and a 16,384-GPU job (MTTF 7.9 h and 1.8 h) from the lost time per
+failure (--ferry-only: the undisturbed run and the move alone, no projection). Needs root,
+CRIU (`make criu`) and `ip`.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -48,6 +54,9 @@ class BenchError(Exception):
     """A failure reported as one line and exit status 1."""
 
 
+#: Issue 29's target: the peers' pause may exceed the frozen time by this much.
+PAUSE_SLACK_S = 0.5
+
 # -- pure parts: wall time, lost time, goodput ----------------------------------------------
 
 
@@ -56,6 +65,22 @@ def wall_s(first: list[float], last: list[float]) -> float:
     if not first or not last:
         raise BenchError("a run logged no stamped steps on rank 0")
     return last[-1] - first[0]
+
+
+def median_step(stamps: list[float]) -> float:
+    """A rank's usual step: the median time between its consecutive steps."""
+    gaps = sorted(b - a for a, b in itertools.pairwise(stamps))
+    if not gaps:
+        raise BenchError("a rank logged fewer than two stamped steps")
+    mid = len(gaps) // 2
+    return gaps[mid] if len(gaps) % 2 else (gaps[mid - 1] + gaps[mid]) / 2
+
+
+def pause_target(gap_s: float, step_s: float, frozen_s: float) -> tuple[float, bool]:
+    """The peers' pause (their longest step gap minus their usual step) and whether it met issue
+    29's target: at most the frozen time plus PAUSE_SLACK_S."""
+    pause = gap_s - step_s
+    return pause, pause <= frozen_s + PAUSE_SLACK_S
 
 
 @dataclass(frozen=True)
@@ -97,16 +122,29 @@ def _seconds(v: float | None) -> str:
 
 def format_report(runs: dict[str, dict[str, Any]], projections: dict[str, list[Projection]]) -> str:
     lines = [
-        f"{'run':34} {'wall':>8} {'lost':>8} {'frozen':>8} {'peers gap':>10} {'recomputed':>10} {'exact':>6}",
+        f"{'run':34} {'wall':>8} {'lost':>8} {'frozen':>8} {'group pause':>12} {'peers gap':>10} "
+        f"{'recomputed':>10} {'exact':>6}",
     ]
     for label, r in runs.items():
         k = r.get("recomputed_steps")
-        cells = [_seconds(r.get(key)) for key in ("wall_s", "lost_s", "frozen_s")]
+        cells = [_seconds(r.get(key)) for key in ("wall_s", "lost_s", "frozen_s", "group_pause_s")]
         lines.append(
-            f"{label:34} {cells[0]:>8} {cells[1]:>8} {cells[2]:>8} "
+            f"{label:34} {cells[0]:>8} {cells[1]:>8} {cells[2]:>8} {cells[3]:>12} "
             f"{_seconds(r.get('peers_gap_s')):>10} {'-' if k is None else k:>10} "
             f"{ {True: 'yes', False: 'no', None: '-'}[r.get('bit_identical')]:>6}"
         )
+    for label, r in runs.items():
+        if "peers_pause_s" not in r:
+            continue
+        lines += [
+            "",
+            f"{label}: the group's pause as ferry reported it: "
+            + (f"{r['group_pause_s']:.2f} s" if r.get("group_pause_s") is not None else "not measured")
+            + f" ({r.get('group_pause_by') or 'no words'})",
+            f"  peers' pause from their logs: longest step gap {r['peers_gap_s']:.2f} s - usual step "
+            f"{r['step_s']:.2f} s = {r['peers_pause_s']:.2f} s; target <= frozen {r['frozen_s']:.2f} s "
+            f"+ {PAUSE_SLACK_S} s: {'met' if r['pause_target_met'] else 'NOT met'}",
+        ]
     for title, rows in projections.items():
         lines += [
             "",
@@ -152,6 +190,8 @@ class Runs:
             str(a.step_time),
             "--ballast-mb",
             str(a.ballast_mb),
+            "--hidden",
+            str(a.hidden),
             *extra,
         ]
 
@@ -202,13 +242,22 @@ class Runs:
         b.wait_log(names[1], rf"^step {self.args.fail_at} ", timeout_s=600)
         asked = time.time()
         moved = json.loads(b.cli("migrate", names[1], "--to", self.spare.address, "--json").stdout)
+        answered = time.time()
         where = [self.nodes[0], self.spare, self.nodes[2]]
         logs = self.finish(names, where)
-        gap = max(longest_gap(logs[r], asked, asked + moved["total_s"]) for r in (0, 2))
+        # The answer comes once the group's pause was measured (up to 12 s after the move).
+        gap = max(longest_gap(logs[r], asked, answered) for r in (0, 2))
+        step = max(median_step(stamps(logs[r])) for r in (0, 2))
+        pause, met = pause_target(gap, step, moved["frozen_s"])
         return {
             "wall_s": wall_s(stamps(logs[0]), stamps(logs[0])),
             "frozen_s": moved["frozen_s"],
+            "group_pause_s": moved.get("group_pause_s"),
+            "group_pause_by": moved.get("group_pause_by", ""),
             "peers_gap_s": gap,
+            "step_s": step,
+            "peers_pause_s": pause,
+            "pause_target_met": met,
             "image_bytes": moved["image_bytes"],
             "recomputed_steps": 0,
             "bit_identical": self.exact,
@@ -254,6 +303,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-time", type=float, default=0.25, help="seconds each step sleeps (default 0.25)")
     p.add_argument("--ballast-mb", type=int, default=256, help="MiB of live state per rank (default 256)")
     p.add_argument(
+        "--hidden",
+        type=int,
+        default=64,
+        help="the model's hidden width, passed to train_ddp.py: each step's allreduce carries 136 "
+        "bytes per unit (default 64)",
+    )
+    p.add_argument(
+        "--ferry-only",
+        action="store_true",
+        help="only the undisturbed run and the move (no checkpoint-restart runs, no projection)",
+    )
+    p.add_argument(
         "--fail-at", type=int, default=100, help="the step at which a rank fails or moves (default 100)"
     )
     p.add_argument(
@@ -287,7 +348,9 @@ def preflight(args: argparse.Namespace) -> None:
     if shutil.which("ip") is None:
         raise BenchError("`ip` (iproute2) is missing: apt-get install iproute2")
     k = args.interval_steps // 2
-    if not 0 < k <= args.fail_at < args.steps - 1:
+    if args.ferry_only and not 0 < args.fail_at < args.steps - 1:
+        raise BenchError(f"need 0 < --fail-at ({args.fail_at}) < --steps-1 ({args.steps - 1})")
+    if not args.ferry_only and not 0 < k <= args.fail_at < args.steps - 1:
         raise BenchError(
             f"need 0 < --interval-steps/2 ({k}) <= --fail-at ({args.fail_at}) < --steps-1 ({args.steps - 1})"
         )
@@ -310,13 +373,21 @@ def run(args: argparse.Namespace, say: Progress) -> dict[str, Any]:
         with node_bed(root) as bed:
             r = Runs(bed, args, say)
             runs = {"undisturbed": r.undisturbed(), "ferry: move rank 1": r.ferry()}
-            runs["checkpoint-restart, K=0"] = r.restart(0)
-            runs[f"checkpoint-restart, K={k}"] = r.restart(k)
+            if not args.ferry_only:
+                runs["checkpoint-restart, K=0"] = r.restart(0)
+                runs[f"checkpoint-restart, K={k}"] = r.restart(k)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     ref = runs["undisturbed"]["wall_s"]
     for v in runs.values():
         v["lost_s"] = v["wall_s"] - ref
+    if args.ferry_only:
+        return {
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "runs": runs,
+            "projections": {},
+            "report": format_report(runs, {}),
+        }
     move = runs["ferry: move rank 1"]["lost_s"]
     restart = runs["checkpoint-restart, K=0"]["lost_s"]
     interval = args.interval_min * 60

@@ -167,6 +167,10 @@ def result_dict(r: pb.MigrationResult) -> dict[str, Any]:
         "transfer_gbps": round(r.transfer_gbps, 3),
         "image_dir": r.image_dir,
         "method": r.method,
+        # A member of a distributed job: how long its peers were without it (None: not measured,
+        # or no member, which group_pause_by "" says).
+        "group_pause_s": round(r.group_pause_s, 4) if r.group_pause_by and r.group_pause_s >= 0 else None,
+        "group_pause_by": r.group_pause_by,
     }
 
 
@@ -192,6 +196,10 @@ def summary(r: pb.MigrationResult) -> str:
         lines.append(f"frozen: {r.frozen_s:.3f} s (dump start -> released on the target)")
         down = f"{r.downtime_s:.3f} s" if r.downtime_s >= 0 else "not measured"
         lines.append(f"downtime: {down}" + (f" ({r.downtime_by})" if r.downtime_by else ""))
+        if r.group_pause_by:  # a member of a distributed job
+            pause = f"{r.group_pause_s:.3f} s" if r.group_pause_s >= 0 else "not measured"
+            by = r.group_pause_by.removeprefix("not measured: ")
+            lines.append(f"group's pause: {pause} ({by})")
     return "\n".join(lines)
 
 

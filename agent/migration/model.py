@@ -86,6 +86,10 @@ class MigrationResult:
     transfer_gbps: float = 0.0
     image_dir: str = ""
     method: str = ""  # how the memory moved; when the default fell back to pre-copy, why
+    #: A member of a distributed job: how long its peers were without it (frozen_s plus their
+    #: wait after its release, agent.migration.peerwait); <0: not measured.
+    group_pause_s: float = -1.0
+    group_pause_by: str = ""  # how group_pause_s was measured, in words; "" for no member
 
 
 Emit = Callable[[Progress], None]
@@ -105,6 +109,7 @@ class Peer(Protocol):
     def abort(self, migration_id: str, reason: str) -> None: ...
     def status(self, migration_id: str) -> int: ...
     def stop_moved(self, migration_id: str, timeout_s: float) -> pb.Job: ...
+    def peer_wait(self, migration_id: str, wait_s: float) -> pb.PeerWait | None: ...
 
 
 def unresolved_note(job: str, target: str) -> str:

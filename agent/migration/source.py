@@ -37,12 +37,12 @@ from agent.jobs import procs
 from agent.jobs.network import LinkLock
 from agent.jobs.record import JobState
 from agent.jobs.registry import JobRegistry
-from agent.migration import rollback, stops
+from agent.migration import peerwait, rollback, stops
 from agent.migration.capture import Phases, copy_logs, dump_externals, needs_shell_job
 from agent.migration.datapath import SourceDataPath
 from agent.migration.fencing import TargetAnswer, Verdict, ask_target, decide
 from agent.migration.journal import SOURCE, Journal, JournaledRecord, MigrationRecord, state_of
-from agent.migration.limits import RateLog
+from agent.migration.limits import RateLog, is_distributed
 from agent.migration.model import Emit, MigrationResult, MigrationSpec, Peer, Progress
 from agent.migration.pagestream import sent_bytes
 from agent.migration.source_abort import AbortPath, _TargetAborted, _Unresolved
@@ -266,6 +266,8 @@ class SourceMigration(PrepareStep, PostCopyStep, AbortPath):
         self._set(MigrationState.COMMITTED, "done", f"job {rec.name} runs on {self.result.target_node}")
         if not self.keep_criu_logs:
             self.criu_logs.done(self.spec.migration_id)
+        if rec.address and is_distributed(rec):
+            self._group_pause()
         return self.result
 
     def _externals(self) -> list[str]:
@@ -305,6 +307,22 @@ class SourceMigration(PrepareStep, PostCopyStep, AbortPath):
             f"CPU time: the job stopped at its freeze and ran again {resp.resumed_after_s * 1000:.1f} ms "
             f"after its release on {self.result.target_node}"
         )
+
+    def _group_pause(self) -> None:
+        """A member of a distributed job: its peers were without it for its frozen time and then
+        until their connections to it carried bytes again, which the target watched after the
+        release (agent.migration.peerwait). Asked once committed; a failure fails nothing."""
+        what = f"measuring how long its peers went without it (up to {peerwait.ASK_WAIT_S:.0f} s)"
+        self.emit(Progress("done", what))
+        wait = peerwait.ask(self.peer, self.spec.migration_id)
+        log.info("migration %s (job %s): %s", self.spec.migration_id, self.spec.job, wait.words())
+        if not wait.measured:
+            self.result.group_pause_by = wait.words()
+            return
+        frozen = self.result.frozen_s
+        self.result.group_pause_s = frozen + wait.wait_s
+        at_least = "at least: " if wait.stuck else ""
+        self.result.group_pause_by = f"{at_least}frozen {frozen:.2f} s, then {wait.words()}"
 
     def _commit(self) -> pb.CommitResponse:
         req = pb.CommitRequest(migration_id=self.spec.migration_id)

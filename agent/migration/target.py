@@ -39,6 +39,7 @@ from agent.gpus.ledger import GpuLedger
 from agent.jobs.registry import JobRegistry
 from agent.migration.datatls import DataTls
 from agent.migration.journal import TARGET, Journal, MigrationRecord
+from agent.migration.peerwait import PeerWait, PeerWaits
 from agent.migration.staging import no_space
 from agent.migration.states import TargetState
 from agent.migration.target_admission import LEASE_S, Admission, safe_id
@@ -105,7 +106,11 @@ class TargetMigrations:
         self.effects = TargetEffects(self.table, registry, self.criu_logs, lambda result: self.on_end(result))
         self.admission = Admission(registry, criu, self.cuda, self.ledger, staging_root, node)
         self.streams = StreamHost(self.table, self.effects, criu, self.criu_logs, node)
-        self.restorer = Restorer(self.table, self.effects, registry, criu, self.cuda, self.criu_logs, node)
+        #: How long each moved member's peers went without it (agent.migration.peerwait).
+        self.peer_waits = PeerWaits()
+        self.restorer = Restorer(
+            self.table, self.effects, registry, criu, self.cuda, self.criu_logs, node, self.peer_waits
+        )
 
     # -- the protocol ------------------------------------------------------------
 
@@ -264,6 +269,16 @@ class TargetMigrations:
             inc = from_journal(rec)
         self._check_caller(inc, caller)
         return inc.state.wire
+
+    def peer_wait(self, mid: str, wait_s: float, caller: str = "") -> PeerWait:
+        """How long the peers of the member migration `mid` brought here went without it, waiting
+        up to wait_s (bounded) for a measure still being taken. Asked by its source only."""
+        self._get(mid, caller)
+        found = self.peer_waits.get(mid, wait_s)
+        if found is not None:
+            return found
+        why = "not a group member with a job address, or its agent restarted since"
+        return PeerWait(not_measured=f"{self.node} has no measure of migration {mid} ({why})")
 
     def moved_here(self, mid: str, caller: str = "") -> str:
         """The job that migration `mid` runs here, asked by the node that moved it (StopMoved)."""

@@ -1,6 +1,10 @@
 """The target's Commit: restore the verified image held, journal RUNNING (the commit point),
 then release the job.
 
+After the release a member of a distributed job has its connections watched, on a thread of
+their own, for how long its peers went without it (agent.migration.peerwait): the commit answer
+never waits for that, since the source holds its frozen copy until it hears.
+
 A crash before the commit point leaves the job held, and recovery kills it; after, recovery
 answers RUNNING. A restore that fails before it is unwound here (UNWINDING, then ABORTED once
 nothing of it is left), so the source may resume its copy.
@@ -19,7 +23,9 @@ from agent.errors import RefusedError, TransferError
 from agent.jobs import procs
 from agent.jobs.record import JobRecord
 from agent.jobs.registry import JobRegistry
+from agent.migration.limits import is_distributed
 from agent.migration.pagestream import LazyTargetPages
+from agent.migration.peerwait import PeerWaits
 from agent.migration.restore import cpu_ns, restore_tree, resumed_after
 from agent.migration.states import TargetState
 from agent.migration.target_effects import TargetEffects
@@ -41,6 +47,7 @@ class Restorer:
         cuda: CudaJobs,
         criu_logs: CriuLogs,
         node: str,
+        peer_waits: PeerWaits,
     ) -> None:
         self.table = table
         self.effects = effects
@@ -49,6 +56,8 @@ class Restorer:
         self.cuda = cuda
         self.criu_logs = criu_logs
         self.node = node
+        #: The peers' wait after each member's release, by migration id (kept in memory).
+        self.peer_waits = peer_waits
 
     def commit(self, inc: Incoming, look_s: float) -> pb.CommitResponse:
         """Restore it; look_s: how long to look, after the release, for the job to run."""
@@ -111,6 +120,8 @@ class Restorer:
             log.error("migration %s: the job runs here, but after its release: %s", mid, e)
             rec = self.registry.get(inc.job)
         released = time.monotonic()
+        if rec.address and is_distributed(rec):  # its peers reach it on its job address
+            self.peer_waits.start(mid, rec.pid, rec.address, released)
         resumed = resumed_after(rec, held_ns[0], look_s)
         if isinstance(stream, LazyTargetPages):
             stream.watch(rec.pid)

@@ -17,6 +17,7 @@ from agent.health.events import Event
 from agent.health.monitor import GpuHealth
 from agent.jobs.record import JobRecord, JobState
 from agent.migration.model import Method, MigrationResult, Progress
+from agent.migration.peerwait import PeerWait
 from agent.rpc import pb
 from agent.wire import DEGRADED_POLICIES, EVENT_KINDS, HEALTH_STATES, METHODS, PRIORITIES
 
@@ -110,6 +111,20 @@ def result_pb(r: MigrationResult) -> pb.MigrationResult:
         transfer_gbps=r.transfer_gbps,
         image_dir=r.image_dir,
         method=r.method,
+        group_pause_s=r.group_pause_s,
+        group_pause_by=r.group_pause_by,
+    )
+
+
+def peer_wait_pb(w: PeerWait) -> pb.PeerWait:
+    return pb.PeerWait(
+        not_measured=w.not_measured,
+        wait_s=w.wait_s,
+        connections=w.connections,
+        resumed=w.resumed,
+        silent=w.silent,
+        stuck=w.stuck,
+        window_s=w.window_s,
     )
 
 

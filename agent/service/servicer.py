@@ -22,6 +22,7 @@ from agent.service.convert import (
     job_pb,
     lost_pb,
     method_of,
+    peer_wait_pb,
     progress_pb,
     result_pb,
 )
@@ -189,8 +190,13 @@ class AgentService(pb_grpc.AgentServicer):
     def GetMigration(
         self, request: pb.GetMigrationRequest, context: grpc.ServicerContext
     ) -> pb.MigrationStatus:
-        state = self.agent.targets.status(request.migration_id, self._peer_name(context))
-        return pb.MigrationStatus(migration_id=request.migration_id, state=state)
+        caller = self._peer_name(context)
+        state = self.agent.targets.status(request.migration_id, caller)
+        status = pb.MigrationStatus(migration_id=request.migration_id, state=state)
+        if request.peer_wait_s > 0:  # the source of a group member's move, once it committed
+            waited = self.agent.targets.peer_wait(request.migration_id, request.peer_wait_s, caller)
+            status.peer_wait.CopyFrom(peer_wait_pb(waited))
+        return status
 
     @rpc
     def StopMoved(self, request: pb.StopMovedRequest, context: grpc.ServicerContext) -> pb.Job:

@@ -39,6 +39,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--every-rank", action="store_true", help="every rank prints, not only rank 0")
     p.add_argument("--stamp", action="store_true", help="end each step line with the wall time")
     p.add_argument("--ballast-mb", type=int, default=0, help="MiB of extra live state per rank")
+    p.add_argument(
+        "--hidden",
+        type=int,
+        default=64,
+        help="the hidden layer's width: 34 parameters each, so each step's allreduce carries "
+        "136 bytes per unit (262144: 34 MiB, long enough on the wire that a freeze meets it)",
+    )
     p.add_argument("--save-dir", type=Path, help="where each rank writes its checkpoint")
     p.add_argument("--save-at", type=int, help="write the checkpoint after this step")
     p.add_argument("--exit-at", type=int, help="end abruptly after this step (a failure)")
@@ -58,7 +65,9 @@ def main() -> int:
         print(f"rank {rank} pid {os.getpid()} of {dist.get_world_size()}", flush=True)
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1)))
+    model = DistributedDataParallel(
+        nn.Sequential(nn.Linear(32, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1))
+    )
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1000 + rank)
     ballast = torch.randn(args.ballast_mb * 2**18, generator=torch.Generator().manual_seed(rank))

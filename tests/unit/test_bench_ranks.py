@@ -69,3 +69,63 @@ def test_impossible_schedules_are_refused_before_any_bed(monkeypatch, argv, said
     monkeypatch.setattr(bench.os, "geteuid", lambda: 0)
     with pytest.raises(bench.BenchError, match=said.replace("(", r"\(").replace(")", r"\)")):
         bench.preflight(bench.build_parser().parse_args(argv))
+
+
+def test_the_peers_usual_step_is_their_median_step() -> None:
+    assert bench.median_step([0.0, 0.25, 0.5, 0.75, 2.0]) == pytest.approx(0.25)  # a 1.25 s gap is no step
+    assert bench.median_step([0.0, 0.2, 0.5]) == pytest.approx(0.25)
+    with pytest.raises(bench.BenchError, match="fewer than two"):
+        bench.median_step([1.0])
+
+
+def test_the_pause_target_is_the_frozen_time_and_half_a_second() -> None:
+    pause, met = bench.pause_target(gap_s=1.5, step_s=0.25, frozen_s=0.7)
+    assert pause == pytest.approx(1.25) and not met
+    assert bench.pause_target(gap_s=1.2, step_s=0.25, frozen_s=0.7) == (pytest.approx(0.95), True)
+
+
+def test_the_report_says_the_groups_pause_and_whether_the_target_was_met() -> None:
+    moved = {
+        "wall_s": 32.5,
+        "lost_s": 2.5,
+        "frozen_s": 0.9,
+        "group_pause_s": 1.02,
+        "group_pause_by": "frozen 0.90 s, then the peers reached the job again 0.12 s after its release",
+        "peers_gap_s": 1.3,
+        "step_s": 0.25,
+        "peers_pause_s": 1.05,
+        "pause_target_met": True,
+        "recomputed_steps": 0,
+        "bit_identical": True,
+    }
+    text = bench.format_report({"undisturbed": {"wall_s": 30.0, "lost_s": 0.0}, "ferry": moved}, {})
+    row = text.splitlines()[2]
+    assert row.split()[:9] == ["ferry", "32.50", "s", "2.50", "s", "0.90", "s", "1.02", "s"]
+    assert "the group's pause as ferry reported it: 1.02 s (frozen 0.90 s, then" in text
+    assert (
+        "longest step gap 1.30 s - usual step 0.25 s = 1.05 s; target <= frozen 0.90 s + 0.5 s: met" in text
+    )
+    unmet = bench.format_report({"ferry": {**moved, "group_pause_s": None, "pause_target_met": False}}, {})
+    assert "reported it: not measured" in unmet and "NOT met" in unmet
+
+
+def test_the_model_width_reaches_the_workload() -> None:
+    args = bench.build_parser().parse_args(["--hidden", "262144"])
+    runs = bench.Runs.__new__(bench.Runs)
+    runs.args = args
+    train = runs.train()
+    assert train[train.index("--hidden") + 1] == "262144"
+    assert bench.build_parser().parse_args([]).hidden == 64
+
+
+def test_ferry_only_needs_no_checkpoint_schedule(monkeypatch) -> None:
+    monkeypatch.setattr(bench.os, "geteuid", lambda: 0)
+    short = ["--steps", "40", "--fail-at", "20"]
+    with pytest.raises(bench.BenchError, match="--interval-steps/2"):
+        bench.preflight(bench.build_parser().parse_args(short))
+    with pytest.raises(bench.BenchError, match=r"--fail-at \(50\)"):
+        bench.preflight(bench.build_parser().parse_args(["--ferry-only", "--steps", "40", "--fail-at", "50"]))
+    from agent import config
+
+    monkeypatch.setattr(config, "criu_binary", lambda: "/usr/local/sbin/criu")
+    bench.preflight(bench.build_parser().parse_args(["--ferry-only", *short]))

@@ -306,6 +306,23 @@ def test_summary_without_a_downtime_measurement() -> None:
     assert "downtime: not measured" in summary(_result(downtime_s=-1.0))
 
 
+def test_summary_of_a_group_members_move_says_the_groups_pause() -> None:
+    by = "frozen 0.60 s, then the peers reached the job again 0.21 s after its release (3 of 4 connections)"
+    text = summary(_result(group_pause_s=0.81, group_pause_by=by))
+    assert f"group's pause: 0.810 s ({by})" in text.splitlines()
+    missing = summary(_result(group_pause_s=-1.0, group_pause_by="not measured: the target did not give it"))
+    assert "group's pause: not measured (the target did not give it)" in missing
+    assert "group's pause" not in summary(_result())  # no member, or an older agent
+
+
+def test_json_carries_the_groups_pause_of_a_member_only() -> None:
+    d = result_dict(_result(group_pause_s=0.81234, group_pause_by="frozen 0.60 s, then ..."))
+    assert (d["group_pause_s"], d["group_pause_by"]) == (0.8123, "frozen 0.60 s, then ...")
+    missing = result_dict(_result(group_pause_s=-1.0, group_pause_by="not measured: why"))
+    assert (missing["group_pause_s"], missing["group_pause_by"]) == (None, "not measured: why")
+    assert (result_dict(_result())["group_pause_s"], result_dict(_result())["group_pause_by"]) == (None, "")
+
+
 def test_summary_of_a_checkpoint() -> None:
     text = summary(_result(target_node="", target="", image_dir="/ckpt/a", transfer_gbps=0.0))
     assert text.splitlines()[0] == "job train saved to /ckpt/a in 3.14 s"

@@ -47,9 +47,11 @@ from agent.jobs.registry import JobRegistry
 from agent.migration import source as migrate
 from agent.migration import source_postcopy
 from agent.migration.model import Method, MigrationSpec, Progress
+from agent.migration.peerwait import PeerWait
 from agent.migration.source import SourceMigration
 from agent.migration.states import MigrationState
 from agent.rpc import pb
+from agent.service.convert import peer_wait_pb
 
 MID = "0123456789abcdef"
 
@@ -202,6 +204,55 @@ def test_success_moves_the_job_and_kills_the_frozen_copy(either: Harness) -> Non
     assert result.total_s >= result.frozen_s
     assert not (h.staging_root / f"out-{MID}").exists()
     assert h.phases_emitted() == ["prepare", "dump", "transfer", "restore", "done"]
+
+
+def test_a_job_that_is_no_group_member_reports_no_groups_pause(h: Harness) -> None:
+    result = h.migration().run()
+    assert (result.group_pause_s, result.group_pause_by) == (-1.0, "")
+    assert "peer_wait" not in h.peer.calls
+
+
+@pytest.mark.parametrize(
+    "answer, pause, said",
+    [
+        (
+            PeerWait(0.21, 4, 3, 1, 0, 10.0),
+            0.81,
+            "frozen 0.60 s, then the peers reached the job again 0.21 s after its release "
+            "(3 of 4 connections; 1 silent for 10.0 s)",
+        ),
+        (
+            PeerWait(10.0, 2, 1, 0, 1, 10.0),
+            10.6,
+            "at least: frozen 0.60 s, then the peers did not all reach the job within 10.0 s",
+        ),
+        (PeerWait(-1.0, 2, 0, 2, 0, 10.0), -1.0, "not measured: none of its 2 connections"),
+        (UnavailableError("agent 127.0.0.1:7071 is unreachable"), -1.0, "not measured: the target did not"),
+    ],
+)
+def test_a_group_members_move_reports_its_groups_pause_once_committed(
+    h: Harness, answer: PeerWait | FerryError, pause: float, said: str
+) -> None:
+    """Frozen time plus the peers' wait after the release, as the target measured it; a measure
+    that failed is only missing (agent.migration.peerwait)."""
+    asked: list[tuple[str, float]] = []
+
+    def peer_wait(migration_id: str, wait_s: float) -> pb.PeerWait:
+        asked.append((migration_id, wait_s))
+        if isinstance(answer, BaseException):
+            raise answer
+        return peer_wait_pb(answer)
+
+    h.peer.peer_wait = peer_wait  # type: ignore[attr-defined]
+    m = h.migration()
+    m.run()
+    m.result.frozen_s = 0.6
+    m._group_pause()
+    assert asked == [(MID, 12.0)]
+    assert m.result.group_pause_s == pytest.approx(pause)
+    assert m.result.group_pause_by.startswith(said), m.result.group_pause_by
+    assert m.state is MigrationState.COMMITTED and h.job.state is JobState.MOVED
+    assert h.events[-1].message.startswith("measuring how long its peers went without it")
 
 
 def test_success_sends_a_complete_self_describing_image(either: Harness) -> None:
