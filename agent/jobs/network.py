@@ -13,7 +13,8 @@ MAC to the new port, peers keep their (unchanged) ARP entry.
 The network lock: from the moment CRIU reads the job's TCP state until its source copy is gone
 (or resumed, on abort), nothing may reach the source copy, whose kernel would still ACK bytes
 that then die with it. The agent cuts the outer end off the bridge (`ip link set … nomaster`)
-just before the dump, and puts it back on abort. Setting it down instead breaks the restore
+just before the dump (the job stopped and its sent bytes acknowledged first: see
+agent.migration.peerwait.drain), and puts it back on abort. Setting it down instead breaks the restore
 (CRIU refuses to restore routes of a link that is down).
 
 Addresses: a node hands out the lowest address of its pool that no job record of its own

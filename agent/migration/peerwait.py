@@ -57,6 +57,8 @@ SLOW_AFTER_S = 2.0
 SLOW_POLL_S = 0.1
 #: One look's bound.
 LOOK_TIMEOUT_S = 2.0
+#: How long a stopped job's kernel is given to have its sent bytes acknowledged before the cut.
+DRAIN_S = 0.2
 #: Measures kept for the sources to ask for.
 KEEP = 64
 #: How much longer than the window an asker may wait for a measure still being taken.
@@ -205,6 +207,24 @@ class Tally:
                 silent += 1
         wait = window_s if stuck else max(waits, default=-1.0)
         return PeerWait(wait, len(self.base), len(waits), silent, stuck, window_s)
+
+
+def drain(pid: int, own: str, timeout_s: float = DRAIN_S, look: Callable[[int], str] | None = None) -> int:
+    """Wait, at most timeout_s, until the stopped job's connections to its peers hold no sent and
+    unacknowledged bytes; return how many still do. Its kernel still takes their ACKs: cut then,
+    those bytes would wait on the restored socket's first retransmission timeout after the release
+    (1 s, since a restored socket has no round-trip time to go by)."""
+    look = look or look_ss
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            held = [c for c in parse_ss(look(pid)) if c.unacked and not to_job_itself(c.peer, own)]
+        except (OSError, ValueError, subprocess.SubprocessError) as e:
+            log.info("job pid %d: its connections could not be read before the cut (%s)", pid, e)
+            return -1
+        if not held or time.monotonic() >= deadline:
+            return len(held)
+        time.sleep(0.005)
 
 
 def look_ss(pid: int) -> str:

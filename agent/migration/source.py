@@ -179,9 +179,9 @@ class SourceMigration(PrepareStep, PostCopyStep, AbortPath):
                 dump = self.phases.run("dump", lambda: self._start_lazy_dump(rec.pid, pids, shell_job))
                 pages = None
             else:
-                dump = self.phases.run("dump", lambda: self._dump(rec.pid, shell_job))
-                pids = procs.tree_pids(rec.pid)  # the stopped tree
-                self._journal(pids=pids)
+                pids = procs.tree_pids(rec.pid)
+                self._journal(pids=pids)  # stopped before the dump: an abort must let them go on
+                dump = self.phases.run("dump", lambda: self._dump(rec.pid, pids, shell_job))
                 pages = None
                 if self.direct:
                     sent = sent_bytes(dump.stats)  # type: ignore[attr-defined]
@@ -273,7 +273,16 @@ class SourceMigration(PrepareStep, PostCopyStep, AbortPath):
     def _externals(self) -> list[str]:
         return dump_externals(self.registry.get(self.spec.job), self.link)
 
-    def _dump(self, root: int, shell_job: bool) -> DumpResult:
+    def _dump(self, root: int, pids: list[int], shell_job: bool) -> DumpResult:
+        # Stopped, then its sent bytes acknowledged, then cut: bytes it sent into the cut link would
+        # wait after the release for the restored socket's first retransmission (peerwait.drain).
+        procs.stop(pids)
+        if self.link.network is not None and (held := peerwait.drain(root, self.link.address)) > 0:
+            log.info(
+                "migration %s: %d connection(s) still held unacknowledged bytes at the cut",
+                self.spec.migration_id,
+                held,
+            )
         self.link.engage()  # from here nothing reaches the job until the target runs it
         try:
             return self.criu.dump(

@@ -395,3 +395,25 @@ def test_getmigration_of_a_real_agent_waits_for_the_measure(agent) -> None:
     assert "no migration 'm2'" in peerwait.ask(peer, "m2", wait_s=1.0).words()
     svc.journal.save(MigrationRecord("m3", TARGET, "solo", "running"))
     assert "has no measure of migration m3" in peerwait.ask(peer, "m3", wait_s=1.0).words()
+
+
+# -- the drain before the cut ------------------------------------------------------------------
+
+
+def test_the_drain_waits_until_the_held_bytes_are_acknowledged() -> None:
+    looks = iter([HELD, HELD, AFTER])
+    assert peerwait.drain(4242, JOB, timeout_s=5.0, look=lambda pid: next(looks)) == 0
+    assert next(looks, None) is None  # it looked until nothing was held, not longer
+
+
+def test_the_drain_is_bounded_and_says_how_many_still_hold_bytes() -> None:
+    t0 = time.monotonic()
+    assert peerwait.drain(4242, JOB, timeout_s=0.05, look=lambda pid: HELD) == 1  # loopback not counted
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_a_drain_that_cannot_look_goes_on_at_once() -> None:
+    def fails(pid: int) -> str:
+        raise OSError("nsenter: No such process")
+
+    assert peerwait.drain(4242, JOB, timeout_s=5.0, look=fails) == -1
