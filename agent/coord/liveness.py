@@ -169,6 +169,7 @@ class NodeLiveness:
             except FerryError as e:
                 log.info("coordination: lease not revoked (%s); it expires by itself", e)
         self.client.close()
+        self._to(Liveness.STOPPED, "the agent stopped")
 
     def _to(self, new: Liveness, why: str) -> None:
         old, self.state = self.state, LIVENESS.check(self.state, new, f"of node {self.node}")
