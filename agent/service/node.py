@@ -166,6 +166,8 @@ class AgentNode:
         # a frozen copy here (source) or a held restore (target, which recover() reads strictly).
         self.journal.load(SOURCE, strict=True)
         fence.hold_all(self.registry)  # fenced by the last run: held until etcd settles them
+        if self.liveness is not None:
+            self.liveness.fence_at_start()
         for line in self.targets.recover():
             log.warning("recovered incoming migration %s", line)
         if n := sweep_keys(self.staging_root):

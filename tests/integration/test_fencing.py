@@ -9,6 +9,7 @@ watch` from outside stamps the moment etcd expires node-a's lease.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -189,3 +190,16 @@ def test_a_node_that_dies_shows_its_member_lost_on_the_survivors(bed) -> None:
     assert "group g1 is degraded: 1 member(s) on a dead node" in ps
     listed = {j["name"]: j for j in json.loads(a.cli("ps", "--group", "g1", "--json").stdout)}
     assert listed["b1"]["state"] == "lost" and listed["m0"]["state"] == "running"
+
+
+def test_an_agent_that_restarts_fences_its_members_until_etcd_says_they_are_still_its(bed) -> None:
+    _, a, _ = bed
+    wait_for("m0 running", lambda: a.job("m0")["state"] == "running", 10)
+    a.stop(sig=signal.SIGKILL)  # the agent dies; the node and its jobs live on
+    restarted = time.time()
+    a.start()
+    wait_for("m0 running again", lambda: a.job("m0")["state"] == "running", 30)
+    said = [e["message"] for e in events(a) if e["time"] >= restarted]
+    assert any(m.startswith("fenced m0: the agent started") for m in said), said
+    assert any(m == "unfenced: its key in etcd still names this node" for m in said), said
+    wait_for("m0 ticking again", lambda: ticks(a, "m0")[-1] > time.time() - 1, 10)
