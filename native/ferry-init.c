@@ -37,6 +37,13 @@
  *
  * The outer process stays in the agent's namespaces only to forward SIGTERM
  * and SIGINT and to hand the status back to the agent.
+ *
+ * PID 1 is also the job's fencing watchdog (docs/recovery.md): an agent with
+ * [coordination] sends it FENCE_SIGNAL by sigqueue at every lease renewal, its
+ * value the milliseconds left to the agent's own fencing deadline (-1: no
+ * watchdog). When they run out with no newer word, as when the agent died and
+ * its lease is running out, PID 1 stops every other process of the job; the
+ * next word lets them go on. Until a first word it does nothing.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -58,7 +65,9 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/time.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #if defined(__x86_64__)
@@ -88,6 +97,81 @@ struct opts {
 };
 
 static volatile pid_t forward_to = -1;
+
+#define FENCE_SIGNAL (SIGRTMIN + 4)
+#define TICK_MS 100
+static volatile long fence_left_ms = -1; /* -1: disarmed */
+static volatile int stopped_by_watchdog;
+static struct timespec last_tick;
+
+/*
+ * Time is counted from tick to tick, each step capped at a second, never read as a deadline: a
+ * copy restored on another node carries its source's clock, and time spent frozen for a move
+ * (its ticks held pending) must not count against the node that runs it next.
+ */
+static void on_tick(int sig)
+{
+	struct timespec now;
+	long step;
+
+	(void)sig;
+	clock_gettime(CLOCK_MONOTONIC, &now);
+	step = (now.tv_sec - last_tick.tv_sec) * 1000 + (now.tv_nsec - last_tick.tv_nsec) / 1000000;
+	last_tick = now;
+	if (step < 0 || step > 1000)
+		step = TICK_MS;
+	if (fence_left_ms < 0)
+		return;
+	fence_left_ms = fence_left_ms > step ? fence_left_ms - step : 0;
+	if (fence_left_ms == 0 && !stopped_by_watchdog) {
+		stopped_by_watchdog = 1;
+		kill(-1, SIGSTOP); /* every process of the namespace but PID 1 */
+	}
+}
+
+static void on_word(int sig, siginfo_t *si, void *ctx)
+{
+	(void)sig;
+	(void)ctx;
+	if (si->si_code != SI_QUEUE)
+		return;
+	clock_gettime(CLOCK_MONOTONIC, &last_tick);
+	fence_left_ms = si->si_value.sival_int < 0 ? -1 : si->si_value.sival_int;
+	if (stopped_by_watchdog && fence_left_ms != 0) {
+		stopped_by_watchdog = 0;
+		kill(-1, SIGCONT);
+	}
+}
+
+/* The ticks start with the first word, outside the handler: a job never watched never ticks. */
+static int tick_if_armed(void)
+{
+	static int ticking;
+	struct itimerval every = {{0, TICK_MS * 1000}, {0, TICK_MS * 1000}};
+
+	if (ticking || fence_left_ms < 0)
+		return 0;
+	ticking = 1;
+	return setitimer(ITIMER_REAL, &every, NULL); /* not inherited by the job: fork drops it */
+}
+
+static int start_watchdog(void)
+{
+	struct sigaction sa;
+
+	clock_gettime(CLOCK_MONOTONIC, &last_tick);
+	memset(&sa, 0, sizeof(sa));
+	sa.sa_flags = SA_RESTART;
+	sigaddset(&sa.sa_mask, FENCE_SIGNAL); /* the two handlers never interleave */
+	sa.sa_handler = on_tick;
+	if (sigaction(SIGALRM, &sa, NULL) < 0)
+		return -1;
+	sa.sa_flags = SA_SIGINFO; /* no SA_RESTART: PID 1's wait returns, and starts the ticks */
+	sigemptyset(&sa.sa_mask);
+	sigaddset(&sa.sa_mask, SIGALRM);
+	sa.sa_sigaction = on_word;
+	return sigaction(FENCE_SIGNAL, &sa, NULL);
+}
 
 static void forward(int sig)
 {
@@ -514,12 +598,16 @@ static int run_as_pid1(const struct opts *o)
 		return fail("setsid");
 	hold_stop_signals(); /* already held since main(); again for a caller that did not */
 	forward_stop_signals();
+	if (start_watchdog() < 0)
+		return fail("cannot start the fencing watchdog");
 	job = fork();
 	if (job < 0)
 		return fail("fork");
 	if (job == 0) {
 		signal(SIGTERM, SIG_DFL);
 		signal(SIGINT, SIG_DFL);
+		signal(SIGALRM, SIG_DFL);
+		signal(FENCE_SIGNAL, SIG_DFL);
 		let_stop_signals_through();
 		execvp(o->argv[0], o->argv);
 		fprintf(stderr, "ferry-init: cannot run %s: %s\n", o->argv[0], strerror(errno));
@@ -538,6 +626,8 @@ static int run_as_pid1(const struct opts *o)
 		}
 		if (pid < 0 && errno != EINTR)
 			return 1;
+		if (pid < 0 && tick_if_armed() < 0) /* the job goes on: only its watchdog is missing */
+			fprintf(stderr, "ferry-init: the fencing watchdog cannot tick: %s\n", strerror(errno));
 	}
 }
 

@@ -24,6 +24,7 @@ restores anything; a fenced copy whose key names another node therefore never ru
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from agent.compat import StrEnum
 from agent.coord.config import CoordConfig
 from agent.coord.etcd import EtcdClient, Lease
-from agent.errors import FerryError, InvalidArgumentError
+from agent.errors import FerryError, InvalidArgumentError, NotFoundError
 from agent.health.events import EventLog
 from agent.jobs import fence
 from agent.jobs.record import JobRecord, JobState
@@ -220,6 +221,7 @@ class NodeLiveness:
             self._to(Liveness.CONNECTING, "etcd says the lease is gone")
             return 0.0
         self.valid_until = sent + ttl
+        self._words()
         if self.state is Liveness.FENCED:
             self._to(Liveness.LIVE, "a renewal landed: the lease never expired")
             self._unfence_all("etcd answered again and this node's lease never expired")
@@ -258,7 +260,23 @@ class NodeLiveness:
             if rec.state is JobState.FENCED:
                 self._unfence(rec.name, why)
 
+    def word_ms(self) -> int:
+        """What a member's PID 1 may run for without a newer word: to this node's own fencing
+        deadline (0 when it is not live: a member arriving then stops at once)."""
+        if self.state is not Liveness.LIVE:
+            return 0
+        return max(int((self.valid_until - self.config.fence_margin_s - time.monotonic()) * 1000), 0)
+
+    def _words(self) -> None:
+        """Each running member's PID 1 hears the new deadline (its watchdog, in ferry-init)."""
+        ms = self.word_ms()
+        for rec in self.registry.list():
+            if rec.group and rec.state is JobState.RUNNING:
+                fence.word(rec, ms)
+
     def _unfence(self, name: str, why: str) -> None:
+        with contextlib.suppress(NotFoundError):  # before SIGCONT: its watchdog must not stop it again
+            fence.word(self.registry.get(name), self.word_ms())
         try:
             if fence.unfence(self.registry, name, why):
                 self.record("info", f"unfenced: {why}", name)

@@ -10,11 +10,14 @@ goes first, then SIGKILL, so it sends nothing, not even a FIN).
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
+import signal
 
 from agent.errors import FerryError
 from agent.jobs import procs
-from agent.jobs.record import JobRecord, JobState
+from agent.jobs.record import JobKind, JobRecord, JobState
 from agent.jobs.registry import JobRegistry
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,44 @@ def hold(registry: JobRegistry, rec: JobRecord) -> None:
             registry.network.cut(rec.veth)
         except FerryError as e:  # stopped, it cannot send; only the kernel's ACKs still leave
             log.error("job %s: fenced, but its link could not be cut: %s", rec.name, e)
+
+
+#: What a launched job's PID 1 (ferry-init) takes as a word from its agent: its fencing watchdog.
+FENCE_SIGNAL = signal.SIGRTMIN + 4
+#: A word that disarms the watchdog (a node without [coordination] runs the job).
+DISARM = -1
+
+
+class _Sigval(ctypes.Union):
+    _fields_ = [("sival_int", ctypes.c_int), ("sival_ptr", ctypes.c_void_p)]
+
+
+def word(rec: JobRecord, ms: int) -> bool:
+    """Tell a launched job's PID 1 how many milliseconds it may run without a newer word (DISARM:
+    without limit). Only a launched job: its PID 1 is ferry-init, which has a handler (a process
+    of an adopted job would be killed by the signal). False if it could not be sent."""
+    if rec.kind is not JobKind.LAUNCHED or not procs.alive(rec.pid, rec.pid_started):
+        return False
+    if not _namespace_init(rec.pid):  # only a PID 1 ignores a signal it has no handler for
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    value = _Sigval(sival_int=max(min(ms, 2**31 - 1), DISARM))
+    if libc.sigqueue(rec.pid, FENCE_SIGNAL, value) != 0:
+        log.warning("job %s: no word to its watchdog: %s", rec.name, os.strerror(ctypes.get_errno()))
+        return False
+    return True
+
+
+def _namespace_init(pid: int) -> bool:
+    """Whether pid is PID 1 of its own PID namespace (the last NSpid of /proc/PID/status)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return line.split()[-1] == "1"
+    except OSError:
+        pass
+    return False
 
 
 def hold_all(registry: JobRegistry) -> None:

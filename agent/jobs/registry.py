@@ -22,6 +22,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,6 +139,9 @@ class JobRegistry:
         self._jobs: dict[str, JobRecord] = {}
         #: Records that could not be read at start, by job name: never "no job" (see _load).
         self.unreadable: dict[str, UnreadableRecord] = {}
+        #: Called with a restored job's record while it is still held: its PID 1's fencing
+        #: watchdog hears from this node first (agent.service.node), not the restored clock.
+        self.on_restored: Callable[[JobRecord], None] = lambda rec: None
         self._load()
 
     # -- queries ----------------------------------------------------------------
@@ -397,6 +401,7 @@ class JobRegistry:
             self.reserve_name(rec.name, resuming=resuming)
             self.save(rec)
         self._watch(rec, lambda: os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+        self.on_restored(rec)
         return rec
 
     def begin_move(self, name: str, migration_id: str, what: str) -> JobRecord:

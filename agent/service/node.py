@@ -147,6 +147,13 @@ class AgentNode:
         #: This node's lease in etcd (`[coordination]`), fencing its members when it cannot renew.
         coord = self.config.coordination
         self.liveness = for_agent(coord, node, self.registry, self.dial.identity, self.events, self._answers)
+        self.registry.on_restored = self._word_to_restored
+
+    def _word_to_restored(self, rec: JobRecord) -> None:
+        """A restored copy's watchdog counts what its source told it: this node's word replaces
+        it before the copy runs. Only a group member on a node with [coordination] is watched."""
+        watched = self.liveness is not None and bool(rec.group)
+        fence.word(rec, self.liveness.word_ms() if watched else fence.DISARM)  # type: ignore[union-attr]
 
     def _answers(self, address: str) -> str:
         """ "" if the agent at address answers within PROBE_S; else why not, in words."""

@@ -192,10 +192,22 @@ def test_a_node_that_dies_shows_its_member_lost_on_the_survivors(bed) -> None:
     assert listed["b1"]["state"] == "lost" and listed["m0"]["state"] == "running"
 
 
-def test_an_agent_that_restarts_fences_its_members_until_etcd_says_they_are_still_its(bed) -> None:
-    _, a, _ = bed
+def test_a_member_whose_agent_dies_stops_itself_before_the_lease_expires_and_the_next_agent_settles_it(
+    bed,
+) -> None:
+    _, a, ctl = bed
     wait_for("m0 running", lambda: a.job("m0")["state"] == "running", 10)
+    log = Path(a.job("m0")["stdout_path"])  # read directly: the agent will be gone
+    expired = ctl.deleted_at("/ferry/nodes/node-a")
     a.stop(sig=signal.SIGKILL)  # the agent dies; the node and its jobs live on
+    killed = time.time()
+    wait_for("node-a's lease to expire", lambda: expired, 30)
+    last = float(log.read_text().split()[-1])
+    time.sleep(1.0)
+    # Its PID 1's watchdog stopped it before etcd let the lease go, and it stays stopped.
+    assert killed < last < expired[0], (killed, last, expired)
+    assert float(log.read_text().split()[-1]) == last
+    print(f"watchdog stop {last - killed:.2f} s after the agent died, expiry {expired[0] - killed:.2f} s")
     restarted = time.time()
     a.start()
     wait_for("m0 running again", lambda: a.job("m0")["state"] == "running", 30)
