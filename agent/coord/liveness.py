@@ -235,25 +235,21 @@ class NodeLiveness:
         """Before the agent serves: whether its last lease expired while it was down is unknown, so
         its running members are fenced like the ones it left fenced, until etcd settles them."""
         assert self.state is Liveness.CONNECTING
-        why = "the agent started: etcd must first say that no other copy was started meanwhile"
-        fenced = [
-            r.name
-            for r in self.registry.list()
-            if r.group and r.state is JobState.RUNNING and fence.fence(self.registry, r.name, why)
-        ]
-        if fenced:
-            self.record("alert", f"fenced {', '.join(fenced)}: {why}", "")
+        self._fence_members("the agent started: etcd must first say that no other copy was started meanwhile")
 
     def _fence_all(self, why: str) -> None:
         self.fenced_at = time.monotonic()
         self._to(Liveness.FENCED, why)
+        self._fence_members(why, then="; they wait for etcd")
+
+    def _fence_members(self, why: str, then: str = "") -> None:
         fenced = [
             r.name
             for r in self.registry.list()
             if r.group and r.state is JobState.RUNNING and fence.fence(self.registry, r.name, why)
         ]
         if fenced:
-            self.record("alert", f"fenced {', '.join(fenced)}: {why}; they wait for etcd", "")
+            self.record("alert", f"fenced {', '.join(fenced)}: {why}{then}", "")
 
     def _unfence_all(self, why: str) -> None:
         for rec in self.registry.list():
