@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent import config
+from agent.client import split_address
 from agent.coord.config import CoordConfig
 from agent.criu.runner import LAZY_PIPE_BYTES, Criu, lazy_dump_blocker
 from agent.cuda import pidprobe
@@ -80,9 +81,8 @@ def _coordination_check(coord: CoordConfig) -> Check:
         )
     answered, why = [], []
     for endpoint in coord.endpoints:
-        host, _, port = endpoint.rpartition(":")
         try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()
+            socket.create_connection(split_address(endpoint), timeout=2.0).close()
             answered.append(endpoint)
         except OSError as e:
             why.append(f"{endpoint}: {e.strerror or e}")

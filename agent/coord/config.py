@@ -60,10 +60,13 @@ class CoordConfig:
                 f"({2 * self.renew_every_s:.2f} s) of a {self.lease_ttl_s} s lease before fencing",
                 hint="raise lease_ttl_s or lower fence_margin_s",
             )
+        from agent.client import split_address
+
         for e in self.endpoints:
-            host, _, port = e.rpartition(":")
-            if not host or not port.isdigit():
-                raise InvalidArgumentError(f"[coordination] endpoint {e!r} is not HOST:PORT")
+            try:
+                split_address(e)
+            except InvalidArgumentError:
+                raise InvalidArgumentError(f"[coordination] endpoint {e!r} is not HOST:PORT") from None
         if not self.prefix.startswith("/") or not self.prefix.endswith("/"):
             raise InvalidArgumentError(f"[coordination] prefix {self.prefix!r} must start and end with '/'")
         return self

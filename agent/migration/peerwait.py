@@ -40,6 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from agent.jobs.record import JobRecord
+from agent.migration.limits import is_distributed
 from agent.rpc import pb
 
 if TYPE_CHECKING:
@@ -207,6 +209,12 @@ class Tally:
                 silent += 1
         wait = window_s if stuck else max(waits, default=-1.0)
         return PeerWait(wait, len(self.base), len(waits), silent, stuck, window_s)
+
+
+def watched(rec: JobRecord) -> bool:
+    """A member of a distributed job with a job address: its peers reach it there, and the
+    target measures how long they went without it (both sides ask this)."""
+    return bool(rec.address) and is_distributed(rec)
 
 
 def drain(pid: int, own: str, timeout_s: float = DRAIN_S, look: Callable[[int], str] | None = None) -> int:

@@ -42,7 +42,7 @@ from agent.migration.capture import Phases, copy_logs, dump_externals, needs_she
 from agent.migration.datapath import SourceDataPath
 from agent.migration.fencing import TargetAnswer, Verdict, ask_target, decide
 from agent.migration.journal import SOURCE, Journal, JournaledRecord, MigrationRecord, state_of
-from agent.migration.limits import RateLog, is_distributed
+from agent.migration.limits import RateLog
 from agent.migration.model import Emit, MigrationResult, MigrationSpec, Peer, Progress
 from agent.migration.pagestream import sent_bytes
 from agent.migration.source_abort import AbortPath, _TargetAborted, _Unresolved
@@ -266,7 +266,7 @@ class SourceMigration(PrepareStep, PostCopyStep, AbortPath):
         self._set(MigrationState.COMMITTED, "done", f"job {rec.name} runs on {self.result.target_node}")
         if not self.keep_criu_logs:
             self.criu_logs.done(self.spec.migration_id)
-        if rec.address and is_distributed(rec):
+        if peerwait.watched(rec):
             self._group_pause()
         return self.result
 

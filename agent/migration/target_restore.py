@@ -23,9 +23,8 @@ from agent.errors import RefusedError, TransferError
 from agent.jobs import procs
 from agent.jobs.record import JobRecord
 from agent.jobs.registry import JobRegistry
-from agent.migration.limits import is_distributed
 from agent.migration.pagestream import LazyTargetPages
-from agent.migration.peerwait import PeerWaits
+from agent.migration.peerwait import PeerWaits, watched
 from agent.migration.restore import cpu_ns, restore_tree, resumed_after
 from agent.migration.states import TargetState
 from agent.migration.target_effects import TargetEffects
@@ -120,7 +119,7 @@ class Restorer:
             log.error("migration %s: the job runs here, but after its release: %s", mid, e)
             rec = self.registry.get(inc.job)
         released = time.monotonic()
-        if rec.address and is_distributed(rec):  # its peers reach it on its job address
+        if watched(rec):
             self.peer_waits.start(mid, rec.pid, rec.address, released)
         resumed = resumed_after(rec, held_ns[0], look_s)
         if isinstance(stream, LazyTargetPages):

@@ -152,8 +152,8 @@ class AgentNode:
     def _word_to_restored(self, rec: JobRecord) -> None:
         """A restored copy's watchdog counts what its source told it: this node's word replaces
         it before the copy runs. Only a group member on a node with [coordination] is watched."""
-        watched = self.liveness is not None and bool(rec.group)
-        fence.word(rec, self.liveness.word_ms() if watched else fence.DISARM)  # type: ignore[union-attr]
+        live = self.liveness
+        fence.word(rec, live.word_ms() if live is not None and rec.group else fence.DISARM)
 
     def _answers(self, address: str) -> str:
         """ "" if the agent at address answers within PROBE_S; else why not, in words."""
