@@ -82,6 +82,12 @@ def resume(
     except FerryError as e:
         problems.append(f"its link could not be put back on the bridge ({e.cause})")
         log.error("job %s: cannot put its link back: %s", copy.rec.name, e)
+    else:
+        # A target that restored the job held it on its own bridge with the job's MAC, and the
+        # segment may have learnt that port: without a word from here, the peers' frames would
+        # go there until the switch forgets it (minutes), if this copy only waits to receive.
+        if copy.rec.address and registry.network is not None:
+            registry.network.announce(copy.rec.pid, copy.rec.address)
     procs.resume(copy.pids)  # before the CUDA undo: the driver's restore thread must run
     undone = undo_cuda(driver, copy.cuda_pids, copy.cuda_left)
     if not undone:
