@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml
 
 # CRIU >= 4.2.1: the system's when it works, else built from Debian's source tarball.
 criu: $(CRIU)
-$(CRIU) $(CRIU_PROTO)/rpc.proto: scripts/install-criu.sh native/criu/data-path.patch
+$(CRIU) $(CRIU_PROTO)/rpc.proto: scripts/install-criu.sh $(wildcard native/criu/*.patch)
 	scripts/install-criu.sh $(BUILD)/criu
 	touch -h $(CRIU)
 

@@ -19,6 +19,9 @@ self-healing policy and the peers it may move jobs to.
     [coordination]        # agent.coord.config.CoordConfig: etcd, leases and fencing
     endpoints = ["10.0.0.9:2379"]
 
+    [snapshots]           # agent.snapshots.config.SnapshotConfig: group snapshots (ferry protect)
+    dir = "/dev/shm/ferry-snapshots"
+
     [[peers]]             # other agents, in order of preference
     address = "10.0.0.2:7070"
     spare = true          # an idle node kept for jobs moving off failing GPUs
@@ -39,6 +42,7 @@ from agent.errors import InvalidArgumentError
 from agent.health.monitor import HealthConfig
 from agent.jobs.network import NetworkConfig
 from agent.settings import from_table
+from agent.snapshots.config import SnapshotConfig
 
 #: `[cuda]` keys that must be above zero: each bounds a wait.
 CUDA_POSITIVE = frozenset({"lock_timeout_s", "copy_timeout_s", "call_timeout_s"})
@@ -74,6 +78,7 @@ class AgentConfig:
     cuda: CudaConfig = field(default_factory=CudaConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     coordination: CoordConfig = field(default_factory=CoordConfig)
+    snapshots: SnapshotConfig = field(default_factory=SnapshotConfig)
     path: str = ""  # where it was read from ("" for the defaults)
 
 
@@ -114,7 +119,7 @@ def _read(path: Path) -> str:
 
 
 def parse(raw: Mapping[str, Any], where: str = "") -> AgentConfig:
-    _known(raw, {"health", "policy", "peers", "cuda", "network", "coordination"}, "top level")
+    _known(raw, {"health", "policy", "peers", "cuda", "network", "coordination", "snapshots"}, "top level")
     health = HealthConfig.from_dict(_table(raw, "health"))
     policy = from_table(PolicyConfig, _table(raw, "policy"), "policy")
     cuda = from_table(CudaConfig, _table(raw, "cuda"), "cuda", positive=CUDA_POSITIVE)
@@ -124,7 +129,8 @@ def parse(raw: Mapping[str, Any], where: str = "") -> AgentConfig:
     network = from_table(NetworkConfig, _table(raw, "network"), "network").check()
     peers = tuple(_peer(p, i) for i, p in enumerate(peers_raw))
     coordination = from_table(CoordConfig, _table(raw, "coordination"), "coordination").check()
-    return AgentConfig(health, policy, peers, cuda, network, coordination, where)
+    snapshots = from_table(SnapshotConfig, _table(raw, "snapshots"), "snapshots").check()
+    return AgentConfig(health, policy, peers, cuda, network, coordination, snapshots, where)
 
 
 def _table(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:

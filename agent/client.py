@@ -44,6 +44,7 @@ DEADLINES = {
     "health": 5.0,
     # Suspending a low-priority job writes its whole memory to storage.
     "preempt": 600.0,
+    "snapshot": 600.0,  # each call gives its own bound (agent.snapshots.rounds)
 }
 MAX_MESSAGE = 16 << 20
 #: Keepalive pings find a peer that vanished without a FIN (a cut link) in about 20 s,
@@ -231,6 +232,12 @@ class PeerClient:
 
     def preempt(self, req: pb.PreemptRequest) -> pb.PreemptResponse:
         return self._call("preempt", self._stub.Preempt, req)  # type: ignore[return-value]
+
+    def snapshot_member(self, req: pb.SnapshotMemberRequest, timeout_s: float) -> pb.SnapshotMemberResponse:
+        return self._call("snapshot", self._stub.SnapshotMember, req, timeout_s)  # type: ignore[return-value]
+
+    def store_snapshot(self, chunks: Iterator[pb.ImageChunk]) -> pb.StoredSnapshot:
+        return self._call("push", self._stub.StoreSnapshot, chunks)  # type: ignore[return-value]
 
 
 class _PageCall:

@@ -5,9 +5,11 @@
 # Usage: scripts/install-criu.sh [PREFIX]
 #   PREFIX defaults to $FERRY_CRIU_PREFIX, else <repo>/.ferry/criu.
 #
-# Builds CRIU from Debian's pristine source tarball with ferry's data-path patch
-# (native/criu/data-path.patch: CRIU's TLS page transfer without a syscall per
-# record, post-copy with several requests in flight). FERRY_SYSTEM_CRIU=1 uses a
+# Builds CRIU from Debian's pristine source tarball with ferry's patches, in name
+# order: native/criu/data-path.patch (CRIU's TLS page transfer without a syscall per
+# record, post-copy with several requests in flight) and proc-mountpoint.patch (a
+# task dumped while another node dumps a task with the same cwd on shared storage
+# no longer fails on the parasite's fixed mountpoint name). FERRY_SYSTEM_CRIU=1 uses a
 # system CRIU instead (symlinked) when it is new enough and `criu check` passes;
 # it works, but moves memory over TLS at stock CRIU's speed.
 set -euo pipefail
@@ -29,8 +31,8 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PREFIX="${1:-${FERRY_CRIU_PREFIX:-$REPO/.ferry/criu}}"
 BIN="$PREFIX/bin/criu"
 PROTO_DIR="$PREFIX/share/criu/proto"
-PATCH="$REPO/native/criu/data-path.patch"
-# Records which patch the installed binary was built with: a changed patch rebuilds.
+PATCHES=("$REPO"/native/criu/*.patch)
+# Records which patches the installed binary was built with: a changed patch rebuilds.
 STAMP="$PREFIX/share/criu/ferry-patch.sha256"
 CACHE="$REPO/.ferry/cache"
 TARBALL="$CACHE/$CRIU_TARBALL"
@@ -50,8 +52,10 @@ version_ok() {
 protos_ok() { [[ -s $PROTO_DIR/rpc.proto && -s $PROTO_DIR/stats.proto ]]; }
 
 sha_of() { sha256sum "$1" | cut -d' ' -f1; }
-# The stamp the binary must carry: the patch's sha256, or "system".
-want_stamp() { if [[ ${FERRY_SYSTEM_CRIU:-0} == 1 ]]; then echo system; else sha_of "$PATCH"; fi; }
+# The stamp the binary must carry: the sha256 of the patches in order, or "system".
+want_stamp() {
+  if [[ ${FERRY_SYSTEM_CRIU:-0} == 1 ]]; then echo system; else cat "${PATCHES[@]}" | sha256sum | cut -d' ' -f1; fi
+}
 
 # Fast path (no network, no apt): a working install is already in place.
 have_bin=0
@@ -146,8 +150,11 @@ build_criu() {
   ensure_pkgs "${BUILD_DEPS[@]}"
   rm -rf "$src" && mkdir -p "$build"
   tar -xJf "$TARBALL" -C "$build"
-  patch -d "$src" -p1 --quiet --forward <"$PATCH" >"$build/patch.log" 2>&1 \
-    || { cat "$build/patch.log" >&2; die "$PATCH does not apply to criu $CRIU_VERSION"; }
+  local p
+  for p in "${PATCHES[@]}"; do
+    patch -d "$src" -p1 --quiet --forward <"$p" >"$build/patch.log" 2>&1 \
+      || { cat "$build/patch.log" >&2; die "$p does not apply to criu $CRIU_VERSION"; }
+  done
   log "building criu $CRIU_VERSION in $src (log: $build/make.log)"
   make -C "$src" -j"$(nproc)" criu >"$build/make.log" 2>&1 \
     || { tail -n 25 "$build/make.log" >&2; die "criu build failed; full log: $build/make.log"; }

@@ -121,7 +121,25 @@ def _ps_group(args: argparse.Namespace) -> int:
             print(
                 f"group {args.group} is degraded: {len(dead)} member(s) on a dead node (see `ferry events`)"
             )
+        for line in _snapshot_lines(args, agents):
+            print(line)
     return EXIT_OK
+
+
+def _snapshot_lines(args: argparse.Namespace, agents: list[str]) -> list[str]:
+    """The group's last snapshot, from the agent that protects it (the first that does)."""
+    from agent.cli.snapshots import snapshot_lines
+    from agent.errors import FerryError
+    from agent.rpc import pb
+
+    for address in agents:
+        try:
+            found = _ask(args, address, "ListProtections", pb.ListProtectionsRequest(group=args.group))
+        except FerryError:  # named above already, when it did not answer ListJobs
+            continue
+        if found.protections:
+            return snapshot_lines(found.protections[0])
+    return [f"group {args.group} is not protected (`ferry protect {args.group}`)"]
 
 
 def _lost_row(m: Any) -> Any:

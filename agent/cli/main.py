@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from agent.cli import gpus, jobs, moves, node
+from agent.cli import gpus, jobs, moves, node, snapshots
 from agent.cli.parser import EXIT_ERROR, EXIT_OK, EXIT_USAGE, Usage, build_parser
 from agent.errors import FerryError, InvalidArgumentError
 
@@ -29,6 +29,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "adopt": jobs.cmd_adopt,
     "migrate": moves.cmd_migrate,
     "checkpoint": moves.cmd_checkpoint,
+    "protect": snapshots.cmd_protect,
+    "snapshot": snapshots.cmd_snapshot,
     "restore": moves.cmd_restore,
     "resolve": moves.cmd_resolve,
     "inspect": moves.cmd_inspect,

@@ -72,6 +72,22 @@ def _json_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def duration(text: str) -> float:
+    """Seconds from 90, 90s, 1.5m or 1h."""
+    t = text.strip().lower()
+    unit = t[-1:] if t[-1:] in _UNITS and not t[-1:].isdigit() else ""
+    try:
+        value = float(t[: len(t) - len(unit)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: use 90, 90s, 5m or 1h") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration above zero")
+    return value * _UNITS[unit]
+
+
 def build_parser() -> Parser:
     p = Parser(
         prog="ferry",
@@ -311,6 +327,50 @@ def build_parser() -> Parser:
     ck.add_argument("--out", required=True, type=Path, metavar="DIR", help="a new or empty directory")
     ck.add_argument("--leave-running", action="store_true", help="keep the job running after the dump")
     _json_arg(ck)
+
+    pr = sub.add_parser(
+        "protect",
+        help="keep snapshots of a group, every interval",
+        description="Keep a consistent snapshot of every member of a group (`ferry run --group`): each "
+        "round freezes every member and cuts its link, dumps each, releases them all together, then "
+        "sends each image to the memory of another node (its buddy). A round counts once every buddy "
+        "has verified its copy; the previous one is kept until then. The agent asked coordinates the "
+        "rounds, and goes on after a restart. `ferry ps --group` shows the last snapshot.",
+    )
+    _agent_arg(pr)
+    pr.add_argument("group", help="the group to protect")
+    pr.add_argument(
+        "--every",
+        type=duration,
+        default=0.0,
+        metavar="DURATION",
+        help="time between rounds: 90, 90s, 5m or 1h (default: the agent's [snapshots] every_s, 300 s)",
+    )
+    pr.add_argument(
+        "--members-on",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="the agent of a node that runs members of the group, this one's included (repeatable; "
+        "with [coordination], etcd's member keys say it)",
+    )
+    pr.add_argument(
+        "--off", action="store_true", help="stop protecting the group (its last snapshot is kept)"
+    )
+    _json_arg(pr)
+
+    sn = sub.add_parser(
+        "snapshot",
+        help="take a group's snapshot now",
+        description="Run one snapshot round of a group this agent protects (`ferry protect`) now, and "
+        "print each member's pause, image size and buddy.",
+    )
+    _agent_arg(sn)
+    sn.add_argument("group", help="a group this agent protects")
+    sn.add_argument(
+        "--last", action="store_true", help="print the last complete snapshot instead of taking one"
+    )
+    _json_arg(sn)
 
     rs = sub.add_parser(
         "restore",

@@ -317,6 +317,20 @@ class NodeLiveness:
             except Exception:
                 log.exception("coordination: checking the groups' members failed")
 
+    def members(self, group: str) -> list[Member]:
+        """The group's members as etcd holds them (where each runs, by its last move or start)."""
+        out = []
+        for kv in self.client.get_prefix(self.key("groups", group, "members", "")):
+            try:
+                out.append(Member.parse(group, kv.key.decode().rsplit("/", 1)[-1], kv.value))
+            except (ValueError, KeyError):
+                log.warning("coordination: unreadable member key %s", kv.key.decode())
+        return out
+
+    def put_snapshot(self, group: str, value: str) -> None:
+        """The group's last complete snapshot (agent.snapshots.protect): what a recovery restores."""
+        self.client.put(self.key("groups", group, "snapshot"), value)
+
     def check_peers(self) -> None:
         """A member of a group with a member here is lost when its node has no lease and its agent
         does not answer: the group is degraded, and `ferry events` says so once."""

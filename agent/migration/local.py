@@ -1,5 +1,10 @@
-"""Saving and resuming on this node: `ferry checkpoint`, `ferry restore`, and the resume of a
-job that a preemption suspended."""
+"""Saving and resuming on this node: `ferry checkpoint` (and a group snapshot's hold), `ferry
+restore`, and the resume of a job that a preemption suspended.
+
+Why one module: the three are one journaled protocol with the image standing in for the
+target (docs/architecture.md, "Local operations are journaled moves"); split, the kinds and
+states that recovery reads back would be defined apart from the code that writes them.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from agent.jobs import procs
 from agent.jobs.network import LinkLock
 from agent.jobs.record import JobRecord, JobState
 from agent.jobs.registry import JobRegistry
-from agent.migration import copies, rollback
+from agent.migration import copies, peerwait, rollback
 from agent.migration.capture import (
     Phases,
     copy_logs,
@@ -61,9 +66,13 @@ def checkpoint(
     journal: Journal,
     cuda_jobs: CudaJobs,
     suspend: bool = False,
+    hold: Callable[[Manifest], None] | None = None,
 ) -> MigrationResult:
     """Save a job to `out_dir`; unless leave_running, it then ends here (state CHECKPOINTED, or
     PREEMPTED for a preemption's `suspend`).
+
+    `hold` (a group snapshot's member, leave_running only) is called with the complete image while
+    the job is still frozen and cut off; it returns when the job may go on (agent.snapshots.member).
 
     A CUDA job's device memory is saved too; ending it frees its GPUs. Every step is journaled
     as a move's is (kind "checkpoint" or "suspend", no peer): after a crash, recovery resumes
@@ -77,7 +86,7 @@ def checkpoint(
     cj = cuda_jobs
     if out_dir.exists() and any(out_dir.iterdir()):
         raise InvalidArgumentError(f"{out_dir} is not empty; choose a new directory for the image", node=node)
-    kind = KIND_SUSPEND if suspend else KIND_CHECKPOINT
+    kind = KIND_SUSPEND if suspend else KIND_SNAPSHOT if hold is not None else KIND_CHECKPOINT
     mid = f"{kind}-{uuid.uuid4().hex[:12]}"
     rec = registry.begin_move(name, mid, kind)
     link = LinkLock(registry.network, rec.veth, address=rec.address)
@@ -95,6 +104,7 @@ def checkpoint(
     fp = Footprint()
     left = CudaLeft.NONE  # a freeze that fails undoes itself; a finished one is undone by rollback
     t0 = time.monotonic()
+    stopped_at = 0.0
     try:
         tree = procs.tree_pids(rec.pid)
         refuse_undumpable(tree, node, step="checkpoint", same_node=True)
@@ -110,6 +120,11 @@ def checkpoint(
         shell_job = needs_shell_job(rec, tree)
         # Stopped, not killed, so the logs copied below end exactly where the dump did.
         op.to(MigrationState.DUMPING, pids=tree)
+        pids = tree  # a failure from here resumes the stopped tree
+        stopped_at = time.monotonic()
+        procs.stop(tree)
+        if link.network is not None:  # its sent bytes acknowledged before the cut (peerwait.drain)
+            peerwait.drain(rec.pid, rec.address)
         link.engage()
         faults.check("checkpoint", node)
         dump = phases.run(
@@ -166,6 +181,11 @@ def checkpoint(
     assert isinstance(m, Manifest)
     criu_logs.done(mid)
     if leave_running:
+        if hold is not None:
+            try:
+                hold(m)
+            except Exception:  # whatever the hold met, the job goes on: it is this node's one copy
+                log.exception("job %s: its snapshot's hold failed", name)
 
         def saved(r: rollback.Resumed) -> str:
             note = f"checkpointed to {out_dir}"
@@ -176,6 +196,7 @@ def checkpoint(
             registry, cj.driver, frozen(pids, left), saved, cuda_back=lambda: cj.release(fp)
         )
         op.to(MigrationState.ABORTED, note=saved(done))
+        frozen_s = time.monotonic() - stopped_at
         if done.summary():
             raise FerryError(
                 f"saved to {out_dir}, but {done.summary()}",
@@ -190,13 +211,15 @@ def checkpoint(
         end_saved(registry, frozen(pids, left), out_dir, suspend, cuda_gone=lambda: cj.release(fp))
         op.to(MigrationState.COMMITTED)
     res = MigrationResult("", name, node, phases=phases.times, image_dir=str(out_dir))
+    if leave_running:
+        res.frozen_s = frozen_s
     res.host_bytes, res.image_bytes, res.gpu_bytes = m.host_bytes, m.image_bytes, m.gpu_bytes
     res.total_s = time.monotonic() - t0
     emit(Progress("done", f"job {name} saved to {out_dir}"))
     return res
 
 
-KIND_CHECKPOINT, KIND_SUSPEND = "checkpoint", "suspend"
+KIND_CHECKPOINT, KIND_SUSPEND, KIND_SNAPSHOT = "checkpoint", "suspend", "snapshot"
 #: The CUDA freeze's progress (agent.cuda.driver.freeze), journaled as it is reached.
 CUDA_STEPS = {"locked": MigrationState.LOCKED, "checkpointing": MigrationState.CHECKPOINTING}
 

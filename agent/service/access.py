@@ -53,6 +53,12 @@ ALLOWED: dict[str, frozenset[str]] = {
     "Events": USERS,
     "ClearGpu": USERS,
     "Preempt": PEERS,
+    "Protect": USERS,
+    "TakeSnapshot": USERS,
+    "ListProtections": USERS,
+    # A round's coordinator is another agent; a member's image goes to its buddy.
+    "SnapshotMember": PEERS,
+    "StoreSnapshot": PEERS,
 }
 
 
@@ -72,6 +78,9 @@ AUDITED = frozenset(
         "ClearGpu",
         "Preempt",
         "StopMoved",
+        "Protect",
+        "TakeSnapshot",
+        "SnapshotMember",
     }
 )
 

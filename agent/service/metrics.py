@@ -30,6 +30,7 @@ from agent.migration.staging import free_bytes
 
 if TYPE_CHECKING:
     from agent.tls import Identity
+    from ferry.v1.agent_pb2 import SnapshotSet
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,25 @@ class AgentMetrics:
             ["kind"],
             registry=r,
         )
+        self.snapshot_rounds = Counter(
+            "ferry_snapshot_rounds",
+            "Snapshot rounds of the groups this agent protects, by how they ended",
+            ["group", "result"],
+            registry=r,
+        )
+        self.snapshot_pause = Histogram(
+            "ferry_snapshot_group_pause_seconds",
+            "Per complete round: from the first member's hold to the last one's release",
+            ["group"],
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.snapshot_bytes = Counter(
+            "ferry_snapshot_bytes",
+            "Bytes of member images that complete rounds stored on buddies",
+            ["group"],
+            registry=r,
+        )
         Info("ferry_build", "This agent's build", registry=r).info(
             {"version": __version__, "node": node, "criu": criu_version}
         )
@@ -101,6 +121,15 @@ class AgentMetrics:
         self.frozen.observe(result.frozen_s)
         self.moved.labels("host").inc(result.host_bytes)
         self.moved.labels("gpu").inc(result.gpu_bytes)
+
+    def snapshot_round(self, group: str, snap: SnapshotSet | None, error: str) -> None:
+        """A round of a group this agent protects ended: complete (`snap`) or failed."""
+        if snap is None:
+            self.snapshot_rounds.labels(group, "failed").inc()
+            return
+        self.snapshot_rounds.labels(group, "complete").inc()
+        self.snapshot_pause.labels(group).observe(snap.group_pause_s)
+        self.snapshot_bytes.labels(group).inc(sum(m.bytes for m in snap.members))
 
     def target_ended(self, result: str) -> None:
         """An incoming migration ran the job here ("committed") or was dropped ("aborted")."""

@@ -33,9 +33,10 @@ from agent.gpus.quarantine import Entry, Quarantine
 from agent.health.events import EventLog
 from agent.health.healing import Hooks, SelfHealing
 from agent.health.monitor import GpuHealth, HealthMonitor
+from agent.image import Manifest
 from agent.jobs import fence
 from agent.jobs.network import JobNetwork
-from agent.jobs.record import JobRecord, OnDegraded, Priority, check_job_name
+from agent.jobs.record import JobRecord, JobState, OnDegraded, Priority, check_job_name
 from agent.jobs.registry import JobRegistry
 from agent.migration.datatls import sweep_keys
 from agent.migration.journal import SOURCE, Journal
@@ -44,7 +45,11 @@ from agent.migration.model import Emit, Method, MigrationResult, MigrationSpec, 
 from agent.migration.recovery import SourceRecovery
 from agent.migration.source import SourceMigration
 from agent.migration.target import TargetMigrations
+from agent.rpc import pb
 from agent.service.metrics import AgentMetrics, Sources
+from agent.snapshots.member import MemberSnapshots
+from agent.snapshots.protect import Protections
+from agent.snapshots.store import SnapshotStore
 
 log = logging.getLogger(__name__)
 
@@ -148,12 +153,68 @@ class AgentNode:
         coord = self.config.coordination
         self.liveness = for_agent(coord, node, self.registry, self.dial.identity, self.events, self._answers)
         self.registry.on_restored = self._word_to_restored
+        # Group snapshots: this node's members' part in a round, the images it keeps as a
+        # buddy, and the groups it protects (their rounds' coordinator).
+        snap = self.config.snapshots
+        self.snapshot_store = SnapshotStore(Path(snap.dir), node)
+        self.snapshot_members = MemberSnapshots(
+            node, Path(snap.dir) / ".taken", self._group_members, self._snapshot_save, self._push_snapshot
+        )
+        live = self.liveness
+        self.protections = Protections(
+            state_dir,
+            node,
+            snap,
+            self._snapshot_call,
+            members=(lambda g: list(dict.fromkeys(m.agent for m in live.members(g)))) if live else None,
+            publish=live.put_snapshot if live else None,
+            record=lambda kind, message: self.events.record(kind, message),
+            observe=self.metrics.snapshot_round,
+        )
 
     def _word_to_restored(self, rec: JobRecord) -> None:
         """A restored copy's watchdog counts what its source told it: this node's word replaces
         it before the copy runs. Only a group member on a node with [coordination] is watched."""
         live = self.liveness
         fence.word(rec, live.word_ms() if live is not None and rec.group else fence.DISARM)
+
+    # -- group snapshots ---------------------------------------------------------------
+
+    def _group_members(self, group: str) -> list[JobRecord]:
+        return [r for r in self.registry.list() if r.group == group and r.state is JobState.RUNNING]
+
+    def _snapshot_save(self, job: str, out: Path, hold: Callable[[Manifest], None]) -> MigrationResult:
+        with self.counted():  # a graceful stop waits for a held member to go on
+            args = (self.registry, self.criu, job, out, self.node, True)
+            return checkpoint(*args, journal=self.journal, cuda_jobs=self.cuda, hold=hold)
+
+    def _push_snapshot(self, buddy: str, chunks: Iterator[pb.ImageChunk]) -> pb.StoredSnapshot:
+        return client.PeerClient(buddy, self.dial).store_snapshot(chunks)
+
+    def _snapshot_call(
+        self, agent: str, req: pb.SnapshotMemberRequest, timeout_s: float
+    ) -> pb.SnapshotMemberResponse:
+        return client.PeerClient(agent, self.dial).snapshot_member(req, timeout_s)
+
+    def snapshot_member(self, req: pb.SnapshotMemberRequest) -> pb.SnapshotMemberResponse:
+        """One step of a round on this node (agent.snapshots.member); DROP also drops, as a
+        buddy, every stored copy of the group but the round `req.epoch`'s."""
+        m, group, epoch = self.snapshot_members, req.group, req.epoch
+        if req.action == pb.SNAPSHOT_ACTION_HOLD:
+            helds = m.hold(group, epoch, req.hold_s or self.config.snapshots.hold_s)
+        elif req.action == pb.SNAPSHOT_ACTION_RELEASE:
+            helds = m.release(group, epoch)
+        elif req.action == pb.SNAPSHOT_ACTION_SHIP:
+            if not req.buddy:
+                raise InvalidArgumentError("SHIP needs the buddy's agent address")
+            helds = m.ship(group, epoch, req.buddy)
+        elif req.action == pb.SNAPSHOT_ACTION_DROP:
+            m.drop(group)
+            self.snapshot_store.keep_only(group, epoch)
+            helds = []
+        else:
+            raise InvalidArgumentError(f"unknown snapshot action {req.action}")
+        return pb.SnapshotMemberResponse(node_name=self.node, members=[h.pb() for h in helds])
 
     def _answers(self, address: str) -> str:
         """ "" if the agent at address answers within PROBE_S; else why not, in words."""

@@ -208,6 +208,7 @@ def serve(
     if service.liveness is not None:
         service.liveness.start(where if listen_host not in ("", "0.0.0.0", "::") else f"{node}:{port}")
         log.info("coordination: etcd at %s", ", ".join(service.config.coordination.endpoints))
+    service.protections.start()  # the groups it protected before a restart go on being protected
     print(f"ferry agent: node {node} listening on {where}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -217,6 +218,7 @@ def serve(
     # since sources in the middle of a move need Commit and GetMigration.
     health_servicer.enter_graceful_shutdown()
     service.healing.draining.set()  # no new automatic move or resume from here on
+    service.protections.stop()  # no new round; a held member is waited for below
     log.info("stopping: waiting for in-flight migrations, restores and preemptions")
     if not service.wait_idle(timeout_s=DRAIN_S):
         log.warning("work in flight did not finish in %.0f s; stopping anyway", DRAIN_S)

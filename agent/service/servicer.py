@@ -8,9 +8,10 @@ from collections.abc import Iterator
 
 import grpc
 
+from agent.client import split_address
 from agent.errors import InvalidArgumentError, PermissionDeniedError, UnavailableError
 from agent.jobs.logs import STDERR, STDOUT, read_logs
-from agent.jobs.record import check_job_name
+from agent.jobs.record import check_group_name, check_job_name
 from agent.migration.model import MigrationResult, Progress
 from agent.rpc import pb, pb_grpc
 from agent.service import access
@@ -249,6 +250,39 @@ class AgentService(pb_grpc.AgentServicer):
             )
         with self.agent.counted():  # a graceful stop waits for the suspend
             return self.agent.healing.preempt(request)
+
+    # -- group snapshots ---------------------------------------------------------------
+
+    @rpc
+    def Protect(self, request: pb.ProtectRequest, context: grpc.ServicerContext) -> pb.Protection:
+        for a in request.agents:
+            split_address(a)
+        return self.agent.protections.protect(request.group, request.every_s, list(request.agents)).pb()
+
+    @rpc
+    def TakeSnapshot(self, request: pb.TakeSnapshotRequest, context: grpc.ServicerContext) -> pb.Protection:
+        with self.agent.counted():
+            return self.agent.protections.take(request.group).pb()
+
+    @rpc
+    def ListProtections(
+        self, request: pb.ListProtectionsRequest, context: grpc.ServicerContext
+    ) -> pb.ListProtectionsResponse:
+        found = self.agent.protections.list(request.group)
+        return pb.ListProtectionsResponse(protections=[p.pb() for p in found])
+
+    @rpc
+    def SnapshotMember(
+        self, request: pb.SnapshotMemberRequest, context: grpc.ServicerContext
+    ) -> pb.SnapshotMemberResponse:
+        check_group_name(request.group)
+        return self.agent.snapshot_member(request)
+
+    @rpc
+    def StoreSnapshot(
+        self, request_iterator: Iterator[pb.ImageChunk], context: grpc.ServicerContext
+    ) -> pb.StoredSnapshot:
+        return self.agent.snapshot_store.receive(request_iterator)
 
 
 def _grace(timeout_s: float) -> float:

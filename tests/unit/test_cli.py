@@ -457,8 +457,10 @@ def test_ps_group_lists_the_members_across_agents_and_names_one_that_is_silent(
         capsys, "ps", "--agent", addr_a, "--group", "llm", "--peer", addr_b, "--peer", "127.0.0.1:1"
     )
     assert code == 0
-    rows = [ln.split()[:4] for ln in out.strip().splitlines()[1:]]
+    *table, protection = out.strip().splitlines()
+    rows = [ln.split()[:4] for ln in table[1:]]
     assert rows == [["r0", "llm", "0", "nodea"], ["r1", "llm", "1", "nodeb"]]
+    assert protection == "group llm is not protected (`ferry protect llm`)"
     assert "127.0.0.1:1" in err and "unreachable" in err
     code, out, _ = run(capsys, "ps", "--agent", addr_a, "--group", "llm", "--peer", addr_b, "--json")
     assert [(j["name"], j["rank"], j["node"]) for j in json.loads(out)] == [

@@ -79,7 +79,10 @@ def test_a_bad_peer_is_a_usage_error_before_any_agent_is_asked(capsys, peer: str
 def test_a_down_peer_is_named_in_words(capsys, agent) -> None:
     port = closed_port()
     code, out, err = run(capsys, "ps", "--agent", agent[1], "--group", "g", "--peer", f"127.0.0.1:{port}")
-    assert code == 0 and out.strip() == "no members of group 'g' on 1 agent(s)"
+    assert code == 0 and out.splitlines() == [
+        "no members of group 'g' on 1 agent(s)",
+        "group g is not protected (`ferry protect g`)",
+    ]
     assert err.count("\n") == 1, err
     assert f"agent 127.0.0.1:{port} is unreachable: connection refused" in err
     for raw in ("UNKNOWN", "failed to connect to all addresses", "ipv4:"):

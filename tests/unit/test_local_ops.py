@@ -281,6 +281,8 @@ def test_a_copy_on_a_job_network_gets_its_own_address_before_its_link_joins(
     here.registry.update("train", address="10.77.1.1", veth="fjoriginal")
     image = here.tmp / "img"
     here.save(image, leave_running=True)
+    assert announced == ["10.77.1.1"]  # the original went on: it says where it is
+    announced.clear()
     calls.write_text("")
 
     copy = here.restore(image, "copy", as_copy=True)

@@ -1,0 +1,35 @@
+"""`[snapshots]` in the agent's config: where a buddy keeps the images it holds, and the defaults
+of `ferry protect`.
+
+    [snapshots]
+    dir = "/dev/shm/ferry-snapshots"   # memory: a tmpfs; a local disk where memory is short
+    every_s = 300                      # `ferry protect GROUP` without --every
+    hold_s = 60                        # a held member goes on by itself after this long
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agent.errors import InvalidArgumentError
+
+#: A round shorter than this would leave the job frozen more than it runs.
+MIN_EVERY_S = 1.0
+
+
+@dataclass(frozen=True)
+class SnapshotConfig:
+    dir: str = "/dev/shm/ferry-snapshots"
+    every_s: float = 300.0
+    #: A member held for a round goes on by itself if no release comes this long after the hold
+    #: was asked: its coordinator is gone, and a job must never stay frozen for a snapshot.
+    hold_s: float = 60.0
+
+    def check(self) -> SnapshotConfig:
+        if not self.dir.startswith("/"):
+            raise InvalidArgumentError(f"[snapshots] dir = {self.dir!r} must be an absolute path")
+        if self.every_s < MIN_EVERY_S:
+            raise InvalidArgumentError(f"[snapshots] every_s = {self.every_s:g} is below {MIN_EVERY_S:g} s")
+        if self.hold_s <= 0:
+            raise InvalidArgumentError("[snapshots] hold_s must be above 0")
+        return self

@@ -1,0 +1,273 @@
+"""A member's part in a group snapshot, on its own node: held, released, shipped.
+
+A round's coordinator (agent.snapshots.rounds) asks each member's agent, in order:
+
+- HOLD: every running member of the group here is saved as `ferry checkpoint --leave-running`
+  saves a job (stopped, its sent bytes acknowledged, its link cut, CUDA checkpointed, dumped with
+  its TCP state; journaled), into this node's memory, and then *stays* frozen and cut off. The
+  answer comes once each is dumped.
+- RELEASE: once every member of the group is held, all go on. A member that no release reaches
+  within `hold_s` goes on by itself: a job never stays frozen for a snapshot whose coordinator
+  is gone. Its image is then no part of a consistent cut (another member may have been released
+  earlier, or never held) and never ships.
+- SHIP: each released member's image goes to its buddy (agent.snapshots.store), and is gone
+  from here once the buddy has verified it.
+- DROP: the images of a round that will not complete are forgotten.
+
+Each member's part is a Held, whose HeldState only moves as HELD_TRANSITIONS allows:
+
+    FREEZING → HELD       dumped; frozen and cut off until released
+    FREEZING → FAILED     the save failed; the job went on
+    HELD → RELEASED       the coordinator's release (every member was held)
+    HELD → EXPIRED        no release within hold_s: it went on by itself; its image never ships
+    RELEASED → SHIPPED    verified on its buddy, and gone from here
+    RELEASED → FAILED     shipping it failed
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agent.compat import StrEnum
+from agent.coord.liveness import rank_of
+from agent.errors import FerryError, NotFoundError, RefusedError, as_ferry_error
+from agent.image import Manifest, read_manifest
+from agent.jobs.record import JobRecord
+from agent.migration.model import MigrationResult
+from agent.migration.transfer import SendStats, send_image
+from agent.rpc import pb
+from agent.statemachine import Transitions
+
+log = logging.getLogger(__name__)
+
+
+class HeldState(StrEnum):
+    FREEZING = "freezing"
+    HELD = "held"
+    RELEASED = "released"
+    EXPIRED = "expired"
+    SHIPPED = "shipped"
+    FAILED = "failed"
+
+
+HELD_TRANSITIONS = Transitions(
+    "snapshot member",
+    {
+        HeldState.FREEZING: frozenset({HeldState.HELD, HeldState.FAILED}),
+        HeldState.HELD: frozenset({HeldState.RELEASED, HeldState.EXPIRED}),
+        HeldState.RELEASED: frozenset({HeldState.SHIPPED, HeldState.FAILED}),
+        HeldState.EXPIRED: frozenset(),
+        HeldState.SHIPPED: frozenset(),
+        HeldState.FAILED: frozenset(),
+    },
+)
+
+#: How long a release waits for a held member to be going again (CUDA restore included).
+RESUME_WAIT_S = 120.0
+
+#: save(job, out_dir, hold) → the checkpoint's result: `ferry checkpoint --leave-running` with a
+#: hold (agent.migration.local.checkpoint).
+Save = Callable[[str, Path, Callable[[Manifest], None]], MigrationResult]
+#: push(buddy's HOST:PORT, chunks) → what the buddy stored.
+Push = Callable[[str, Iterator[pb.ImageChunk]], pb.StoredSnapshot]
+
+
+@dataclass
+class Held:
+    group: str
+    epoch: int
+    job: str
+    rank: str
+    out_dir: Path
+    state: HeldState = HeldState.FREEZING
+    bytes: int = 0
+    frozen_s: float = 0.0
+    error: str = ""
+    buddy_node: str = ""
+    dir: str = ""
+    dumped: threading.Event = field(default_factory=threading.Event)  # held, or failed
+    go: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)  # the save returned
+
+    def pb(self) -> pb.HeldMember:
+        return pb.HeldMember(
+            job=self.job,
+            rank=self.rank,
+            frozen_s=self.frozen_s,
+            bytes=self.bytes,
+            buddy_node=self.buddy_node,
+            dir=self.dir,
+        )
+
+
+class MemberSnapshots:
+    """Owns this node's part of every round: the held members and their local images (under
+    `root`, memory: a tmpfs)."""
+
+    def __init__(
+        self, node: str, root: Path, members: Callable[[str], list[JobRecord]], save: Save, push: Push
+    ) -> None:
+        self.node, self.root = node, root
+        self.members, self.save, self.push = members, save, push
+        self._lock = threading.Lock()
+        self._held: dict[tuple[str, int], list[Held]] = {}
+
+    def _to(self, h: Held, state: HeldState) -> None:
+        h.state = HELD_TRANSITIONS.check(h.state, state, f"{h.job} (round {h.epoch} of group {h.group})")
+
+    def hold(self, group: str, epoch: int, hold_s: float) -> list[Held]:
+        """Save and hold every running member of `group` here; answer once each is dumped."""
+        with self._lock:
+            busy = [
+                k for k, hs in self._held.items() if k[0] == group and not all(h.done.is_set() for h in hs)
+            ]
+            if busy:
+                raise RefusedError(
+                    f"round {busy[0][1]} of group {group} still holds members here",
+                    step="snapshot hold",
+                    node=self.node,
+                    hint="wait for it to end (its members go on by themselves after [snapshots] hold_s)",
+                )
+            recs = self.members(group)
+            if not recs:
+                raise NotFoundError(
+                    f"no member of group {group} runs on this node", step="snapshot hold", node=self.node
+                )
+            out = self.root / group / str(epoch)
+            helds = [Held(group, epoch, r.name, rank_of(r), out / r.name) for r in recs]
+            self._held[(group, epoch)] = helds
+        deadline = time.monotonic() + hold_s
+        for h in helds:
+            threading.Thread(
+                target=self._save, args=(h, deadline), name=f"snapshot-{h.job}", daemon=True
+            ).start()
+        for h in helds:
+            h.dumped.wait()
+        if failed := [h for h in helds if h.state is HeldState.FAILED]:
+            self._release(helds)
+            raise FerryError(
+                f"job {failed[0].job} could not be saved: {failed[0].error}",
+                step="snapshot hold",
+                node=self.node,
+            )
+        return helds
+
+    def _save(self, h: Held, deadline: float) -> None:
+        def hold(m: Manifest) -> None:
+            h.bytes = m.image_bytes
+            with self._lock:
+                self._to(h, HeldState.HELD)
+            h.dumped.set()
+            if h.go.wait(max(0.0, deadline - time.monotonic())):
+                return
+            with self._lock:
+                if h.state is HeldState.HELD:  # a release landing now has already moved it on
+                    self._to(h, HeldState.EXPIRED)
+                    log.warning(
+                        "snapshot: job %s went on by itself: no release came for round %d of group %s",
+                        h.job,
+                        h.epoch,
+                        h.group,
+                    )
+
+        try:
+            h.out_dir.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            h.frozen_s = self.save(h.job, h.out_dir, hold).frozen_s
+        except Exception as e:  # the save resumed the job; the error says what it met
+            err = as_ferry_error(e, "snapshot", self.node)
+            h.error = err.cause
+            with self._lock:
+                if h.state is HeldState.FREEZING:
+                    self._to(h, HeldState.FAILED)
+            if h.state is HeldState.FAILED:
+                shutil.rmtree(h.out_dir, ignore_errors=True)
+            log.error("snapshot of job %s (round %d of group %s): %s", h.job, h.epoch, h.group, err)
+        finally:
+            h.dumped.set()
+            h.done.set()
+
+    def release(self, group: str, epoch: int) -> list[Held]:
+        """Let the round's members go on; refused (after releasing) if any already went on by
+        itself or could not be put back, since then the round is no consistent cut."""
+        helds = self._round(group, epoch)
+        self._release(helds)
+        if bad := [h for h in helds if h.state is HeldState.EXPIRED or h.error]:
+            why = bad[0].error or "it went on by itself after [snapshots] hold_s, before the release"
+            raise RefusedError(
+                f"round {epoch} of group {group} is not a consistent cut: job {bad[0].job}: {why}",
+                step="snapshot release",
+                node=self.node,
+            )
+        return helds
+
+    def _release(self, helds: list[Held]) -> None:
+        with self._lock:
+            for h in helds:
+                if h.state is HeldState.HELD:
+                    self._to(h, HeldState.RELEASED)
+                h.go.set()
+        for h in helds:
+            if not h.done.wait(RESUME_WAIT_S):
+                h.error = h.error or f"it was not going again {RESUME_WAIT_S:g} s after its release"
+
+    def ship(self, group: str, epoch: int, buddy: str) -> list[Held]:
+        """Send each released member's image to `buddy`; done once the buddy has verified it."""
+        helds = self._round(group, epoch)
+        for h in helds:
+            if h.state is not HeldState.RELEASED:
+                raise RefusedError(
+                    f"job {h.job}'s image of round {epoch} is {h.state.value}, not released: it cannot ship",
+                    step="snapshot ship",
+                    node=self.node,
+                )
+            try:
+                stored = self.push(buddy, self._chunks(h))
+            except Exception as e:
+                with self._lock:
+                    self._to(h, HeldState.FAILED)
+                raise as_ferry_error(e, "snapshot ship", self.node) from e
+            h.buddy_node, h.dir = stored.node_name, stored.dir
+            with self._lock:
+                self._to(h, HeldState.SHIPPED)
+            shutil.rmtree(h.out_dir, ignore_errors=True)  # the buddy's copy is the one that counts
+        return helds
+
+    def _chunks(self, h: Held) -> Iterator[pb.ImageChunk]:
+        m = read_manifest(h.out_dir)
+        digests = {f.name: f.sha256 for f in m.files}
+
+        def same(entries: list) -> Manifest:
+            if {e.name: e.sha256 for e in entries} != digests:
+                raise FerryError(
+                    f"job {h.job}'s image changed on this node after its dump", step="snapshot ship"
+                )
+            return m
+
+        first = True
+        for chunk in send_image("", h.out_dir, same, SendStats()):
+            if first:
+                chunk.snapshot.CopyFrom(pb.SnapshotKey(group=h.group, epoch=h.epoch, job=h.job))
+                first = False
+            yield chunk
+
+    def drop(self, group: str) -> None:
+        """Forget every round of `group` no member is held for, and their local images."""
+        with self._lock:
+            for key in [
+                k for k, hs in self._held.items() if k[0] == group and all(h.done.is_set() for h in hs)
+            ]:
+                del self._held[key]
+                shutil.rmtree(self.root / group / str(key[1]), ignore_errors=True)
+
+    def _round(self, group: str, epoch: int) -> list[Held]:
+        with self._lock:
+            helds = self._held.get((group, epoch))
+        if helds is None:
+            raise NotFoundError(f"no round {epoch} of group {group} on this node", node=self.node)
+        return helds

@@ -1,0 +1,245 @@
+"""`ferry protect`: the groups this agent keeps snapshots of, one round every interval.
+
+This agent coordinates each protected group's rounds (agent.snapshots.rounds), one at a time,
+and keeps the last complete snapshot set: on disk (`<state>/protections.json`, so an agent
+that restarts goes on protecting) and, with `[coordination]`, in etcd under
+`groups/<group>/snapshot`, where a recovery reads it. A round that fails leaves the previous
+set as it was, every buddy's copy of it included: there is always one complete snapshot once
+the first round succeeded. Only after a set is recorded are the older copies dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from google.protobuf import json_format
+
+from agent.durable import replace_file
+from agent.errors import FerryError, InvalidArgumentError, NotFoundError, as_ferry_error
+from agent.jobs.record import check_group_name
+from agent.rpc import pb
+from agent.snapshots import rounds
+from agent.snapshots.config import MIN_EVERY_S, SnapshotConfig
+
+log = logging.getLogger(__name__)
+
+FILE = "protections.json"
+
+
+@dataclass
+class Protected:
+    group: str
+    every_s: float
+    agents: list[str]
+    active: bool = True
+    last: pb.SnapshotSet = field(default_factory=pb.SnapshotSet)
+    tried: int = 0  # the last round's epoch, complete or not: a round's epoch is never reused
+    rounds: int = 0
+    failed: int = 0
+    last_error: str = ""
+    times: rounds.RoundTimes | None = None  # the last complete round's steps (this agent's run only)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one round at a time
+    wake: threading.Event = field(default_factory=threading.Event)
+
+    def pb(self) -> pb.Protection:
+        return pb.Protection(
+            group=self.group,
+            every_s=self.every_s,
+            agents=self.agents,
+            last=self.last,
+            rounds=self.rounds,
+            failed=self.failed,
+            last_error=self.last_error,
+            active=self.active,
+        )
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "every_s": self.every_s,
+            "agents": self.agents,
+            "active": self.active,
+            "tried": self.tried,
+            "last": json_format.MessageToDict(self.last),
+        }
+
+
+class Protections:
+    """Owns the protected groups' records and their round threads."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        node: str,
+        config: SnapshotConfig,
+        call: rounds.Call,
+        *,
+        members: Callable[[str], list[str]] | None = None,  # group → its members' agents (etcd)
+        publish: Callable[[str, str], None] | None = None,  # (group, JSON of the set) → etcd
+        record: Callable[[str, str], None] = lambda kind, message: None,  # the node's events
+        observe: Callable[[str, pb.SnapshotSet | None, str], None] = lambda g, s, e: None,  # metrics
+    ) -> None:
+        self.path = state_dir / FILE
+        self.node, self.config, self.call = node, config, call
+        self.members, self.publish, self.record, self.observe = members, publish, record, observe
+        self._groups: dict[str, Protected] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._load()
+
+    def _load(self) -> None:
+        try:
+            raw = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as e:
+            log.error(
+                "snapshots: %s is unreadable (%s): no group is protected until `ferry protect`", self.path, e
+            )
+            return
+        for group, d in raw.items():
+            p = Protected(
+                group, float(d["every_s"]), list(d["agents"]), bool(d["active"]), tried=int(d["tried"])
+            )
+            json_format.ParseDict(d.get("last", {}), p.last)
+            self._groups[group] = p
+
+    def _save(self) -> None:
+        with self._lock:
+            data = {g: p.to_json() for g, p in self._groups.items()}
+        replace_file(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
+
+    def start(self) -> None:
+        for p in list(self._groups.values()):
+            if p.active:
+                self._spawn(p)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for p in list(self._groups.values()):
+            p.wake.set()
+
+    def protect(self, group: str, every_s: float, agents: list[str]) -> Protected:
+        """Start (or change, or with every_s < 0 stop) protecting `group`."""
+        check_group_name(group)
+        if every_s < 0:
+            p = self.get(group)
+            p.active = False
+            p.wake.set()
+            self._save()
+            self.record("info", f"group {group} is no longer protected (its last snapshot is kept)")
+            return p
+        every = every_s or self.config.every_s
+        if every < MIN_EVERY_S:
+            raise InvalidArgumentError(f"--every {every:g} s is below the minimum, {MIN_EVERY_S:g} s")
+        agents = list(dict.fromkeys(agents)) or self._agents_of(group)
+        with self._lock:
+            p = self._groups.get(group)
+            was_active = p is not None and p.active
+            if p is None:
+                p = self._groups[group] = Protected(group, every, agents)
+            p.every_s, p.agents, p.active = every, agents, True
+        self._save()
+        if not was_active:
+            self._spawn(p)
+        p.wake.set()  # the first round now, not an interval from now
+        self.record(
+            "info", f"group {group} is protected: a snapshot every {every:g} s over {', '.join(agents)}"
+        )
+        return p
+
+    def _agents_of(self, group: str) -> list[str]:
+        if self.members is None:
+            raise InvalidArgumentError(
+                f"which agents run group {group}'s members? name each with --members-on HOST:PORT",
+                hint="with [coordination], the members' keys in etcd say it",
+            )
+        agents = self.members(group)
+        if not agents:
+            raise NotFoundError(f"etcd knows no member of group {group}")
+        return agents
+
+    def get(self, group: str) -> Protected:
+        with self._lock:
+            p = self._groups.get(group)
+        if p is None:
+            raise NotFoundError(f"group {group} is not protected by this agent", node=self.node)
+        return p
+
+    def list(self, group: str = "") -> list[Protected]:
+        with self._lock:
+            return [p for g, p in sorted(self._groups.items()) if not group or g == group]
+
+    def _spawn(self, p: Protected) -> None:
+        threading.Thread(target=self._loop, args=(p,), name=f"protect-{p.group}", daemon=True).start()
+
+    def _loop(self, p: Protected) -> None:
+        while not self._stop.is_set() and p.active:
+            p.wake.wait(p.every_s)
+            p.wake.clear()
+            if self._stop.is_set() or not p.active:
+                return
+            try:
+                self.take(p.group)
+            except FerryError:
+                pass  # recorded by take(); the next round tries again
+            except Exception:
+                log.exception("snapshots: a round of group %s failed", p.group)
+
+    def take(self, group: str) -> Protected:
+        """One round now (after the one in progress, if any); raise if it fails."""
+        p = self.get(group)
+        with p.lock:
+            epoch = p.tried = max(p.tried, p.last.epoch) + 1
+            p.rounds += 1
+            self._save()
+            try:
+                snap, times = rounds.take(group, epoch, p.agents, self.call, self.config.hold_s)
+            except Exception as e:
+                err = as_ferry_error(e, "snapshot", self.node)
+                p.failed += 1
+                p.last_error = str(err)
+                self._drop(p, keep=p.last.epoch)
+                self.observe(group, None, p.last_error)
+                self.record(
+                    "warning",
+                    f"group {group}: snapshot round {epoch} failed, the last complete one is kept: {err}",
+                )
+                raise err from e
+            p.last, p.last_error = snap, ""
+            self._save()  # from here this set is the one that counts
+            if self.publish is not None:
+                try:
+                    self.publish(group, json_format.MessageToJson(snap, indent=None))
+                except FerryError as e:
+                    log.warning(
+                        "snapshots: group %s's round %d could not be written to etcd: %s", group, epoch, e
+                    )
+            self._drop(p, keep=epoch)
+            self.observe(group, snap, "")
+            p.times = times
+            log.info(
+                "snapshots: group %s round %d complete: paused %.2f s, %d bytes",
+                group,
+                epoch,
+                snap.group_pause_s,
+                sum(m.bytes for m in snap.members),
+            )
+            return p
+
+    def _drop(self, p: Protected, keep: int) -> None:
+        req = pb.SnapshotMemberRequest(group=p.group, epoch=keep, action=pb.SNAPSHOT_ACTION_DROP)
+        for agent in p.agents:
+            try:
+                self.call(agent, req, rounds.RELEASE_CALL_S)
+            except FerryError as e:  # its older copies stay until the next round's drop
+                log.warning("snapshots: agent %s did not drop group %s's older images: %s", agent, p.group, e)
+
+
+def age(snap: pb.SnapshotSet, now: float | None = None) -> float:
+    return (now or time.time()) - snap.taken_at

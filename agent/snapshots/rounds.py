@@ -1,0 +1,134 @@
+"""One snapshot round of a group, run by the agent that protects it (agent.snapshots.protect).
+
+    1. HOLD on every agent with members, at once: each member frozen, cut off and dumped.
+    2. RELEASE on all, only once every one answered the hold: no member goes on before every
+       member is cut off, so no byte crosses between a member's dump and another's (a
+       consistent cut: a byte one member sent is either in the receiver's image or still
+       unacknowledged in the sender's).
+    3. SHIP on all: each agent sends its members' images to its buddy, the next agent in the
+       ring (a node other than its own), and answers once the buddy has verified them.
+
+Any failure ends the round: whatever was held is released, and the caller keeps the previous
+snapshot. The round's result is the snapshot set; it counts once it is returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from agent.errors import FerryError, RefusedError, as_ferry_error
+from agent.rpc import pb
+
+#: call(agent's HOST:PORT, request, timeout_s) → its answer; raises FerryError.
+Call = Callable[[str, pb.SnapshotMemberRequest, float], pb.SnapshotMemberResponse]
+
+#: Bounds of each step's call, beyond the hold itself: a dump of a large member, a ship of it.
+HOLD_CALL_S = 600.0
+SHIP_CALL_S = 1800.0
+RELEASE_CALL_S = 150.0
+
+
+@dataclass
+class RoundTimes:
+    hold_s: float = 0.0  # from the first hold asked to the last member held
+    release_s: float = 0.0
+    ship_s: float = 0.0
+
+
+def take(
+    group: str, epoch: int, agents: list[str], call: Call, hold_s: float
+) -> tuple[pb.SnapshotSet, RoundTimes]:
+    """Run round `epoch` over `agents` (every agent with a member of the group); raise a
+    FerryError naming the agent and the step that failed."""
+    if len(agents) < 2:
+        raise RefusedError(
+            f"group {group}'s members run on {len(agents)} node(s): a snapshot needs a buddy on another node",
+            step="snapshot",
+            hint="give `ferry protect` the agent of every node with a member (--members-on)",
+        )
+    times = RoundTimes()
+
+    def each(
+        action: int, timeout: float, buddy: Callable[[int], str] = lambda i: ""
+    ) -> list[pb.SnapshotMemberResponse]:
+        def one(i: int) -> pb.SnapshotMemberResponse:
+            req = pb.SnapshotMemberRequest(
+                group=group, epoch=epoch, action=action, buddy=buddy(i), hold_s=hold_s
+            )
+            return call(agents[i], req, timeout)
+
+        with ThreadPoolExecutor(len(agents)) as pool:
+            futures = [pool.submit(one, i) for i in range(len(agents))]
+        answers, errors = [], []
+        for i, f in enumerate(futures):
+            try:
+                answers.append(f.result())
+            except Exception as e:
+                errors.append(_named(e, agents[i], action))
+        if errors:
+            raise errors[0]
+        return answers
+
+    t0 = time.monotonic()
+    try:
+        held = each(pb.SNAPSHOT_ACTION_HOLD, HOLD_CALL_S + hold_s)
+    except FerryError:
+        _release_all(agents, group, epoch, call)
+        raise
+    times.hold_s = time.monotonic() - t0
+    released = each(pb.SNAPSHOT_ACTION_RELEASE, RELEASE_CALL_S)
+    pause = time.monotonic() - t0
+    times.release_s = pause - times.hold_s
+    taken_at = time.time()
+    t1 = time.monotonic()
+    shipped = each(pb.SNAPSHOT_ACTION_SHIP, SHIP_CALL_S, buddy=lambda i: agents[(i + 1) % len(agents)])
+    times.ship_s = time.monotonic() - t1
+    frozen = {m.job: m.frozen_s for a in released for m in a.members}
+    out = pb.SnapshotSet(epoch=epoch, taken_at=taken_at, group_pause_s=pause)
+    for i, (h, s) in enumerate(zip(held, shipped, strict=True)):
+        for m in s.members:
+            out.members.append(
+                pb.MemberCopy(
+                    job=m.job,
+                    rank=m.rank,
+                    node=h.node_name,
+                    agent=agents[i],
+                    buddy_node=m.buddy_node,
+                    buddy_agent=agents[(i + 1) % len(agents)],
+                    dir=m.dir,
+                    bytes=m.bytes,
+                    frozen_s=frozen.get(m.job, 0.0),
+                )
+            )
+    return out, times
+
+
+def _release_all(agents: list[str], group: str, epoch: int, call: Call) -> None:
+    """Best effort after a failed hold: an agent that this misses releases by itself at hold_s."""
+    req = pb.SnapshotMemberRequest(group=group, epoch=epoch, action=pb.SNAPSHOT_ACTION_RELEASE)
+    with ThreadPoolExecutor(len(agents)) as pool:
+        for a in agents:
+            pool.submit(_quietly, call, a, req)
+
+
+def _quietly(call: Call, agent: str, req: pb.SnapshotMemberRequest) -> None:
+    with contextlib.suppress(Exception):  # nothing held there, or it releases by itself
+        call(agent, req, RELEASE_CALL_S)
+
+
+_STEP = {
+    pb.SNAPSHOT_ACTION_HOLD: "snapshot hold",
+    pb.SNAPSHOT_ACTION_RELEASE: "snapshot release",
+    pb.SNAPSHOT_ACTION_SHIP: "snapshot ship",
+}
+
+
+def _named(e: Exception, agent: str, action: int) -> FerryError:
+    err = as_ferry_error(e, _STEP[action], "")
+    if agent not in err.cause:
+        err.cause = f"agent {agent}: {err.cause}"
+    return err

@@ -1,0 +1,109 @@
+"""A buddy's store: the member images this node keeps for other nodes, in memory.
+
+    <dir>/<group>/<epoch>/<job>/        an image, complete and verified
+    <dir>/<group>/<epoch>/.<job>.part/  one arriving (never restored from)
+
+An image arrives over StoreSnapshot as a move's does (agent.migration.transfer.Intake: listed
+files, each digest checked, the manifest last) and is renamed into place only once the manifest
+matches every file: a directory without the `.part` is always whole. The coordinator of the
+group says which epoch is committed; `keep_only` drops every other.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from agent.errors import InvalidArgumentError, TransferError
+from agent.jobs.record import check_group_name, check_job_name
+from agent.migration.transfer import Intake
+from agent.rpc import pb
+
+log = logging.getLogger(__name__)
+
+#: Room left free in the store's filesystem: a tmpfs that fills takes the node's memory with it.
+RESERVE_BYTES = 256 << 20
+
+
+class SnapshotStore:
+    """Owns `root`: every image under it is this node's to keep or drop."""
+
+    def __init__(self, root: Path, node: str) -> None:
+        self.root = root
+        self.node = node
+        self._lock = threading.Lock()
+
+    def image_dir(self, group: str, epoch: int, job: str) -> Path:
+        return self.root / check_group_name(group) / str(epoch) / check_job_name(job)
+
+    def receive(self, chunks: Iterator[pb.ImageChunk]) -> pb.StoredSnapshot:
+        """Take one member's image; answer only once it is whole and verified."""
+        first = next(chunks, None)
+        if first is None or not first.HasField("snapshot"):
+            raise InvalidArgumentError("a snapshot stream must start with its snapshot key", node=self.node)
+        key = first.snapshot
+        if key.epoch <= 0:
+            raise InvalidArgumentError(f"snapshot epoch {key.epoch} is not a round", node=self.node)
+        final = self.image_dir(key.group, key.epoch, key.job)
+        part = final.parent / f".{key.job}.part"
+        with self._lock:
+            if final.exists():
+                raise InvalidArgumentError(
+                    f"this node already holds job {key.job}'s image of round {key.epoch} "
+                    f"of group {key.group}",
+                    node=self.node,
+                )
+            shutil.rmtree(part, ignore_errors=True)  # a stream cut before: never restored from
+            part.mkdir(parents=True, mode=0o700)
+        intake = Intake(part, self._room(), node=self.node)
+        try:
+            intake.feed(first)
+            for chunk in chunks:
+                intake.feed(chunk)
+            intake.finish()
+            os.rename(part, final)
+        except BaseException:
+            intake.close()
+            shutil.rmtree(part, ignore_errors=True)
+            raise
+        log.info(
+            "snapshot store: job %s's image of round %d of group %s is here", key.job, key.epoch, key.group
+        )
+        return pb.StoredSnapshot(node_name=self.node, dir=str(final), bytes=intake.bytes)
+
+    def _room(self) -> int:
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = os.statvfs(self.root)
+        room = st.f_bavail * st.f_frsize - RESERVE_BYTES
+        if room <= 0:
+            raise TransferError(
+                f"the snapshot store {self.root} has less than {RESERVE_BYTES >> 20} MiB free",
+                step="snapshot store",
+                node=self.node,
+                hint="free memory on this node, or point [snapshots] dir at a local disk",
+            )
+        return room
+
+    def keep_only(self, group: str, epoch: int) -> list[int]:
+        """Drop every image of `group` but round `epoch`'s (0: drop them all); the rounds dropped."""
+        gdir = self.root / check_group_name(group)
+        dropped = []
+        with self._lock:
+            for d in sorted(gdir.iterdir()) if gdir.is_dir() else []:
+                if d.name.isdigit() and int(d.name) != epoch:
+                    shutil.rmtree(d, ignore_errors=True)
+                    dropped.append(int(d.name))
+        return dropped
+
+    def held(self, group: str) -> dict[int, list[str]]:
+        """Round → the jobs whose complete image this node holds."""
+        gdir = self.root / check_group_name(group)
+        out: dict[int, list[str]] = {}
+        for d in sorted(gdir.iterdir()) if gdir.is_dir() else []:
+            if d.name.isdigit():
+                out[int(d.name)] = sorted(j.name for j in d.iterdir() if not j.name.startswith("."))
+        return out

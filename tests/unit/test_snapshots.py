@@ -1,0 +1,277 @@
+"""Group snapshots without agents: the buddy's store, a member's hold/release/ship, a round's
+order and failures, and a protection's record (agent.snapshots). The bed's test
+(tests/integration/test_snapshots.py) runs them with real agents, CRIU and a gloo job."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.cli.parser import Usage, build_parser, duration
+from agent.errors import FerryError, NotFoundError, RefusedError, TransferError
+from agent.image import JobSpec, Manifest, build_manifest, read_manifest, verify
+from agent.jobs.record import JobKind, JobRecord, JobState
+from agent.migration.model import MigrationResult
+from agent.rpc import pb
+from agent.snapshots import rounds
+from agent.snapshots.config import SnapshotConfig
+from agent.snapshots.member import HeldState, MemberSnapshots
+from agent.snapshots.protect import Protections
+from agent.snapshots.store import SnapshotStore
+
+
+def image(d: Path, job: str = "r0") -> Manifest:
+    d.mkdir(parents=True)
+    (d / "pages-1.img").write_bytes(b"p" * 8192)
+    (d / "core-1.img").write_bytes(b"c" * 10)
+    spec = JobSpec(job, "launched", ["python", "train.py"], "/", [], "/o", "/e", 1)
+    return build_manifest(d, spec, "node-a")
+
+
+def member_rec(name: str, rank: str) -> JobRecord:
+    return JobRecord(
+        name, JobKind.LAUNCHED, JobState.RUNNING, 100, ["x"], "/", env=[f"RANK={rank}"], group="g"
+    )
+
+
+class FakeSave:
+    """`ferry checkpoint --leave-running` with a hold, as agent.migration.local.checkpoint does it:
+    the image written, the hold called while frozen, the job resumed after it returns."""
+
+    def __init__(self, fail: set[str] | None = None) -> None:
+        self.fail = fail or set()
+        self.resumed: list[str] = []
+
+    def __call__(self, job: str, out: Path, hold: Callable[[Manifest], None]) -> MigrationResult:
+        if job in self.fail:
+            raise FerryError("injected fault at 'checkpoint'", step="checkpoint", node="node-a")
+        t0 = time.monotonic()
+        hold(image(out, job))
+        self.resumed.append(job)
+        return MigrationResult("", job, "node-a", frozen_s=time.monotonic() - t0)
+
+
+def members_here(store: SnapshotStore, save: FakeSave, root: Path, names=("r0",)) -> MemberSnapshots:
+    def push(buddy: str, chunks: Iterator[pb.ImageChunk]) -> pb.StoredSnapshot:
+        assert buddy == "10.0.0.2:7070"
+        return store.receive(chunks)
+
+    recs = [member_rec(n, str(i)) for i, n in enumerate(names)]
+    return MemberSnapshots("node-a", root, lambda g: recs if g == "g" else [], save, push)
+
+
+# -- the buddy's store ----------------------------------------------------------------
+
+
+def test_the_store_keeps_a_verified_image_and_drops_every_other_round(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "store", "node-b")
+    save = FakeSave()
+    m = members_here(store, save, tmp_path / "taken")
+    for epoch in (1, 2):
+        m.hold("g", epoch, 5)
+        m.release("g", epoch)
+        (h,) = m.ship("g", epoch, "10.0.0.2:7070")
+        assert h.state is HeldState.SHIPPED and h.buddy_node == "node-b"
+        assert verify(Path(h.dir)).job.name == "r0"
+        assert not h.out_dir.exists(), "the member's own copy goes once the buddy has it"
+    assert store.held("g") == {1: ["r0"], 2: ["r0"]}
+    assert store.keep_only("g", 2) == [1]
+    assert store.held("g") == {2: ["r0"]}
+    assert store.keep_only("g", 0) == [2] and store.held("g") == {}
+
+
+def test_a_corrupted_stream_leaves_nothing_in_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = SnapshotStore(tmp_path / "store", "node-b")
+    m = members_here(store, FakeSave(), tmp_path / "taken")
+    m.hold("g", 1, 5)
+    m.release("g", 1)
+    monkeypatch.setenv("FERRY_FAULTS", "corrupt-chunk")
+    with pytest.raises(TransferError, match="corrupted in transit"):
+        m.ship("g", 1, "10.0.0.2:7070")
+    assert store.held("g") == {1: []}, "no image, not even a partial one, counts"
+    assert not any(p.name.endswith(".part") for p in (tmp_path / "store" / "g" / "1").iterdir())
+
+
+def test_a_stream_without_its_snapshot_key_is_refused(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "store", "node-b")
+    with pytest.raises(FerryError, match="must start with its snapshot key"):
+        store.receive(iter([pb.ImageChunk(file="x", data=b"1")]))
+
+
+# -- a member's part ------------------------------------------------------------------
+
+
+def test_a_held_member_stays_frozen_until_the_release(tmp_path: Path) -> None:
+    save = FakeSave()
+    m = members_here(SnapshotStore(tmp_path / "s", "b"), save, tmp_path / "taken", names=("r0", "r1"))
+    helds = m.hold("g", 1, 5)
+    assert [h.state for h in helds] == [HeldState.HELD, HeldState.HELD]
+    time.sleep(0.2)
+    assert save.resumed == [], "nothing goes on before the release"
+    m.release("g", 1)
+    assert sorted(save.resumed) == ["r0", "r1"]
+    assert all(h.frozen_s >= 0.2 for h in helds)
+    assert read_manifest(helds[0].out_dir).job.name == "r0"
+
+
+def test_a_member_no_release_reaches_goes_on_by_itself_and_never_ships(tmp_path: Path) -> None:
+    save = FakeSave()
+    m = members_here(SnapshotStore(tmp_path / "s", "b"), save, tmp_path / "taken")
+    (h,) = m.hold("g", 1, 0.3)
+    h.done.wait(5)
+    assert save.resumed == ["r0"] and h.state is HeldState.EXPIRED
+    with pytest.raises(RefusedError, match=r"not a consistent cut.*went on by itself"):
+        m.release("g", 1)
+    with pytest.raises(RefusedError, match="expired, not released"):
+        m.ship("g", 1, "10.0.0.2:7070")
+
+
+def test_a_member_that_cannot_be_saved_fails_the_hold_and_the_others_go_on(tmp_path: Path) -> None:
+    save = FakeSave(fail={"r1"})
+    m = members_here(SnapshotStore(tmp_path / "s", "b"), save, tmp_path / "taken", names=("r0", "r1"))
+    with pytest.raises(FerryError, match="job r1 could not be saved: injected fault"):
+        m.hold("g", 1, 5)
+    assert save.resumed == ["r0"]
+    m.drop("g")
+    assert not (tmp_path / "taken" / "g" / "1").exists()
+    save.fail.clear()
+    m.hold("g", 2, 5)  # a new round may hold again
+    m.release("g", 2)
+
+
+def test_a_second_hold_of_a_group_is_refused_while_one_holds(tmp_path: Path) -> None:
+    m = members_here(SnapshotStore(tmp_path / "s", "b"), FakeSave(), tmp_path / "taken")
+    m.hold("g", 1, 5)
+    with pytest.raises(RefusedError, match="round 1 of group g still holds members here"):
+        m.hold("g", 2, 5)
+    m.release("g", 1)
+    with pytest.raises(NotFoundError, match="no member of group other runs on this node"):
+        m.hold("other", 1, 5)
+
+
+# -- a round --------------------------------------------------------------------------
+
+
+class Cluster:
+    """Three agents with one member each, answering SnapshotMember as agent.service.node does."""
+
+    def __init__(self, tmp_path: Path, fail: dict[str, str] | None = None) -> None:
+        self.fail = fail or {}  # agent -> the action it fails
+        self.log: list[tuple[str, str]] = []
+        self.stores = {
+            f"10.0.0.{i}:7070": SnapshotStore(tmp_path / f"store{i}", f"node-{i}") for i in (1, 2, 3)
+        }
+        self.members: dict[str, MemberSnapshots] = {}
+        self.saves: dict[str, FakeSave] = {}
+        self._lock = threading.Lock()
+        for i, agent in enumerate(self.stores, 1):
+            rec = member_rec(f"r{i - 1}", str(i - 1))
+            self.saves[agent] = FakeSave()
+            self.members[agent] = MemberSnapshots(
+                f"node-{i}",
+                tmp_path / f"taken{i}",
+                lambda g, rec=rec: [rec],
+                self.saves[agent],
+                lambda buddy, chunks: self.stores[buddy].receive(chunks),
+            )
+
+    def call(self, agent: str, req: pb.SnapshotMemberRequest, timeout_s: float) -> pb.SnapshotMemberResponse:
+        action = pb.SnapshotAction.Name(req.action).removeprefix("SNAPSHOT_ACTION_").lower()
+        with self._lock:
+            self.log.append((agent, action))
+        if self.fail.get(agent) == action:
+            raise FerryError("it broke", step=f"snapshot {action}", node=agent)
+        m = self.members[agent]
+        if action == "hold":
+            helds = m.hold(req.group, req.epoch, req.hold_s)
+        elif action == "release":
+            helds = m.release(req.group, req.epoch)
+        elif action == "ship":
+            helds = m.ship(req.group, req.epoch, req.buddy)
+        else:
+            m.drop(req.group)
+            self.stores[agent].keep_only(req.group, req.epoch)
+            helds = []
+        return pb.SnapshotMemberResponse(node_name=m.node, members=[h.pb() for h in helds])
+
+
+def test_a_round_releases_no_member_before_every_member_is_held(tmp_path: Path) -> None:
+    cl = Cluster(tmp_path)
+    agents = list(cl.stores)
+    snap, times = rounds.take("g", 1, agents, cl.call, 5)
+    steps = [action for _, action in cl.log]
+    assert steps[:3] == ["hold"] * 3 and steps[3:6] == ["release"] * 3 and steps[6:] == ["ship"] * 3
+    ring = {m.node: m.buddy_node for m in snap.members}
+    assert ring == {"node-1": "node-2", "node-2": "node-3", "node-3": "node-1"}
+    assert snap.epoch == 1 and snap.group_pause_s >= times.hold_s > 0
+    assert all(verify(Path(m.dir)).job.name == m.job for m in snap.members)
+
+
+def test_a_hold_that_fails_releases_every_member_held(tmp_path: Path) -> None:
+    cl = Cluster(tmp_path, fail={"10.0.0.3:7070": "hold"})
+    with pytest.raises(FerryError, match="it broke"):
+        rounds.take("g", 1, list(cl.stores), cl.call, 30)
+    assert sorted(s.resumed[0] for s in cl.saves.values() if s.resumed) == ["r0", "r1"]
+    assert "ship" not in {a for _, a in cl.log}
+
+
+def test_a_group_on_one_node_has_no_buddy(tmp_path: Path) -> None:
+    with pytest.raises(RefusedError, match="needs a buddy on another node"):
+        rounds.take("g", 1, ["10.0.0.1:7070"], lambda *a: pb.SnapshotMemberResponse(), 5)
+
+
+# -- a protection ---------------------------------------------------------------------
+
+
+def test_a_failed_round_keeps_the_last_complete_snapshot_and_never_reuses_its_epoch(tmp_path: Path) -> None:
+    cl = Cluster(tmp_path)
+    agents = list(cl.stores)
+    seen: list[tuple[str, int]] = []
+    published: list[str] = []
+    p = Protections(
+        tmp_path / "state",
+        "node-1",
+        SnapshotConfig(every_s=3600),
+        cl.call,
+        publish=lambda g, v: published.append(v),
+        observe=lambda g, s, e: seen.append((g, s.epoch if s else -1)),
+    )
+    (tmp_path / "state").mkdir()
+    p.stop()  # no round thread: the rounds below are the only ones
+    p.protect("g", 3600, agents)
+    p.take("g")
+    first = p.get("g").last
+    assert first.epoch == 1 and len(published) == 1
+    cl.fail = {agents[1]: "ship"}
+    with pytest.raises(FerryError, match="it broke"):
+        p.take("g")
+    assert p.get("g").last == first and p.get("g").failed == 1
+    assert all(s.held("g") == {1: [m]} for s, m in zip(cl.stores.values(), ["r2", "r0", "r1"], strict=True))
+    cl.fail = {}
+    p.take("g")
+    assert p.get("g").last.epoch == 3, "round 2 failed; its epoch is never used again"
+    assert seen == [("g", 1), ("g", -1), ("g", 3)]
+    again = Protections(tmp_path / "state", "node-1", SnapshotConfig(), cl.call)
+    assert again.get("g").last.epoch == 3 and again.get("g").tried == 3 and again.get("g").every_s == 3600
+
+
+def test_protect_needs_the_members_agents_without_etcd(tmp_path: Path) -> None:
+    p = Protections(tmp_path, "node-1", SnapshotConfig(), lambda *a: pb.SnapshotMemberResponse())
+    with pytest.raises(FerryError, match="--members-on"):
+        p.protect("g", 60, [])
+    with pytest.raises(NotFoundError, match="not protected"):
+        p.take("g")
+
+
+def test_durations_take_units_and_refuse_nonsense() -> None:
+    assert [duration(t) for t in ("90", "90s", "1.5m", "1h")] == [90, 90, 90, 3600]
+    with pytest.raises(Usage, match="not a duration"):
+        build_parser().parse_args(["protect", "g", "--every", "soon"])
+    with pytest.raises(Usage, match="above zero"):
+        build_parser().parse_args(["protect", "g", "--every", "0"])
