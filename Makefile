@@ -110,6 +110,7 @@ bench: all
 	$(PY) scripts/bench_migrate.py
 	$(PY) scripts/bench_link.py
 	$(PY) scripts/bench_ranks.py
+	$(PY) scripts/bench_snapshots.py
 
 lint: deps
 	$(VENV)/bin/ruff check agent tests scripts

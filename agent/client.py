@@ -239,6 +239,12 @@ class PeerClient:
     def store_snapshot(self, chunks: Iterator[pb.ImageChunk]) -> pb.StoredSnapshot:
         return self._call("push", self._stub.StoreSnapshot, chunks)  # type: ignore[return-value]
 
+    def fetch_snapshot(self, key: pb.SnapshotKey) -> Iterator[pb.ImageChunk]:
+        try:
+            yield from self._stub.FetchSnapshot(key, timeout=DEADLINES["push"])
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, self.address, "rollback fetch", self.dial) from e
+
 
 class _PageCall:
     """A StreamPages call as agent.migration.pagestream.PageCall: its errors are ours."""

@@ -31,6 +31,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "checkpoint": moves.cmd_checkpoint,
     "protect": snapshots.cmd_protect,
     "snapshot": snapshots.cmd_snapshot,
+    "rollback": snapshots.cmd_rollback,
     "restore": moves.cmd_restore,
     "resolve": moves.cmd_resolve,
     "inspect": moves.cmd_inspect,

@@ -372,6 +372,19 @@ def build_parser() -> Parser:
     )
     _json_arg(sn)
 
+    rb = sub.add_parser(
+        "rollback",
+        help="roll a group back to its last snapshot",
+        description="Bring every member of a group this agent protects back to its last complete "
+        "snapshot (`ferry snapshot GROUP --last`), each on the node it ran on then: the images come "
+        "from their buddies while the job runs; then every running copy of a member ends, every "
+        "member is restored, and all go on together. The steps since the snapshot run again; what "
+        "the job wrote to its logs and to shared storage since then stays (docs/recovery.md).",
+    )
+    _agent_arg(rb)
+    rb.add_argument("group", help="a group this agent protects")
+    _json_arg(rb)
+
     rs = sub.add_parser(
         "restore",
         help="resume a saved job",

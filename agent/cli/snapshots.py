@@ -45,6 +45,22 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_rollback(args: argparse.Namespace) -> int:
+    from agent.rpc import pb
+
+    r = call(args, "Rollback", pb.RollbackRequest(group=args.group), ROUND_TIMEOUT_S)
+    if args.json:
+        print_json(protection_dict(r))
+        return EXIT_OK
+    print(
+        f"group {r.group} is back at snapshot round {r.epoch}: images fetched in {r.fetch_s:.2f} s "
+        f"while it ran, then paused {r.paused_s:.2f} s"
+    )
+    for m in sorted(r.members, key=lambda m: (m.rank, m.job)):
+        print(f"  {m.job} (rank {m.rank or '?'}) runs on {m.node}")
+    return EXIT_OK
+
+
 def protection_dict(p: Any) -> dict[str, object]:
     from google.protobuf import json_format
 

@@ -256,10 +256,13 @@ def restore_image(
     journal: Journal,
     *,
     as_copy: bool = False,
+    hold: Callable[[JobRecord], None] | None = None,
+    keep_logs: bool = False,
 ) -> JobRecord:
     """Resume a saved image on this node, after checking every digest; a CUDA job onto suitable
     GPUs, claimed in the node's GPU ledger until the restored job holds them. Journaled as a
     target's restore is (LocalRestore): a crash before its commit point leaves nothing running.
+    `hold` (a rollback's member) returns when the recorded, still stopped copy may go on.
 
     Refused while the image's job runs here, or once the image was restored (agent.migration.copies),
     unless `as_copy`: a second copy, under its own `name` and, on a job network, its own address.
@@ -296,6 +299,8 @@ def restore_image(
                 note=f"restored from {image_dir}{onto}{copy}{at}",
                 cuda_jobs=cuda_jobs,
                 gpu_map=gpu_map,
+                hold=hold,
+                keep_logs=keep_logs,
             )
         finally:
             cuda_jobs.ledger.release(owner)
@@ -340,9 +345,17 @@ class LocalRestore:
         cuda_jobs: CudaJobs,
         gpu_map: dict[str, str],
         resuming: bool = False,
+        hold: Callable[[JobRecord], None] | None = None,
+        keep_logs: bool = False,
     ) -> JobRecord:
         """restore_tree, journaled: RUNNING at its commit point, ABORTED if it failed before."""
         job = self.op.record.job
+
+        def commit_then_hold(rec: JobRecord) -> None:
+            self.commit_point(rec)
+            if hold is not None:
+                hold(rec)
+
         try:
             return restore_tree(
                 registry,
@@ -355,7 +368,8 @@ class LocalRestore:
                 gpu_map=gpu_map,
                 resuming=resuming,
                 on_criu_start=self.criu_started,
-                before_release=self.commit_point,
+                before_release=commit_then_hold,
+                keep_logs=keep_logs,
             )
         except BaseException as e:
             self.failed(f"{self.op.record.kind} failed: {e}")

@@ -40,6 +40,7 @@ def restore_tree(
     lazy_pages: bool = False,
     resuming: bool = False,
     log_dir: Path | None = None,
+    keep_logs: bool = False,
 ) -> JobRecord:
     """Restore a verified image as job `name` on this node, its logs re-pointed to our job dir.
     CRIU logs in log_dir (by default the job's dir); a lazy restore's daemon must listen there.
@@ -50,6 +51,9 @@ def restore_tree(
     returned (a target journals RUNNING there), the job cannot make progress,
     and any failure kills it: no copy runs that its node has not recorded.
     Only then the tree continues (SIGCONT, or the CUDA unlock).
+
+    keep_logs: a job rolled back in place appends to the logs it has here (what it printed
+    since the snapshot stays), instead of taking the image's copy of them.
     """
     times = {} if times is None else times
     spec = manifest.job
@@ -63,7 +67,8 @@ def restore_tree(
         external: list[str] = []
         if spec.kind == JobKind.LAUNCHED.value:
             for src, dst, key in ((STDOUT_LOG, out, spec.stdout_path), (STDERR_LOG, err, spec.stderr_path)):
-                shutil.copyfile(image_dir / src, dst)
+                if not (keep_logs and dst.exists()):
+                    shutil.copyfile(image_dir / src, dst)
                 if not spec.private:
                     fds.append(os.open(dst, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC))
                     inherit.append(InheritFd(key, fds[-1]))

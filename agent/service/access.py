@@ -59,6 +59,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     # A round's coordinator is another agent; a member's image goes to its buddy.
     "SnapshotMember": PEERS,
     "StoreSnapshot": PEERS,
+    "FetchSnapshot": PEERS,
+    "Rollback": USERS,
 }
 
 
@@ -81,6 +83,7 @@ AUDITED = frozenset(
         "Protect",
         "TakeSnapshot",
         "SnapshotMember",
+        "Rollback",
     }
 )
 

@@ -49,6 +49,7 @@ from agent.rpc import pb
 from agent.service.metrics import AgentMetrics, Sources
 from agent.snapshots.member import MemberSnapshots
 from agent.snapshots.protect import Protections
+from agent.snapshots.restores import MemberRestores
 from agent.snapshots.store import SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,9 @@ class AgentNode:
         self.snapshot_members = MemberSnapshots(
             node, Path(snap.dir) / ".taken", self._group_members, self._snapshot_save, self._push_snapshot
         )
+        self.snapshot_restores = MemberRestores(
+            node, Path(snap.dir) / ".restore", self.registry, self._fetch_snapshot, self._restore_snapshot
+        )
         live = self.liveness
         self.protections = Protections(
             state_dir,
@@ -191,6 +195,16 @@ class AgentNode:
     def _push_snapshot(self, buddy: str, chunks: Iterator[pb.ImageChunk]) -> pb.StoredSnapshot:
         return client.PeerClient(buddy, self.dial).store_snapshot(chunks)
 
+    def _fetch_snapshot(self, buddy: str, key: pb.SnapshotKey) -> Iterator[pb.ImageChunk]:
+        return client.PeerClient(buddy, self.dial).fetch_snapshot(key)
+
+    def _restore_snapshot(
+        self, image: Path, job: str, hold: Callable[[JobRecord], None], keep_logs: bool
+    ) -> JobRecord:
+        with self.counted():  # a graceful stop waits for a held member to go on
+            args = (self.registry, self.criu, image, job, self.node, self.cuda, self.journal)
+            return restore_image(*args, hold=hold, keep_logs=keep_logs)
+
     def _snapshot_call(
         self, agent: str, req: pb.SnapshotMemberRequest, timeout_s: float
     ) -> pb.SnapshotMemberResponse:
@@ -213,8 +227,33 @@ class AgentNode:
             self.snapshot_store.keep_only(group, epoch)
             helds = []
         else:
-            raise InvalidArgumentError(f"unknown snapshot action {req.action}")
+            return self._rollback_step(req)
         return pb.SnapshotMemberResponse(node_name=self.node, members=[h.pb() for h in helds])
+
+    def _rollback_step(self, req: pb.SnapshotMemberRequest) -> pb.SnapshotMemberResponse:
+        r, group, epoch, job = self.snapshot_restores, req.group, req.epoch, req.job
+        out = pb.SnapshotMemberResponse(node_name=self.node)
+        if req.action in (pb.SNAPSHOT_ACTION_FETCH, pb.SNAPSHOT_ACTION_RESTORE):
+            check_job_name(job)
+        if req.action == pb.SNAPSHOT_ACTION_FETCH:
+            if not req.buddy:
+                raise InvalidArgumentError("FETCH needs the buddy's agent address")
+            out.members.add(job=job, bytes=r.fetch(group, epoch, job, req.buddy))
+        elif req.action == pb.SNAPSHOT_ACTION_END:
+            for ended in r.end(group, f"rolled back to snapshot round {epoch} of group {group}"):
+                out.members.add(job=ended)
+        elif req.action == pb.SNAPSHOT_ACTION_RESTORE:
+            r.restore(group, epoch, job, req.hold_s or self.config.snapshots.hold_s)
+            out.members.add(job=job)
+        elif req.action == pb.SNAPSHOT_ACTION_LIST:
+            for job in r.running(group):
+                out.members.add(job=job)
+        elif req.action == pb.SNAPSHOT_ACTION_RESUME:
+            for resumed in r.resume(group, epoch):
+                out.members.add(job=resumed)
+        else:
+            raise InvalidArgumentError(f"unknown snapshot action {req.action}")
+        return out
 
     def _answers(self, address: str) -> str:
         """ "" if the agent at address answers within PROBE_S; else why not, in words."""

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import grpc
 
 from agent.client import split_address
-from agent.errors import InvalidArgumentError, PermissionDeniedError, UnavailableError
+from agent.errors import InvalidArgumentError, NotFoundError, PermissionDeniedError, UnavailableError
 from agent.jobs.logs import STDERR, STDOUT, read_logs
 from agent.jobs.record import check_group_name, check_job_name
 from agent.migration.model import MigrationResult, Progress
@@ -30,6 +30,7 @@ from agent.service.convert import (
 from agent.service.follow import FollowSlots
 from agent.service.node import AgentNode
 from agent.service.status import rpc, stream_rpc
+from agent.snapshots.restores import image_chunks
 from agent.wire import DEGRADED_POLICIES, PRIORITIES, RESOLUTIONS
 
 _STREAMS = {pb.LOG_STREAM_STDOUT: STDOUT, pb.LOG_STREAM_STDERR: STDERR}
@@ -277,6 +278,20 @@ class AgentService(pb_grpc.AgentServicer):
     ) -> pb.SnapshotMemberResponse:
         check_group_name(request.group)
         return self.agent.snapshot_member(request)
+
+    @stream_rpc
+    def FetchSnapshot(
+        self, request: pb.SnapshotKey, context: grpc.ServicerContext
+    ) -> Iterator[pb.ImageChunk]:
+        d = self.agent.snapshot_store.image_dir(request.group, request.epoch, request.job)
+        if not d.is_dir():
+            raise NotFoundError(f"this node keeps no image of job {request.job} for round {request.epoch}")
+        yield from image_chunks(d, request)
+
+    @rpc
+    def Rollback(self, request: pb.RollbackRequest, context: grpc.ServicerContext) -> pb.RollbackResult:
+        with self.agent.counted():
+            return self.agent.protections.rollback(request.group)
 
     @rpc
     def StoreSnapshot(

@@ -24,7 +24,7 @@ from agent.durable import replace_file
 from agent.errors import FerryError, InvalidArgumentError, NotFoundError, as_ferry_error
 from agent.jobs.record import check_group_name
 from agent.rpc import pb
-from agent.snapshots import rounds
+from agent.snapshots import rollback, rounds
 from agent.snapshots.config import MIN_EVERY_S, SnapshotConfig
 
 log = logging.getLogger(__name__)
@@ -231,6 +231,36 @@ class Protections:
                 sum(m.bytes for m in snap.members),
             )
             return p
+
+    def rollback(self, group: str) -> pb.RollbackResult:
+        """Every member of `group` back to its last complete snapshot, in place (ferry rollback)."""
+        p = self.get(group)
+        with p.lock:  # no round while the members are being replaced
+            snap = p.last
+            others = list(p.agents)
+            if self.members is not None:
+                try:
+                    others += self.members(group)  # where members moved since, by etcd
+                except FerryError as e:
+                    log.warning("snapshots: etcd could not say where group %s's members run: %s", group, e)
+            self.record("info", f"group {group}: rolling back to snapshot round {snap.epoch}")
+            try:
+                t = rollback.roll_back(group, snap, self.call, others, self.config.hold_s)
+            except FerryError as e:
+                self.record("alert", f"group {group}: the rollback to round {snap.epoch} failed: {e}")
+                raise
+        self.record(
+            "info",
+            f"group {group}: every member is back at snapshot round {snap.epoch} "
+            f"(images fetched in {t.fetch_s:.2f} s while the job ran, then paused {t.paused_s:.2f} s)",
+        )
+        out = pb.RollbackResult(group=group, epoch=snap.epoch, fetch_s=t.fetch_s, paused_s=t.paused_s)
+        for m in snap.members:
+            here = pb.MemberCopy()
+            here.CopyFrom(m)
+            here.agent = t.placed[m.job]
+            out.members.append(here)
+        return out
 
     def _drop(self, p: Protected, keep: int) -> None:
         req = pb.SnapshotMemberRequest(group=p.group, epoch=keep, action=pb.SNAPSHOT_ACTION_DROP)

@@ -4,6 +4,7 @@ node-a's agent; every round is a consistent cut whose images live in other nodes
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -121,3 +122,41 @@ def test_a_round_that_fails_on_one_member_leaves_every_member_running(bed: Bed) 
         images = on_node(n, "sh", "-c", f"find {STORE} -name manifest.json 2>/dev/null || true")
         assert images.strip() == "", f"{n.node} keeps {images}"
     final_digests(where)
+
+
+def test_a_rollback_brings_every_member_back_to_the_snapshot_and_replays_the_steps_since(bed: Bed) -> None:
+    """`ferry rollback`: each rank goes back to the round's step on its own node, the steps since
+    run again with the same losses, nothing restarts, and the job ends bit-identical."""
+    a, b, c = bed.node("node-a"), bed.node("node-b"), bed.node("node-c")
+    nodes = [a, b, c]
+    ref = start_job(nodes, "ref", 29510, step_time=0.0)
+    job = start_job(nodes, "llm", 29500, step_time=0.25)
+    where = dict(zip(job, nodes, strict=True))
+    wait_for(a, job[0], r"^step 5 ", timeout_s=240)
+    a.cli("protect", "llm", "--every", "1h", *[x for n in nodes for x in ("--members-on", n.address)])
+    deadline = time.monotonic() + 60
+    while int(last_snapshot(a, "llm")["last"].get("epoch", 0)) < 1 and time.monotonic() < deadline:
+        time.sleep(0.3)
+    at = max(steps_in(a.cli("logs", job[0]).stdout))
+    wait_for(a, job[0], rf"^step {at + 8} ", timeout_s=60)
+
+    said = a.cli("rollback", "llm").stdout
+    assert said.startswith("group llm is back at snapshot round 1"), said
+
+    losses = re.compile(r"^step (\d+) loss (\S+)", re.M)
+    for name, node in where.items():
+        j = wait_exited(node, name, timeout_s=240)
+        log = node.cli("logs", name).stdout
+        assert j["exit_code"] == 0, node.cli("logs", name).stderr[-2000:]
+        steps = steps_in(log)
+        back = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])  # the rollback
+        first, again = steps[:back], steps[back:]
+        assert first == list(range(first[-1] + 1)) and again == list(range(again[0], STEPS)), steps
+        assert again[0] <= at + 1 < first[-1], f"{name}: back to step {again[0]}, was at {first[-1]}"
+        seen: dict[int, str] = {}
+        for step, loss in losses.findall(log):
+            assert seen.setdefault(int(step), loss) == loss, f"{name}: step {step} replayed with another loss"
+        assert len(re.findall(r"^rank \d+ pid \d+ of 3$", log, re.M)) == 1, f"{name} restarted"
+    assert {final_digest(n.cli("logs", j).stdout) for j, n in where.items()} == final_digests(
+        dict(zip(ref, nodes, strict=True))
+    )

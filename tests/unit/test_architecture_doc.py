@@ -13,6 +13,7 @@ from agent.coord.liveness import LIVENESS
 from agent.jobs.registry import JOB_TRANSITIONS
 from agent.migration.states import SOURCE_TRANSITIONS, TARGET_TRANSITIONS
 from agent.snapshots.member import HELD_TRANSITIONS
+from agent.snapshots.restores import RESTORE_TRANSITIONS
 from agent.statemachine import Transitions
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,6 +40,7 @@ def _block(name: str) -> dict[str, set[str]]:
         ("job", JOB_TRANSITIONS),
         ("liveness", LIVENESS),
         ("snapshot", HELD_TRANSITIONS),
+        ("restore", RESTORE_TRANSITIONS),
     ],
 )
 def test_the_documented_transitions_are_the_codes(name: str, table: Transitions) -> None:

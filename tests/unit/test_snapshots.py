@@ -15,12 +15,15 @@ from agent.cli.parser import Usage, build_parser, duration
 from agent.errors import FerryError, NotFoundError, RefusedError, TransferError
 from agent.image import JobSpec, Manifest, build_manifest, read_manifest, verify
 from agent.jobs.record import JobKind, JobRecord, JobState
+from agent.jobs.registry import JobRegistry
 from agent.migration.model import MigrationResult
 from agent.rpc import pb
 from agent.snapshots import rounds
 from agent.snapshots.config import SnapshotConfig
 from agent.snapshots.member import HeldState, MemberSnapshots
 from agent.snapshots.protect import Protections
+from agent.snapshots.restores import MemberRestores, RestoreState, image_chunks
+from agent.snapshots.rollback import roll_back
 from agent.snapshots.store import SnapshotStore
 
 
@@ -275,3 +278,110 @@ def test_durations_take_units_and_refuse_nonsense() -> None:
         build_parser().parse_args(["protect", "g", "--every", "soon"])
     with pytest.raises(Usage, match="above zero"):
         build_parser().parse_args(["protect", "g", "--every", "0"])
+
+
+# -- a rollback -------------------------------------------------------------------------
+
+
+def copy_of(job: str, agent: str, buddy: str) -> pb.MemberCopy:
+    return pb.MemberCopy(job=job, agent=agent, node=agent.lower(), buddy_agent=buddy)
+
+
+class Members:
+    """Agents answering a rollback's steps; `running` says which members each runs."""
+
+    def __init__(self, running: dict[str, list[str]], fail: tuple[str, str] = ("", "")) -> None:
+        self.running, self.fail = running, fail
+        self.log: list[tuple[str, str, str]] = []
+        self._lock = threading.Lock()
+
+    def __call__(
+        self, agent: str, req: pb.SnapshotMemberRequest, timeout_s: float
+    ) -> pb.SnapshotMemberResponse:
+        action = pb.SnapshotAction.Name(req.action).removeprefix("SNAPSHOT_ACTION_").lower()
+        with self._lock:
+            self.log.append((agent, action, req.job or req.buddy))
+        if (agent, action) == self.fail:
+            raise FerryError("it broke", step=f"rollback {action}", node=agent)
+        out = pb.SnapshotMemberResponse(node_name=agent.lower())
+        if action == "list":
+            for job in self.running.get(agent, []):
+                out.members.add(job=job)
+        return out
+
+    def steps(self) -> list[str]:
+        return [a for _, a, _ in self.log]
+
+
+SNAP = pb.SnapshotSet(
+    epoch=4, members=[copy_of("r0", "A", "B"), copy_of("r1", "B", "C"), copy_of("r2", "C", "A")]
+)
+
+
+def test_a_rollback_ends_every_copy_before_it_restores_any() -> None:
+    agents = Members({"A": ["r0"], "B": ["r1"], "C": ["r2"]})
+    t = roll_back("g", SNAP, agents, others=[], hold_s=5)
+    assert agents.steps() == ["list"] * 3 + ["fetch"] * 3 + ["end"] * 3 + ["restore"] * 3 + ["resume"] * 3
+    fetched = sorted((a, j) for a, s, j in agents.log if s == "fetch")
+    assert fetched == [("A", "r0"), ("B", "r1"), ("C", "r2")]
+    assert t.placed == {"r0": "A", "r1": "B", "r2": "C"} and t.paused_s >= 0
+
+
+def test_a_member_that_runs_where_no_end_reaches_refuses_the_rollback_before_anything_ends() -> None:
+    agents = Members({"A": ["r0"], "B": [], "C": ["r2"]})  # r1 moved to a node nobody named
+    with pytest.raises(FerryError, match=r"member\(s\) r1 of group g run on none of A, B, C"):
+        roll_back("g", SNAP, agents, others=[], hold_s=5)
+    assert set(agents.steps()) == {"list"}
+
+
+def test_a_failed_fetch_leaves_every_copy_running() -> None:
+    agents = Members({"A": ["r0"], "B": ["r1"], "C": ["r2"]}, fail=("C", "fetch"))
+    with pytest.raises(FerryError, match=r"agent C: .*it broke"):
+        roll_back("g", SNAP, agents, others=[], hold_s=5)
+    assert "end" not in agents.steps() and "restore" not in agents.steps()
+
+
+def test_a_lost_member_is_restored_where_it_is_placed_and_its_dead_node_is_not_asked() -> None:
+    agents = Members({"A": ["r0"], "C": ["r2"]})
+    t = roll_back("g", SNAP, agents, others=[], hold_s=5, place={"r1": "S"})
+    assert "B" not in {a for a, _, _ in agents.log}
+    assert ("S", "fetch", "r1") in agents.log and ("S", "restore", "r1") in agents.log
+    assert t.placed["r1"] == "S"
+
+
+def test_a_restored_member_is_held_until_resumed_or_goes_on_by_itself(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "store", "node-b")
+    image(store.image_dir("g", 4, "r1"), "r1")
+    went_on: list[str] = []
+
+    def restore(d: Path, job: str, hold: Callable[[JobRecord], None], keep_logs: bool) -> JobRecord:
+        assert verify(d).job.name == job
+        rec = member_rec(job, "1")
+        hold(rec)
+        went_on.append(job)
+        return rec
+
+    r = MemberRestores(
+        "node-s",
+        tmp_path / "restore",
+        JobRegistry(tmp_path / "state", "node-s"),
+        lambda buddy, key: image_chunks(store.image_dir(key.group, key.epoch, key.job), key),
+        restore,
+    )
+    assert r.fetch("g", 4, "r1", "10.0.0.2:7070") > 0
+    held = r.restore("g", 4, "r1", hold_s=5)
+    time.sleep(0.2)
+    assert held.state is RestoreState.HELD and went_on == []
+    assert r.resume("g", 4) == ["r1"]
+    deadline = time.monotonic() + 5
+    while not went_on and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert went_on == ["r1"] and held.state is RestoreState.RUNNING
+    r.fetch("g", 4, "r1", "10.0.0.2:7070")
+    again = r.restore("g", 4, "r1", hold_s=0.2)  # no RESUME comes: it goes on by itself
+    deadline = time.monotonic() + 5
+    while len(went_on) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert went_on == ["r1", "r1"] and again.state is RestoreState.RUNNING
+    with pytest.raises(NotFoundError, match="no image of job r9"):
+        r.restore("g", 4, "r9", hold_s=1)

@@ -1,0 +1,219 @@
+"""A rollback's (or a recovery's) part on one node: members brought back to a snapshot.
+
+The coordinator (agent.snapshots.rollback) asks, in order:
+
+- FETCH: `job`'s image of round `epoch` comes from its buddy's store into this node's memory
+  and is verified; the job still runs meanwhile (the pause has not begun).
+- END: every copy of the group's members here ends: its link is deleted first (a killed
+  copy's kernel would close its connections from the job's own address, and a peer already
+  restored would drop them), then SIGKILL, as a fenced copy ends (JobRegistry.end_fenced).
+- RESTORE: the fetched image is restored as `ferry restore` restores (journaled; the job's
+  record says RUNNING at the commit point), then held, stopped and off nothing but its own
+  wait, until RESUME. A job rolled back on its own node appends to its logs here.
+- RESUME: every held member goes on. One that no RESUME reaches within `hold_s` goes on by
+  itself: every old copy ended before any restore, so no copy it could disagree with runs.
+
+Each member's part is a Restoring, whose RestoreState only moves as RESTORE_TRANSITIONS allows:
+
+    FETCHED → HELD        restored, recorded, and stopped until RESUME
+    FETCHED → FAILED      the restore failed: nothing runs
+    HELD → RUNNING        resumed (by the coordinator, or by itself after hold_s)
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agent.compat import StrEnum
+from agent.errors import FerryError, NotFoundError, RefusedError, as_ferry_error
+from agent.image import read_manifest
+from agent.jobs import procs
+from agent.jobs.record import JobRecord, JobState
+from agent.jobs.registry import JobRegistry
+from agent.migration.transfer import Intake
+from agent.rpc import pb
+from agent.statemachine import Transitions
+
+log = logging.getLogger(__name__)
+
+
+class RestoreState(StrEnum):
+    FETCHED = "fetched"
+    HELD = "held"
+    RUNNING = "running"
+    FAILED = "failed"
+
+
+RESTORE_TRANSITIONS = Transitions(
+    "snapshot restore",
+    {
+        RestoreState.FETCHED: frozenset({RestoreState.HELD, RestoreState.FAILED}),
+        RestoreState.HELD: frozenset({RestoreState.RUNNING}),
+        RestoreState.RUNNING: frozenset(),
+        RestoreState.FAILED: frozenset(),
+    },
+)
+
+#: How long an ended copy may take to be gone (its GPU memory freed) before a restore.
+GONE_WAIT_S = 10.0
+#: An image this node fetches may fill its memory up to this much less than all of it.
+RESERVE_BYTES = 256 << 20
+
+#: fetch(buddy's HOST:PORT, key) → the image's chunks, as the buddy's store sends them.
+Fetch = Callable[[str, pb.SnapshotKey], Iterator[pb.ImageChunk]]
+#: restore(image dir, job, hold, keep_logs) → the restored job's record (local.restore_image).
+Restore = Callable[[Path, str, Callable[[JobRecord], None], bool], JobRecord]
+
+
+@dataclass
+class Restoring:
+    group: str
+    epoch: int
+    job: str
+    dir: Path
+    state: RestoreState = RestoreState.FETCHED
+    error: str = ""
+    held: threading.Event = field(default_factory=threading.Event)  # held, or failed
+    go: threading.Event = field(default_factory=threading.Event)
+
+
+class MemberRestores:
+    """Owns this node's part of every rollback: the fetched images (under `root`, memory) and
+    the restored members it holds."""
+
+    def __init__(self, node: str, root: Path, registry: JobRegistry, fetch: Fetch, restore: Restore) -> None:
+        self.node, self.root, self.registry = node, root, registry
+        self.fetch_from, self.restore_image = fetch, restore
+        self._lock = threading.Lock()
+        self._restoring: dict[tuple[str, int, str], Restoring] = {}
+
+    def _to(self, r: Restoring, state: RestoreState) -> None:
+        r.state = RESTORE_TRANSITIONS.check(r.state, state, f"{r.job} (round {r.epoch} of group {r.group})")
+
+    def fetch(self, group: str, epoch: int, job: str, buddy: str) -> int:
+        """Bring the image here and verify it; its size in bytes."""
+        d = self.root / group / str(epoch) / job
+        shutil.rmtree(d, ignore_errors=True)  # an earlier try's, never restored from
+        d.mkdir(parents=True, mode=0o700)
+        room = shutil.disk_usage(self.root).free - RESERVE_BYTES
+        intake = Intake(d, max(room, 0), node=self.node)
+        try:
+            for chunk in self.fetch_from(buddy, pb.SnapshotKey(group=group, epoch=epoch, job=job)):
+                intake.feed(chunk)
+            intake.finish()
+        except BaseException:
+            intake.close()
+            shutil.rmtree(d, ignore_errors=True)
+            raise
+        with self._lock:
+            self._restoring[(group, epoch, job)] = Restoring(group, epoch, job, d)
+        log.info("rollback: job %s's image of round %d is here (%d bytes)", job, epoch, intake.bytes)
+        return intake.bytes
+
+    def running(self, group: str) -> list[str]:
+        """The group's members that run (or are fenced) here."""
+        mine = [r for r in self.registry.list() if r.group == group]
+        if moving := [r.name for r in mine if r.state is JobState.MIGRATING]:
+            raise RefusedError(
+                f"member {moving[0]} of group {group} is being moved or saved here",
+                step="rollback",
+                node=self.node,
+                hint="roll back once it has ended (`ferry ps`)",
+            )
+        return [r.name for r in mine if r.state in (JobState.RUNNING, JobState.FENCED)]
+
+    def end(self, group: str, why: str) -> list[str]:
+        """End every running or fenced copy of the group's members here; the jobs ended."""
+        ended = []
+        for rec in self.registry.list():
+            if rec.group != group or rec.state not in (JobState.RUNNING, JobState.FENCED):
+                continue
+            if rec.state is JobState.RUNNING:
+                from agent.jobs import fence  # fence imports the registry; only a rollback needs it
+
+                fence.fence(self.registry, rec.name, why)
+            if self.registry.end_fenced(rec.name, why) is not None:
+                ended.append(rec.name)
+                _wait_gone(rec)
+        return ended
+
+    def restore(self, group: str, epoch: int, job: str, hold_s: float) -> Restoring:
+        """Restore the fetched image, held; answer once it is (or the restore failed)."""
+        with self._lock:
+            r = self._restoring.get((group, epoch, job))
+        if r is None:
+            raise NotFoundError(f"no image of job {job} (round {epoch}) was fetched here", node=self.node)
+        keep_logs = self._had(job)
+        deadline = time.monotonic() + hold_s
+
+        def hold(rec: JobRecord) -> None:
+            with self._lock:
+                self._to(r, RestoreState.HELD)
+            r.held.set()
+            if not r.go.wait(max(0.0, deadline - time.monotonic())):
+                log.warning("rollback: job %s goes on by itself: no RESUME came for round %d", job, epoch)
+            with self._lock:
+                self._to(r, RestoreState.RUNNING)
+
+        def run() -> None:
+            try:
+                self.restore_image(r.dir, job, hold, keep_logs)
+            except Exception as e:
+                r.error = as_ferry_error(e, "rollback restore", self.node).cause
+                with self._lock:
+                    if r.state is RestoreState.FETCHED:
+                        self._to(r, RestoreState.FAILED)
+                log.error("rollback: job %s could not be restored: %s", job, r.error)
+            finally:
+                r.held.set()
+                shutil.rmtree(r.dir, ignore_errors=True)  # restored or not, the image has served
+
+        threading.Thread(target=run, name=f"rollback-{job}", daemon=True).start()
+        r.held.wait()
+        if r.state is RestoreState.FAILED:
+            raise FerryError(
+                f"job {job} could not be restored: {r.error}", step="rollback restore", node=self.node
+            )
+        return r
+
+    def resume(self, group: str, epoch: int) -> list[str]:
+        """Let every member held for this rollback go on; the jobs."""
+        with self._lock:
+            mine = [k for k in self._restoring if k[:2] == (group, epoch)]
+            rs = [self._restoring.pop(k) for k in mine]
+        for r in rs:
+            r.go.set()
+        return [r.job for r in rs]
+
+    def _had(self, job: str) -> bool:
+        """Whether the job ran here before (its logs are here to append to)."""
+        try:
+            rec = self.registry.get(job)
+        except FerryError:
+            return False
+        return Path(rec.stdout_path).exists()
+
+
+def _wait_gone(rec: JobRecord) -> None:
+    deadline = time.monotonic() + GONE_WAIT_S
+    while procs.alive(rec.pid, rec.pid_started) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def image_chunks(image_dir: Path, key: pb.SnapshotKey) -> Iterator[pb.ImageChunk]:
+    """A stored image as a stream, its manifest last (the buddy's side of FETCH)."""
+    from agent.migration.transfer import SendStats, send_image
+
+    m = read_manifest(image_dir)
+    first = True
+    for chunk in send_image("", image_dir, lambda entries: m, SendStats()):
+        if first:
+            chunk.snapshot.CopyFrom(key)
+            first = False
+        yield chunk

@@ -1,0 +1,141 @@
+"""Bringing every member of a group back to its last complete snapshot: `ferry rollback`, and
+the part of a recovery after a spare was claimed (agent.snapshots.protect runs both).
+
+    1. FETCH, on the agent where each member will run (its snapshot's node, or the node `place`
+       gives a lost one): its image from its buddy, verified. The job runs on meanwhile.
+    2. END, on every agent that may run a copy of a member: each copy there ends (link first,
+       then SIGKILL). Every old copy is gone before any restore: a member restored next to a
+       copy that still runs would take its connections' resets, or its bytes.
+    3. RESTORE on each member's agent: restored (journaled RUNNING at its commit point) and held.
+    4. RESUME on all: they go on together, from one consistent cut.
+
+A failure before END changes nothing: every copy runs on. A failure after it leaves the members
+that were restored going on by themselves (hold_s), and the error says which did not: a second
+rollback (or recovery) finishes the work from the same snapshot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from agent.errors import FerryError, as_ferry_error
+from agent.rpc import pb
+from agent.snapshots.rounds import RELEASE_CALL_S, Call
+
+#: Bounds of the steps' calls: an image crossing the network; a restore of a large member.
+FETCH_CALL_S = 1800.0
+END_CALL_S = 60.0
+RESTORE_CALL_S = 600.0
+
+
+@dataclass
+class RollbackTimes:
+    fetch_s: float = 0.0
+    end_s: float = 0.0
+    restore_s: float = 0.0
+    paused_s: float = 0.0  # from the first END asked to every member resumed
+    placed: dict[str, str] = field(default_factory=dict)  # job -> the agent it runs on now
+
+
+def roll_back(
+    group: str,
+    snap: pb.SnapshotSet,
+    call: Call,
+    others: list[str],
+    hold_s: float,
+    place: dict[str, str] | None = None,
+) -> RollbackTimes:
+    """Every member of `snap` back to it; `others`: more agents that may run a copy of a member
+    (where members moved since). `place`: job -> the agent to restore it on instead of its
+    snapshot's (a member whose node is dead)."""
+    if not snap.epoch:
+        raise FerryError(f"group {group} has no complete snapshot to roll back to", step="rollback")
+    place = place or {}
+    where = {m.job: place.get(m.job, m.agent) for m in snap.members}
+    t = RollbackTimes(placed=where)
+
+    def req(action: int, job: str = "", buddy: str = "") -> pb.SnapshotMemberRequest:
+        return pb.SnapshotMemberRequest(
+            group=group, epoch=snap.epoch, action=action, job=job, buddy=buddy, hold_s=hold_s
+        )
+
+    def all_of(calls: list[tuple[str, pb.SnapshotMemberRequest, float]], step: str) -> None:
+        with ThreadPoolExecutor(max(1, len(calls))) as pool:
+            futures = [pool.submit(call, a, r, timeout) for a, r, timeout in calls]
+        errors = []
+        for (agent, _, _), f in zip(calls, futures, strict=True):
+            try:
+                f.result()
+            except Exception as e:
+                err = as_ferry_error(e, step, "")
+                errors.append(f"agent {agent}: {err}")
+        if errors:
+            raise FerryError("; ".join(errors), step=step)
+
+    dead = {m.agent for m in snap.members if m.job in place}  # a lost member's node: none to ask
+    enders = [
+        a
+        for a in dict.fromkeys([*where.values(), *(m.agent for m in snap.members), *others])
+        if a not in dead
+    ]
+    _every_copy_found(group, snap, call, enders, set(place))
+    t0 = time.monotonic()
+    fetches = [
+        (where[m.job], req(pb.SNAPSHOT_ACTION_FETCH, m.job, m.buddy_agent), FETCH_CALL_S)
+        for m in snap.members
+    ]
+    all_of(fetches, "rollback fetch")
+    t.fetch_s = time.monotonic() - t0
+    t1 = time.monotonic()
+    all_of([(a, req(pb.SNAPSHOT_ACTION_END), END_CALL_S) for a in enders], "rollback end")
+    t.end_s = time.monotonic() - t1
+    t2 = time.monotonic()
+    restores = [
+        (where[m.job], req(pb.SNAPSHOT_ACTION_RESTORE, m.job), RESTORE_CALL_S + hold_s) for m in snap.members
+    ]
+    try:
+        all_of(restores, "rollback restore")
+    finally:  # whatever was restored goes on now, not after hold_s
+        t.restore_s = time.monotonic() - t2
+        resumers = list(dict.fromkeys(where.values()))
+        _quietly_all(call, [(a, req(pb.SNAPSHOT_ACTION_RESUME), RELEASE_CALL_S) for a in resumers])
+    t.paused_s = time.monotonic() - t1
+    return t
+
+
+def _every_copy_found(
+    group: str, snap: pb.SnapshotSet, call: Call, agents: list[str], lost: set[str]
+) -> None:
+    """Refuse, before anything ends, when a member runs on no agent that END would reach: its
+    copy would run on beside the restored one."""
+    req = pb.SnapshotMemberRequest(group=group, epoch=snap.epoch, action=pb.SNAPSHOT_ACTION_LIST)
+    found: set[str] = set()
+    for a in agents:
+        try:
+            found.update(m.job for m in call(a, req, END_CALL_S).members)
+        except FerryError as e:
+            raise FerryError(
+                f"agent {a} could not say which members of group {group} it runs: {e}",
+                step="rollback",
+                hint="nothing was changed; try again once it answers",
+            ) from e
+    if missing := sorted({m.job for m in snap.members} - found - lost):
+        raise FerryError(
+            f"member(s) {', '.join(missing)} of group {group} run on none of {', '.join(agents)}",
+            step="rollback",
+            hint="nothing was changed: find where they run (`ferry ps --group`) and name that agent "
+            "with `ferry protect --members-on`",
+        )
+
+
+def _quietly_all(call: Call, calls: list[tuple[str, pb.SnapshotMemberRequest, float]]) -> None:
+    def one(a: str, r: pb.SnapshotMemberRequest, timeout: float) -> None:
+        with contextlib.suppress(FerryError):  # its members go on by themselves after hold_s
+            call(a, r, timeout)
+
+    with ThreadPoolExecutor(max(1, len(calls))) as pool:
+        for a, r, timeout in calls:
+            pool.submit(one, a, r, timeout)
