@@ -134,6 +134,9 @@ class NodeLiveness:
     ) -> None:
         self.config, self.node, self.registry, self.record = config, node, registry, record
         self.probe = probe
+        #: (group, when its member was found lost) at every check while one is: the recovery
+        #: (agent.snapshots.recover), which etcd lets one agent run at a time.
+        self.on_lost: Callable[[str, float], None] = lambda group, since: None
         self.lost: dict[str, LostMember] = {}  # by job name
         self._cut_off: set[str] = set()  # nodes without a lease whose agent answers (said once)
         self.client = EtcdClient.with_identity(config.endpoints, identity, timeout_s=config.renew_every_s)
@@ -327,6 +330,10 @@ class NodeLiveness:
                 log.warning("coordination: unreadable member key %s", kv.key.decode())
         return out
 
+    def recovering(self, group: str) -> bool:
+        """Whether a recovery of the group holds its claim in etcd."""
+        return self.client.get(self.key("groups", group, "recovery")) is not None
+
     def put_snapshot(self, group: str, value: str) -> None:
         """The group's last complete snapshot (agent.snapshots.protect): what a recovery restores."""
         self.client.put(self.key("groups", group, "snapshot"), value)
@@ -376,6 +383,8 @@ class NodeLiveness:
             )
         for job in set(self.lost) - seen:  # its key went: ended, or taken by a recovery elsewhere
             del self.lost[job]
+        for g, since in {x.member.group: x.since for x in self.lost.values()}.items():
+            self.on_lost(g, since)  # every check while lost: a recovery that died is taken over
 
     # -- members ----------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from agent.migration.model import MigrationResult
 from agent.migration.staging import free_bytes
 
 if TYPE_CHECKING:
+    from agent.snapshots.recover import Recovered
     from agent.tls import Identity
     from ferry.v1.agent_pb2 import SnapshotSet
 
@@ -104,6 +105,18 @@ class AgentMetrics:
             ["group"],
             registry=r,
         )
+        self.recoveries = Counter(
+            "ferry_recoveries",
+            "Recoveries of groups whose member's node died, run by this agent, by how they ended",
+            ["result"],
+            registry=r,
+        )
+        self.recovery_seconds = Histogram(
+            "ferry_recovery_seconds",
+            "Per recovery this agent ran: from claiming it to every member going on",
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
         Info("ferry_build", "This agent's build", registry=r).info(
             {"version": __version__, "node": node, "criu": criu_version}
         )
@@ -130,6 +143,14 @@ class AgentMetrics:
         self.snapshot_rounds.labels(group, "complete").inc()
         self.snapshot_pause.labels(group).observe(snap.group_pause_s)
         self.snapshot_bytes.labels(group).inc(sum(m.bytes for m in snap.members))
+
+    def recovered(self, done: Recovered | None, error: str) -> None:
+        """A recovery this agent ran ended: the group goes on (`done`), or it failed."""
+        if done is None:
+            self.recoveries.labels("failed").inc()
+            return
+        self.recoveries.labels("recovered").inc()
+        self.recovery_seconds.observe(done.times.get("recovery", 0.0))
 
     def target_ended(self, result: str) -> None:
         """An incoming migration ran the job here ("committed") or was dropped ("aborted")."""

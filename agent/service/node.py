@@ -49,6 +49,7 @@ from agent.rpc import pb
 from agent.service.metrics import AgentMetrics, Sources
 from agent.snapshots.member import MemberSnapshots
 from agent.snapshots.protect import Protections
+from agent.snapshots.recover import GroupRecovery
 from agent.snapshots.restores import MemberRestores
 from agent.snapshots.store import SnapshotStore
 
@@ -172,9 +173,23 @@ class AgentNode:
             self._snapshot_call,
             members=(lambda g: list(dict.fromkeys(m.agent for m in live.members(g)))) if live else None,
             publish=live.put_snapshot if live else None,
+            recovering=live.recovering if live else lambda group: False,
             record=lambda kind, message: self.events.record(kind, message),
             observe=self.metrics.snapshot_round,
         )
+        #: With [coordination]: the recoveries of groups whose member's node died (etcd says who).
+        self.recoveries = None
+        if live is not None:
+            self.recoveries = GroupRecovery(
+                live,
+                spares=lambda: [p.address for p in self.config.peers if p.spare],
+                node_of=self._node_of,
+                call=self._snapshot_call,
+                hold_s=snap.hold_s,
+                record=lambda kind, message: self.events.record(kind, message),
+                observe=self.metrics.recovered,
+            )
+            live.on_lost = self.recoveries.start
 
     def _word_to_restored(self, rec: JobRecord) -> None:
         """A restored copy's watchdog counts what its source told it: this node's word replaces
@@ -223,7 +238,7 @@ class AgentNode:
                 raise InvalidArgumentError("SHIP needs the buddy's agent address")
             helds = m.ship(group, epoch, req.buddy)
         elif req.action == pb.SNAPSHOT_ACTION_DROP:
-            m.drop(group)
+            m.drop(group, epoch)
             self.snapshot_store.keep_only(group, epoch)
             helds = []
         else:
@@ -236,9 +251,9 @@ class AgentNode:
         if req.action in (pb.SNAPSHOT_ACTION_FETCH, pb.SNAPSHOT_ACTION_RESTORE):
             check_job_name(job)
         if req.action == pb.SNAPSHOT_ACTION_FETCH:
-            if not req.buddy:
-                raise InvalidArgumentError("FETCH needs the buddy's agent address")
-            out.members.add(job=job, bytes=r.fetch(group, epoch, job, req.buddy))
+            if not req.buddy and not req.local_dir:
+                raise InvalidArgumentError("FETCH needs the buddy's agent address or a copy here")
+            out.members.add(job=job, bytes=r.fetch(group, epoch, job, req.buddy, req.local_dir))
         elif req.action == pb.SNAPSHOT_ACTION_END:
             for ended in r.end(group, f"rolled back to snapshot round {epoch} of group {group}"):
                 out.members.add(job=ended)
@@ -246,6 +261,12 @@ class AgentNode:
             r.restore(group, epoch, job, req.hold_s or self.config.snapshots.hold_s)
             out.members.add(job=job)
         elif req.action == pb.SNAPSHOT_ACTION_LIST:
+            # A round that holds members here would keep them frozen (and not endable) until its
+            # hold_s: the rollback or recovery that asks comes first.
+            if abandoned := self.snapshot_members.abandon(group):
+                log.warning(
+                    "snapshot of %s abandoned for a rollback of group %s", ", ".join(abandoned), group
+                )
             for job in r.running(group):
                 out.members.add(job=job)
         elif req.action == pb.SNAPSHOT_ACTION_RESUME:
@@ -254,6 +275,13 @@ class AgentNode:
         else:
             raise InvalidArgumentError(f"unknown snapshot action {req.action}")
         return out
+
+    def _node_of(self, address: str) -> str:
+        """The node name of the agent at address, if it answers within PROBE_S ("" if not)."""
+        try:
+            return client.PeerClient(address, self.dial).info(timeout_s=PROBE_S).node_name
+        except FerryError:
+            return ""
 
     def _answers(self, address: str) -> str:
         """ "" if the agent at address answers within PROBE_S; else why not, in words."""

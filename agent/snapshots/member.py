@@ -10,9 +10,10 @@ A round's coordinator (agent.snapshots.rounds) asks each member's agent, in orde
   within `hold_s` goes on by itself: a job never stays frozen for a snapshot whose coordinator
   is gone. Its image is then no part of a consistent cut (another member may have been released
   earlier, or never held) and never ships.
-- SHIP: each released member's image goes to its buddy (agent.snapshots.store), and is gone
-  from here once the buddy has verified it.
-- DROP: the images of a round that will not complete are forgotten.
+- SHIP: each released member's image goes to its buddy (agent.snapshots.store). The copy here
+  stays: a node's death takes its member and the copy it kept for another member, and that
+  other member's rollback then reads its own node's copy.
+- DROP: the images of every round but the committed one are forgotten.
 
 Each member's part is a Held, whose HeldState only moves as HELD_TRANSITIONS allows:
 
@@ -85,6 +86,7 @@ class Held:
     job: str
     rank: str
     out_dir: Path
+    world: int = 0  # its WORLD_SIZE (0: its environment does not say)
     state: HeldState = HeldState.FREEZING
     bytes: int = 0
     frozen_s: float = 0.0
@@ -103,6 +105,8 @@ class Held:
             bytes=self.bytes,
             buddy_node=self.buddy_node,
             dir=self.dir,
+            world=self.world,
+            local_dir=str(self.out_dir) if self.state is HeldState.SHIPPED else "",
         )
 
 
@@ -140,7 +144,7 @@ class MemberSnapshots:
                     f"no member of group {group} runs on this node", step="snapshot hold", node=self.node
                 )
             out = self.root / group / str(epoch)
-            helds = [Held(group, epoch, r.name, rank_of(r), out / r.name) for r in recs]
+            helds = [Held(group, epoch, r.name, rank_of(r), out / r.name, world_of(r)) for r in recs]
             self._held[(group, epoch)] = helds
         deadline = time.monotonic() + hold_s
         for h in helds:
@@ -235,7 +239,6 @@ class MemberSnapshots:
             h.buddy_node, h.dir = stored.node_name, stored.dir
             with self._lock:
                 self._to(h, HeldState.SHIPPED)
-            shutil.rmtree(h.out_dir, ignore_errors=True)  # the buddy's copy is the one that counts
         return helds
 
     def _chunks(self, h: Held) -> Iterator[pb.ImageChunk]:
@@ -256,14 +259,32 @@ class MemberSnapshots:
                 first = False
             yield chunk
 
-    def drop(self, group: str) -> None:
-        """Forget every round of `group` no member is held for, and their local images."""
+    def drop(self, group: str, keep: int) -> None:
+        """Forget every round of `group` but round `keep` that holds no member, and their images
+        here (those a restarted agent left too)."""
         with self._lock:
-            for key in [
-                k for k, hs in self._held.items() if k[0] == group and all(h.done.is_set() for h in hs)
-            ]:
+            busy = {
+                k[1] for k, hs in self._held.items() if k[0] == group and not all(h.done.is_set() for h in hs)
+            }
+            for key in [k for k in self._held if k[0] == group and k[1] != keep and k[1] not in busy]:
                 del self._held[key]
-                shutil.rmtree(self.root / group / str(key[1]), ignore_errors=True)
+            gdir = self.root / group
+            for d in gdir.iterdir() if gdir.is_dir() else []:
+                if d.name.isdigit() and int(d.name) != keep and int(d.name) not in busy:
+                    shutil.rmtree(d, ignore_errors=True)
+
+    def abandon(self, group: str) -> list[str]:
+        """A rollback or a recovery begins: every member held for a round of `group` goes on now,
+        its image no part of any snapshot (EXPIRED: it never ships); the jobs."""
+        with self._lock:
+            helds = [h for (g, _), hs in self._held.items() if g == group for h in hs if not h.done.is_set()]
+            for h in helds:
+                if h.state is HeldState.HELD:
+                    self._to(h, HeldState.EXPIRED)
+                h.go.set()
+        for h in helds:
+            h.done.wait(RESUME_WAIT_S)
+        return [h.job for h in helds]
 
     def _round(self, group: str, epoch: int) -> list[Held]:
         with self._lock:
@@ -271,3 +292,8 @@ class MemberSnapshots:
         if helds is None:
             raise NotFoundError(f"no round {epoch} of group {group} on this node", node=self.node)
         return helds
+
+
+def world_of(rec: JobRecord) -> int:
+    env = dict(kv.partition("=")[::2] for kv in rec.env)
+    return int(env["WORLD_SIZE"]) if env.get("WORLD_SIZE", "").isdigit() else 0

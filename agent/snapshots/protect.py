@@ -21,7 +21,7 @@ from pathlib import Path
 from google.protobuf import json_format
 
 from agent.durable import replace_file
-from agent.errors import FerryError, InvalidArgumentError, NotFoundError, as_ferry_error
+from agent.errors import FerryError, InvalidArgumentError, NotFoundError, RefusedError, as_ferry_error
 from agent.jobs.record import check_group_name
 from agent.rpc import pb
 from agent.snapshots import rollback, rounds
@@ -81,12 +81,14 @@ class Protections:
         *,
         members: Callable[[str], list[str]] | None = None,  # group → its members' agents (etcd)
         publish: Callable[[str, str], None] | None = None,  # (group, JSON of the set) → etcd
+        recovering: Callable[[str], bool] = lambda group: False,  # a recovery holds the group (etcd)
         record: Callable[[str, str], None] = lambda kind, message: None,  # the node's events
         observe: Callable[[str, pb.SnapshotSet | None, str], None] = lambda g, s, e: None,  # metrics
     ) -> None:
         self.path = state_dir / FILE
         self.node, self.config, self.call = node, config, call
         self.members, self.publish, self.record, self.observe = members, publish, record, observe
+        self.recovering = recovering
         self._groups: dict[str, Protected] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -137,7 +139,9 @@ class Protections:
         every = every_s or self.config.every_s
         if every < MIN_EVERY_S:
             raise InvalidArgumentError(f"--every {every:g} s is below the minimum, {MIN_EVERY_S:g} s")
-        agents = list(dict.fromkeys(agents)) or self._agents_of(group)
+        agents = list(dict.fromkeys(agents))
+        if not agents:
+            self._agents_of(group)  # refused now, not at the first round, if no one can say
         with self._lock:
             p = self._groups.get(group)
             was_active = p is not None and p.active
@@ -148,9 +152,8 @@ class Protections:
         if not was_active:
             self._spawn(p)
         p.wake.set()  # the first round now, not an interval from now
-        self.record(
-            "info", f"group {group} is protected: a snapshot every {every:g} s over {', '.join(agents)}"
-        )
+        over = ", ".join(agents) or "the agents etcd names for its members at each round"
+        self.record("info", f"group {group} is protected: a snapshot every {every:g} s over {over}")
         return p
 
     def _agents_of(self, group: str) -> list[str]:
@@ -195,16 +198,21 @@ class Protections:
         """One round now (after the one in progress, if any); raise if it fails."""
         p = self.get(group)
         with p.lock:
+            if self.recovering(group):
+                raise RefusedError(
+                    f"group {group} is being recovered: no snapshot until it is", step="snapshot"
+                )
+            agents = p.agents or self._agents_of(group)  # with etcd: where the members run now
             epoch = p.tried = max(p.tried, p.last.epoch) + 1
             p.rounds += 1
             self._save()
             try:
-                snap, times = rounds.take(group, epoch, p.agents, self.call, self.config.hold_s)
+                snap, times = rounds.take(group, epoch, agents, self.call, self.config.hold_s)
             except Exception as e:
                 err = as_ferry_error(e, "snapshot", self.node)
                 p.failed += 1
                 p.last_error = str(err)
-                self._drop(p, keep=p.last.epoch)
+                self._drop(p, p.last.epoch, agents)
                 self.observe(group, None, p.last_error)
                 self.record(
                     "warning",
@@ -220,7 +228,7 @@ class Protections:
                     log.warning(
                         "snapshots: group %s's round %d could not be written to etcd: %s", group, epoch, e
                     )
-            self._drop(p, keep=epoch)
+            self._drop(p, epoch, agents)
             self.observe(group, snap, "")
             p.times = times
             log.info(
@@ -262,9 +270,10 @@ class Protections:
             out.members.append(here)
         return out
 
-    def _drop(self, p: Protected, keep: int) -> None:
+    def _drop(self, p: Protected, keep: int, agents: list[str]) -> None:
+        """Every node of the round (and of the kept set) drops every other round's images."""
         req = pb.SnapshotMemberRequest(group=p.group, epoch=keep, action=pb.SNAPSHOT_ACTION_DROP)
-        for agent in p.agents:
+        for agent in dict.fromkeys([*agents, *(m.agent for m in p.last.members)]):
             try:
                 self.call(agent, req, rounds.RELEASE_CALL_S)
             except FerryError as e:  # its older copies stay until the next round's drop

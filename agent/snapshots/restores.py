@@ -23,6 +23,7 @@ Each member's part is a Restoring, whose RestoreState only moves as RESTORE_TRAN
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 import time
@@ -32,7 +33,7 @@ from pathlib import Path
 
 from agent.compat import StrEnum
 from agent.errors import FerryError, NotFoundError, RefusedError, as_ferry_error
-from agent.image import read_manifest
+from agent.image import read_manifest, verify
 from agent.jobs import procs
 from agent.jobs.record import JobRecord, JobState
 from agent.jobs.registry import JobRegistry
@@ -96,11 +97,20 @@ class MemberRestores:
     def _to(self, r: Restoring, state: RestoreState) -> None:
         r.state = RESTORE_TRANSITIONS.check(r.state, state, f"{r.job} (round {r.epoch} of group {r.group})")
 
-    def fetch(self, group: str, epoch: int, job: str, buddy: str) -> int:
-        """Bring the image here and verify it; its size in bytes."""
+    def fetch(self, group: str, epoch: int, job: str, buddy: str, local: str = "") -> int:
+        """Bring the image here and verify it; its size in bytes. `local`: this node's own copy,
+        linked (the same memory, no copy) when it is whole; else the buddy's."""
         d = self.root / group / str(epoch) / job
         shutil.rmtree(d, ignore_errors=True)  # an earlier try's, never restored from
         d.mkdir(parents=True, mode=0o700)
+        if local and (n := self._link(Path(local), d)):
+            with self._lock:
+                self._restoring[(group, epoch, job)] = Restoring(group, epoch, job, d)
+            return n
+        if not buddy:
+            raise NotFoundError(
+                f"job {job}'s image of round {epoch} is neither here nor on a live buddy", node=self.node
+            )
         room = shutil.disk_usage(self.root).free - RESERVE_BYTES
         intake = Intake(d, max(room, 0), node=self.node)
         try:
@@ -127,6 +137,20 @@ class MemberRestores:
                 hint="roll back once it has ended (`ferry ps`)",
             )
         return [r.name for r in mine if r.state in (JobState.RUNNING, JobState.FENCED)]
+
+    def _link(self, src: Path, d: Path) -> int:
+        """Hard links to the snapshot's own copy (restore marks and logs land beside, never in
+        it), verified; 0 if that copy is not whole."""
+        try:
+            for f in src.iterdir():
+                os.link(f, d / f.name)
+            m = verify(d)
+        except (OSError, FerryError) as e:
+            log.warning("rollback: this node's copy %s is not usable (%s); the buddy's is fetched", src, e)
+            for f in d.iterdir():
+                f.unlink()
+            return 0
+        return m.image_bytes
 
     def end(self, group: str, why: str) -> list[str]:
         """End every running or fenced copy of the group's members here; the jobs ended."""

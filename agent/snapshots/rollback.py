@@ -57,10 +57,17 @@ def roll_back(
     where = {m.job: place.get(m.job, m.agent) for m in snap.members}
     t = RollbackTimes(placed=where)
 
-    def req(action: int, job: str = "", buddy: str = "") -> pb.SnapshotMemberRequest:
+    def req(action: int, job: str = "", buddy: str = "", local: str = "") -> pb.SnapshotMemberRequest:
         return pb.SnapshotMemberRequest(
-            group=group, epoch=snap.epoch, action=action, job=job, buddy=buddy, hold_s=hold_s
+            group=group, epoch=snap.epoch, action=action, job=job, buddy=buddy, hold_s=hold_s, local_dir=local
         )
+
+    def fetch(m: pb.MemberCopy) -> pb.SnapshotMemberRequest:
+        """A member restored on its own node reads its copy there; one placed elsewhere, or whose
+        copy there is gone, reads its buddy's."""
+        local = m.local_dir if where[m.job] == m.agent else ""
+        buddy = "" if m.buddy_agent in lost_nodes else m.buddy_agent
+        return req(pb.SNAPSHOT_ACTION_FETCH, m.job, buddy, local)
 
     def all_of(calls: list[tuple[str, pb.SnapshotMemberRequest, float]], step: str) -> None:
         with ThreadPoolExecutor(max(1, len(calls))) as pool:
@@ -75,7 +82,7 @@ def roll_back(
         if errors:
             raise FerryError("; ".join(errors), step=step)
 
-    dead = {m.agent for m in snap.members if m.job in place}  # a lost member's node: none to ask
+    dead = lost_nodes = {m.agent for m in snap.members if m.job in place}  # a lost member's node
     enders = [
         a
         for a in dict.fromkeys([*where.values(), *(m.agent for m in snap.members), *others])
@@ -83,10 +90,7 @@ def roll_back(
     ]
     _every_copy_found(group, snap, call, enders, set(place))
     t0 = time.monotonic()
-    fetches = [
-        (where[m.job], req(pb.SNAPSHOT_ACTION_FETCH, m.job, m.buddy_agent), FETCH_CALL_S)
-        for m in snap.members
-    ]
+    fetches = [(where[m.job], fetch(m), FETCH_CALL_S) for m in snap.members]
     all_of(fetches, "rollback fetch")
     t.fetch_s = time.monotonic() - t0
     t1 = time.monotonic()

@@ -80,6 +80,11 @@ def take(
         _release_all(agents, group, epoch, call)
         raise
     times.hold_s = time.monotonic() - t0
+    try:
+        _whole(group, held)
+    except FerryError:
+        _release_all(agents, group, epoch, call)
+        raise
     released = each(pb.SNAPSHOT_ACTION_RELEASE, RELEASE_CALL_S)
     pause = time.monotonic() - t0
     times.release_s = pause - times.hold_s
@@ -102,9 +107,32 @@ def take(
                     dir=m.dir,
                     bytes=m.bytes,
                     frozen_s=frozen.get(m.job, 0.0),
+                    local_dir=m.local_dir,
                 )
             )
     return out, times
+
+
+def _whole(group: str, held: list[pb.SnapshotMemberResponse]) -> None:
+    """Every rank the members' WORLD_SIZE names was held: a snapshot without one of them would
+    be no snapshot of the job (a member on an agent nobody named)."""
+    members = [m for a in held for m in a.members]
+    worlds = {m.world for m in members if m.world}
+    if not worlds:
+        return
+    ranks = {int(m.rank) for m in members if m.rank.isdigit()}
+    if len(worlds) > 1 or (missing := sorted(set(range(max(worlds))) - ranks)):
+        said = (
+            f"their WORLD_SIZE differs ({sorted(worlds)})"
+            if len(worlds) > 1
+            else f"rank(s) {missing} were not"
+        )
+        raise RefusedError(
+            f"group {group}'s members held do not make a whole job: {said}",
+            step="snapshot hold",
+            hint="name the agent of every node with a member (`ferry protect --members-on`), or wait "
+            "until every member's key is in etcd",
+        )
 
 
 def _release_all(agents: list[str], group: str, epoch: int, call: Call) -> None:

@@ -80,7 +80,7 @@ def test_the_store_keeps_a_verified_image_and_drops_every_other_round(tmp_path: 
         (h,) = m.ship("g", epoch, "10.0.0.2:7070")
         assert h.state is HeldState.SHIPPED and h.buddy_node == "node-b"
         assert verify(Path(h.dir)).job.name == "r0"
-        assert not h.out_dir.exists(), "the member's own copy goes once the buddy has it"
+        assert verify(h.out_dir).job.name == "r0", "the member's own copy stays: its rollback reads it"
     assert store.held("g") == {1: ["r0"], 2: ["r0"]}
     assert store.keep_only("g", 2) == [1]
     assert store.held("g") == {2: ["r0"]}
@@ -141,7 +141,7 @@ def test_a_member_that_cannot_be_saved_fails_the_hold_and_the_others_go_on(tmp_p
     with pytest.raises(FerryError, match="job r1 could not be saved: injected fault"):
         m.hold("g", 1, 5)
     assert save.resumed == ["r0"]
-    m.drop("g")
+    m.drop("g", 0)
     assert not (tmp_path / "taken" / "g" / "1").exists()
     save.fail.clear()
     m.hold("g", 2, 5)  # a new round may hold again
@@ -198,7 +198,7 @@ class Cluster:
         elif action == "ship":
             helds = m.ship(req.group, req.epoch, req.buddy)
         else:
-            m.drop(req.group)
+            m.drop(req.group, req.epoch)
             self.stores[agent].keep_only(req.group, req.epoch)
             helds = []
         return pb.SnapshotMemberResponse(node_name=m.node, members=[h.pb() for h in helds])
@@ -385,3 +385,26 @@ def test_a_restored_member_is_held_until_resumed_or_goes_on_by_itself(tmp_path: 
     assert went_on == ["r1", "r1"] and again.state is RestoreState.RUNNING
     with pytest.raises(NotFoundError, match="no image of job r9"):
         r.restore("g", 4, "r9", hold_s=1)
+
+
+def test_a_round_that_misses_a_rank_of_the_job_is_no_snapshot(tmp_path: Path) -> None:
+    """Members say their WORLD_SIZE: a round that held ranks 0 and 2 of 3 (the agent of rank 1's
+    node not asked, or its key not yet in etcd) fails, and releases what it held."""
+    cl = Cluster(tmp_path)
+    for i, m in enumerate(cl.members.values()):
+        (rec,) = m.members("g")
+        rec.env = [f"RANK={2 * i}", "WORLD_SIZE=3"]  # ranks 0, 2 and 4 of 3
+    with pytest.raises(RefusedError, match=r"rank\(s\) \[1\] were not"):
+        rounds.take("g", 1, list(cl.stores), cl.call, 30)
+    assert "ship" not in {a for _, a in cl.log}
+    assert all(s.resumed for s in cl.saves.values())
+
+
+def test_a_rollback_abandons_a_round_that_holds_members(tmp_path: Path) -> None:
+    save = FakeSave()
+    m = members_here(SnapshotStore(tmp_path / "s", "b"), save, tmp_path / "taken")
+    (h,) = m.hold("g", 1, 30)
+    assert m.abandon("g") == ["r0"] and save.resumed == ["r0"]
+    assert h.state is HeldState.EXPIRED
+    with pytest.raises(RefusedError, match="expired, not released"):
+        m.ship("g", 1, "10.0.0.2:7070")

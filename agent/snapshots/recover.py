@@ -1,0 +1,233 @@
+"""Recovery: a member's node is dead; the group comes back from its last complete snapshot, the
+lost member on a spare, every other member rolled back in place, by itself.
+
+Any agent with a member of the group may find the member lost (agent.coord.liveness: its
+node's lease expired and its agent does not answer), and each then asks this module to
+recover the group. etcd decides who does (never a home-made consensus):
+
+1. **One recovery at a time**: `groups/<g>/recovery` is created (a transaction that fails if
+   the key exists) with the recovering agent's own lease. The others leave it alone; if the
+   recovering agent dies half-way its lease expires, the key goes with it, and the next agent
+   that finds the member still lost takes the recovery over, from the same snapshot.
+2. **The snapshot**: `groups/<g>/snapshot`, which the protecting agent wrote once the round
+   was complete on every buddy. A lost member whose buddy's node is dead too cannot come back:
+   the group waits, and says so.
+3. **A spare per lost member**: the first `[[peers]] spare = true` that answers, hosts no
+   member of the group and is not claimed already: `spares/<agent>` is created for it (a
+   transaction, no lease: it stays the group's until an operator frees it).
+4. **The takeover**: the lost member's key is swapped to the spare's node (compare-and-swap on
+   the revision read) *before* anything is restored. A copy on a node that was only cut off
+   has fenced itself, and once it reaches etcd again it finds its key naming another node
+   and ends without running (docs/recovery.md, "Settling a fenced member").
+5. **Rollback** (agent.snapshots.rollback) with the lost member placed on the spare.
+
+With no spare free, the group waits, bounded by nothing but an operator: each check says so
+once in `ferry events` and tries again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from google.protobuf import json_format
+
+from agent.coord.liveness import Member, NodeLiveness
+from agent.errors import FerryError
+from agent.rpc import pb
+from agent.snapshots import rollback
+from agent.snapshots.rounds import Call
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Recovered:
+    group: str
+    epoch: int
+    placed: dict[str, str] = field(default_factory=dict)  # lost job -> the spare's node
+    times: dict[str, float] = field(default_factory=dict)  # step -> seconds
+
+
+class GroupRecovery:
+    """Runs the recoveries this agent wins; one per group at a time on this agent."""
+
+    def __init__(
+        self,
+        live: NodeLiveness,
+        spares: Callable[[], list[str]],  # the spares' agents, in order of preference
+        node_of: Callable[[str], str],  # a spare agent's node name, if it answers ("" if not)
+        call: Call,
+        hold_s: float,
+        record: Callable[[str, str], None],
+        observe: Callable[[Recovered | None, str], None] = lambda r, e: None,
+    ) -> None:
+        self.live, self.spares, self.node_of, self.call = live, spares, node_of, call
+        self.hold_s, self.record, self.observe = hold_s, record, observe
+        self._busy: set[str] = set()
+        self._said: set[tuple[str, str]] = set()  # (group, why): each wait said once
+        self._lock = threading.Lock()
+
+    def start(self, group: str, lost_since: float) -> None:
+        """A member of `group` is lost: recover it on a thread, unless one already runs here."""
+        with self._lock:
+            if group in self._busy:
+                return
+            self._busy.add(group)
+        threading.Thread(
+            target=self._run, args=(group, lost_since), name=f"recover-{group}", daemon=True
+        ).start()
+
+    def _run(self, group: str, lost_since: float) -> None:
+        try:
+            self.recover(group, lost_since)
+        except Exception as e:
+            log.exception("recovery of group %s failed", group)
+            self.observe(None, str(e))
+            self.record(
+                "alert", f"group {group}: the recovery failed and is tried again at the next check: {e}"
+            )
+        finally:
+            with self._lock:
+                self._busy.discard(group)
+
+    def _wait(self, group: str, why: str) -> None:
+        if (group, why) not in self._said:
+            self._said.add((group, why))
+            self.record("warning", f"group {group} waits to recover: {why}")
+        log.info("recovery of group %s waits: %s", group, why)
+
+    def recover(self, group: str, lost_since: float = 0.0) -> Recovered | None:
+        live, k = self.live, self.live.key
+        lease = live.lease
+        if lease is None:
+            return None  # this node's own lease is not live: it judges no other
+        claim = k("groups", group, "recovery")
+        mine = json.dumps({"node": live.node, "agent": live.agent, "since": time.time()})
+        t0 = time.monotonic()
+        if not live.client.create_if_absent(claim, mine, lease=lease.id):
+            log.info("recovery of group %s: another agent holds it", group)
+            return None
+        try:
+            return self._recover(group, lost_since, t0)
+        finally:
+            try:
+                kv = live.client.get(claim)
+                if kv is not None and kv.value.decode() == mine:
+                    live.client.delete_if(claim, kv.mod_revision)
+            except FerryError as e:  # it goes with this node's lease
+                log.warning("recovery of group %s: its claim stays until the lease ends: %s", group, e)
+
+    def _recover(self, group: str, lost_since: float, t0: float) -> Recovered | None:
+        live, k = self.live, self.live.key
+        kv = live.client.get(k("groups", group, "snapshot"))
+        if kv is None:
+            self._wait(group, "it has no complete snapshot (`ferry protect`)")
+            return None
+        snap = json_format.Parse(kv.value, pb.SnapshotSet())
+        nodes = {x.key.decode().rsplit("/", 1)[-1] for x in live.client.get_prefix(k("nodes", ""))}
+        members = {m.job: m for m in live.members(group)}
+        lost = [
+            m for m in snap.members if members.get(m.job) is not None and members[m.job].node not in nodes
+        ]
+        if not lost:
+            return None  # recovered meanwhile, or not lost after all
+        if gone := [m for m in lost if m.buddy_node not in nodes]:
+            self._wait(
+                group, f"member {gone[0].job}'s snapshot copy was on node {gone[0].buddy_node}, dead too"
+            )
+            return None
+        out = Recovered(group, snap.epoch)
+        t1 = time.monotonic()
+        place = self._claim_spares(group, lost, members, nodes)
+        if place is None:
+            return None
+        out.times["claim"] = time.monotonic() - t1
+        others = list(dict.fromkeys(m.agent for m in members.values() if m.node in nodes))
+        self.record(
+            "info",
+            f"group {group}: recovering from snapshot round {snap.epoch}: "
+            + ", ".join(f"{job} onto node {node}" for job, (_, node) in place.items()),
+        )
+        try:
+            t = rollback.roll_back(
+                group, snap, self.call, others, self.hold_s, {j: a for j, (a, _) in place.items()}
+            )
+        except FerryError:
+            self._give_back(group, place, members)
+            raise
+        out.placed = {job: node for job, (_, node) in place.items()}
+        out.times.update(fetch=t.fetch_s, end=t.end_s, restore=t.restore_s, paused=t.paused_s)
+        out.times["recovery"] = time.monotonic() - t0
+        if lost_since:
+            out.times["since_lost"] = time.time() - lost_since
+        self.record(
+            "info",
+            f"group {group} recovered from snapshot round {snap.epoch} in {out.times['recovery']:.1f} s "
+            f"(spare claimed {out.times['claim']:.2f} s, images fetched {t.fetch_s:.2f} s, old copies "
+            f"ended {t.end_s:.2f} s, restored {t.restore_s:.2f} s): "
+            + ", ".join(f"{job} runs on node {node}" for job, node in out.placed.items()),
+        )
+        self._said = {s for s in self._said if s[0] != group}
+        self.observe(out, "")
+        return out
+
+    def _give_back(self, group: str, place: dict[str, tuple[str, str]], members: dict[str, Member]) -> None:
+        """A recovery that failed: a lost member its spare does not run (a definite answer) is
+        lost again, so that the next check tries again; its spare stays claimed for it."""
+        live, k = self.live, self.live.key
+        for job, (agent, _node) in place.items():
+            req = pb.SnapshotMemberRequest(group=group, action=pb.SNAPSHOT_ACTION_LIST)
+            try:
+                if job in {m.job for m in self.call(agent, req, rollback.END_CALL_S).members}:
+                    continue  # it runs on the spare: the key names it rightly
+                key = k("groups", group, "members", job)
+                kv = live.client.get(key)
+                if kv is not None:
+                    live.client.compare_and_swap(key, members[job].value(), kv.mod_revision)
+            except FerryError as e:  # in doubt: the key stays on the spare, and an operator looks
+                self.record("alert", f"group {group}: member {job}'s key stays on the spare {agent}: {e}")
+
+    def _claim_spares(
+        self, group: str, lost: list[pb.MemberCopy], members: dict[str, Member], nodes: set[str]
+    ) -> dict[str, tuple[str, str]] | None:
+        """A spare for each lost member, claimed, and the member's key swapped to it; None if
+        there are not enough (the group waits)."""
+        live, k = self.live, self.live.key
+        busy = {m.agent for m in members.values()}
+        place: dict[str, tuple[str, str]] = {}
+        spares = iter(a for a in self.spares() if a not in busy)
+        for m in lost:
+            for agent in spares:
+                node = self.node_of(agent)
+                if not node or node not in nodes:
+                    continue
+                claim = json.dumps({"group": group, "job": m.job, "by": live.node, "at": time.time()})
+                if live.client.create_if_absent(k("spares", agent), claim) or self._ours(agent, group, m.job):
+                    place[m.job] = (agent, node)
+                    break
+            else:
+                self._wait(group, f"no spare is free for member {m.job} ([[peers]] spare = true)")
+                return None
+        for job, (agent, node) in place.items():
+            key = k("groups", group, "members", job)
+            kv = live.client.get(key)
+            old = members[job]
+            if kv is None or Member.parse(group, job, kv.value).node != old.node:
+                raise FerryError(f"member {job}'s key changed during the recovery", step="recovery takeover")
+            new = Member(group, job, node, agent, old.address, old.rank)
+            if not live.client.compare_and_swap(key, new.value(), kv.mod_revision):
+                raise FerryError(f"member {job}'s key changed during the recovery", step="recovery takeover")
+        return place
+
+    def _ours(self, agent: str, group: str, job: str) -> bool:
+        """The spare was claimed for this member already (by a recovery that failed)."""
+        kv = self.live.client.get(self.live.key("spares", agent))
+        if kv is None:
+            return False
+        d = json.loads(kv.value)
+        return bool(d.get("group") == group and d.get("job") == job)
