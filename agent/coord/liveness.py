@@ -138,6 +138,9 @@ class NodeLiveness:
         #: (agent.snapshots.recover), which etcd lets one agent run at a time.
         self.on_lost: Callable[[str, float], None] = lambda group, since: None
         self.lost: dict[str, LostMember] = {}  # by job name
+        #: Members fenced under the current lease: a renewal of that lease may unfence them (no
+        #: other node could act while it lived). Any other fenced member is settled by its key.
+        self._fenced_under_lease: set[str] = set()
         self._cut_off: set[str] = set()  # nodes without a lease whose agent answers (said once)
         self.client = EtcdClient.with_identity(config.endpoints, identity, timeout_s=config.renew_every_s)
         self.state = Liveness.CONNECTING
@@ -221,6 +224,7 @@ class NodeLiveness:
         if ttl <= 0:
             if self.state is Liveness.LIVE:  # expired though its deadline had not come: fence now
                 self._fence_all("etcd says this node's lease expired")
+            self._fenced_under_lease.clear()  # the lease is gone: each is settled by its key
             self._to(Liveness.CONNECTING, "etcd says the lease is gone")
             return 0.0
         self.valid_until = sent + ttl
@@ -228,6 +232,8 @@ class NodeLiveness:
         if self.state is Liveness.FENCED:
             self._to(Liveness.LIVE, "a renewal landed: the lease never expired")
             self._unfence_all("etcd answered again and this node's lease never expired")
+        if self.state is Liveness.LIVE and self._unsettled():
+            self._settle_fenced()  # a settling that failed (its key unreadable) is tried again
         self._publish()
         to_deadline = self.valid_until - self.config.fence_margin_s - time.monotonic()
         return min(self.config.renew_every_s, max(to_deadline, 0.0))
@@ -243,9 +249,9 @@ class NodeLiveness:
     def _fence_all(self, why: str) -> None:
         self.fenced_at = time.monotonic()
         self._to(Liveness.FENCED, why)
-        self._fence_members(why, then="; they wait for etcd")
+        self._fenced_under_lease |= self._fence_members(why, then="; they wait for etcd")
 
-    def _fence_members(self, why: str, then: str = "") -> None:
+    def _fence_members(self, why: str, then: str = "") -> set[str]:
         fenced = [
             r.name
             for r in self.registry.list()
@@ -253,11 +259,16 @@ class NodeLiveness:
         ]
         if fenced:
             self.record("alert", f"fenced {', '.join(fenced)}: {why}{then}", "")
+        return set(fenced)
 
     def _unfence_all(self, why: str) -> None:
+        """The lease never expired: what was fenced under it runs again. A member fenced under an
+        earlier lease (one whose settling failed) is not among them: only its key may say
+        (tests/unit/test_recovery_model.py finds two copies otherwise)."""
         for rec in self.registry.list():
-            if rec.state is JobState.FENCED:
+            if rec.state is JobState.FENCED and rec.name in self._fenced_under_lease:
                 self._unfence(rec.name, why)
+        self._fenced_under_lease.clear()
 
     def word_ms(self) -> int:
         """What a member's PID 1 may run for without a newer word: to this node's own fencing
@@ -281,6 +292,12 @@ class NodeLiveness:
                 self.record("info", f"unfenced: {why}", name)
         except FerryError as e:
             log.error("coordination: job %s stays fenced: %s", name, e)
+
+    def _unsettled(self) -> bool:
+        return any(
+            r.group and r.state is JobState.FENCED and r.name not in self._fenced_under_lease
+            for r in self.registry.list()
+        )
 
     def _settle_fenced(self) -> None:
         """After a lost lease: each fenced member's key decides (fail closed: any doubt, it waits)."""
