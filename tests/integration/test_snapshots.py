@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 
 from agent.testing.bed import Bed, BedAgent, node_bed
-from agent.testing.ranks import longest_gap
+from agent.testing.ranks import longest_gap, stamps
 from agent.testing.ranks import start_job as start_ranks
 from tests.integration.jobtools import final_digest, steps_in
 from tests.integration.test_nodes import wait_exited, wait_for
 
 STEPS = 80
+LONG = 140  # the job that is snapshot and rolled back: still running when it is
 STORE = "/dev/shm/ferry-snapshots"
 
 
@@ -27,8 +28,10 @@ def bed(tmp_path: Path):
         yield b
 
 
-def start_job(nodes: list[BedAgent], group: str, port: int, step_time: float) -> list[str]:
-    return start_ranks(nodes, group, port, ["--steps", str(STEPS), "--step-time", str(step_time)])
+def start_job(
+    nodes: list[BedAgent], group: str, port: int, step_time: float, steps: int = STEPS
+) -> list[str]:
+    return start_ranks(nodes, group, port, ["--steps", str(steps), "--step-time", str(step_time)])
 
 
 def last_snapshot(agent: BedAgent, group: str) -> dict:
@@ -40,24 +43,27 @@ def on_node(agent: BedAgent, *cmd: str) -> str:
     return subprocess.run([*agent.cli_prefix(), *cmd], capture_output=True, text=True, check=True).stdout
 
 
-def final_digests(where: dict[str, BedAgent]) -> set[str]:
+def final_digests(where: dict[str, BedAgent], steps: int = STEPS) -> set[str]:
+    """Each rank ended well, every step once and in order; their final digests."""
     out = set()
     for name, node in where.items():
         j = wait_exited(node, name, timeout_s=240)
         log = node.cli("logs", name).stdout
         assert j["exit_code"] == 0, node.cli("logs", name).stderr[-2000:]
-        assert steps_in(log) == list(range(STEPS)), f"{name}: steps {steps_in(log)}"
+        assert steps_in(log) == list(range(steps)), f"{name}: steps {steps_in(log)}"
         out.add(final_digest(log))
     return out
 
 
-def test_snapshots_of_a_gloo_job_are_consistent_cuts_kept_on_other_nodes(bed: Bed) -> None:
+def test_snapshots_are_consistent_cuts_kept_on_other_nodes_and_a_rollback_replays_from_one(bed: Bed) -> None:
     """Rounds every 3 s while the job trains: each member's image is verified on the next node's
-    memory, only the last complete round is kept, every member went on after each round, and
-    the job ends bit-identical to an undisturbed run."""
+    memory, only the last complete round is kept, every member went on after each round. Then
+    `ferry rollback`: each rank goes back to the last round's step on its own node, the steps
+    since run again with the same losses, nothing restarts, and the job ends bit-identical to
+    an undisturbed run."""
     a, b, c = bed.node("node-a"), bed.node("node-b"), bed.node("node-c")
-    ref = start_job([a, b, c], "ref", 29510, step_time=0.0)
-    job = start_job([a, b, c], "llm", 29500, step_time=0.25)
+    ref = start_job([a, b, c], "ref", 29510, step_time=0.0, steps=LONG)
+    job = start_job([a, b, c], "llm", 29500, step_time=0.25, steps=LONG)
     where = {job[0]: a, job[1]: b, job[2]: c}
     wait_for(a, job[0], r"^step 5 ", timeout_s=240)
 
@@ -105,7 +111,28 @@ def test_snapshots_of_a_gloo_job_are_consistent_cuts_kept_on_other_nodes(bed: Be
     pause = last["group_pause_s"]
     print(f"round {last['epoch']}: group paused {pause:.2f} s; node-b's longest step gap {gap:.2f} s")
 
-    assert final_digests(where) == final_digests(dict(zip(ref, nodes, strict=True)))
+    log0 = a.cli("logs", job[0]).stdout
+    at = max(n for n, t in zip(steps_in(log0), stamps(log0), strict=True) if t <= last["taken_at"])
+    wait_for(a, job[0], rf"^step {at + 8} ", timeout_s=60)
+    said = a.cli("rollback", "llm").stdout
+    assert said.startswith(f"group llm is back at snapshot round {last['epoch']}"), said
+
+    losses = re.compile(r"^step (\d+) loss (\S+)", re.M)
+    for name, node in where.items():
+        j = wait_exited(node, name, timeout_s=240)
+        log = node.cli("logs", name).stdout
+        assert j["exit_code"] == 0, node.cli("logs", name).stderr[-2000:]
+        steps = steps_in(log)
+        back = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])  # the rollback
+        first, again = steps[:back], steps[back:]
+        assert first == list(range(first[-1] + 1)) and again == list(range(again[0], LONG)), steps
+        assert again[0] <= at + 1 < first[-1], f"{name}: back to step {again[0]}, was at {first[-1]}"
+        seen: dict[int, str] = {}
+        for step, loss in losses.findall(log):
+            assert seen.setdefault(int(step), loss) == loss, f"{name}: step {step} replayed with another loss"
+        assert len(re.findall(r"^rank \d+ pid \d+ of 3$", log, re.M)) == 1, f"{name} restarted"
+    digests = {final_digest(n.cli("logs", j).stdout) for j, n in where.items()}
+    assert digests == final_digests(dict(zip(ref, nodes, strict=True)), LONG)
 
 
 def test_a_round_that_fails_on_one_member_leaves_every_member_running(bed: Bed) -> None:
@@ -129,41 +156,3 @@ def test_a_round_that_fails_on_one_member_leaves_every_member_running(bed: Bed) 
         images = on_node(n, "sh", "-c", f"find {STORE} -name manifest.json 2>/dev/null || true")
         assert images.strip() == "", f"{n.node} keeps {images}"
     final_digests(where)
-
-
-def test_a_rollback_brings_every_member_back_to_the_snapshot_and_replays_the_steps_since(bed: Bed) -> None:
-    """`ferry rollback`: each rank goes back to the round's step on its own node, the steps since
-    run again with the same losses, nothing restarts, and the job ends bit-identical."""
-    a, b, c = bed.node("node-a"), bed.node("node-b"), bed.node("node-c")
-    nodes = [a, b, c]
-    ref = start_job(nodes, "ref", 29510, step_time=0.0)
-    job = start_job(nodes, "llm", 29500, step_time=0.25)
-    where = dict(zip(job, nodes, strict=True))
-    wait_for(a, job[0], r"^step 5 ", timeout_s=240)
-    a.cli("protect", "llm", "--every", "1h", *[x for n in nodes for x in ("--members-on", n.address)])
-    deadline = time.monotonic() + 60
-    while int(last_snapshot(a, "llm")["last"].get("epoch", 0)) < 1 and time.monotonic() < deadline:
-        time.sleep(0.3)
-    at = max(steps_in(a.cli("logs", job[0]).stdout))
-    wait_for(a, job[0], rf"^step {at + 8} ", timeout_s=60)
-
-    said = a.cli("rollback", "llm").stdout
-    assert said.startswith("group llm is back at snapshot round 1"), said
-
-    losses = re.compile(r"^step (\d+) loss (\S+)", re.M)
-    for name, node in where.items():
-        j = wait_exited(node, name, timeout_s=240)
-        log = node.cli("logs", name).stdout
-        assert j["exit_code"] == 0, node.cli("logs", name).stderr[-2000:]
-        steps = steps_in(log)
-        back = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])  # the rollback
-        first, again = steps[:back], steps[back:]
-        assert first == list(range(first[-1] + 1)) and again == list(range(again[0], STEPS)), steps
-        assert again[0] <= at + 1 < first[-1], f"{name}: back to step {again[0]}, was at {first[-1]}"
-        seen: dict[int, str] = {}
-        for step, loss in losses.findall(log):
-            assert seen.setdefault(int(step), loss) == loss, f"{name}: step {step} replayed with another loss"
-        assert len(re.findall(r"^rank \d+ pid \d+ of 3$", log, re.M)) == 1, f"{name} restarted"
-    assert {final_digest(n.cli("logs", j).stdout) for j, n in where.items()} == final_digests(
-        dict(zip(ref, nodes, strict=True))
-    )
