@@ -149,6 +149,7 @@ class NodeLiveness:
         self.valid_until = 0.0  # monotonic: etcd cannot expire the lease before this
         self.fenced_at = 0.0  # monotonic, of the last fencing (for the tests and the log)
         self._stop = threading.Event()
+        self._node_gone = threading.Event()  # a node's key went (its lease expired): check now
         self._thread = threading.Thread(target=self._run, name="coordination", daemon=True)
         # Its own thread: asking a dead node's agent takes seconds, which must never delay a renewal.
         self._watcher = threading.Thread(target=self._watch, name="group-watch", daemon=True)
@@ -165,6 +166,7 @@ class NodeLiveness:
         """The agent stops, its jobs do not: with no one to renew the lease they are fenced first
         (its next start settles them), then the lease is revoked."""
         self._stop.set()
+        self._node_gone.set()
         for t in (self._thread, self._watcher):
             if t.is_alive():
                 t.join(self.config.lease_ttl_s + 2)
@@ -327,7 +329,14 @@ class NodeLiveness:
     # -- the other nodes of our groups --------------------------------------------------------
 
     def _watch(self) -> None:
-        while not self._stop.wait(self.config.renew_every_s):
+        """Check the groups' members every renewal interval, and at once when a node's lease goes
+        (a watch on nodes/): a dead node is found as soon as etcd expires it."""
+        threading.Thread(target=self._watch_nodes, name="nodes-watch", daemon=True).start()
+        while not self._stop.is_set():
+            self._node_gone.wait(self.config.renew_every_s)
+            self._node_gone.clear()
+            if self._stop.is_set():
+                return
             if self.state is not Liveness.LIVE:
                 continue  # a node that cannot trust its own lease judges no other
             try:
@@ -336,6 +345,26 @@ class NodeLiveness:
                 log.warning("coordination: cannot read the groups' members: %s", e)
             except Exception:
                 log.exception("coordination: checking the groups' members failed")
+
+    def _watch_nodes(self) -> None:
+        while not self._stop.is_set():
+            try:
+                watch = self.client.watch_prefix(self.key("nodes", ""))
+            except FerryError as e:  # the periodic check goes on meanwhile
+                log.info("coordination: no watch on the nodes' leases yet: %s", e)
+                self._stop.wait(self.config.renew_every_s)
+                continue
+            try:
+                for ev in watch:
+                    if ev.kind == "delete":
+                        self._node_gone.set()
+                    if self._stop.is_set():
+                        break
+            except FerryError as e:
+                log.info("coordination: the watch on the nodes' leases broke: %s", e)
+            finally:
+                watch.cancel()
+            self._stop.wait(self.config.renew_every_s)
 
     def members(self, group: str) -> list[Member]:
         """The group's members as etcd holds them (where each runs, by its last move or start)."""
@@ -347,9 +376,16 @@ class NodeLiveness:
                 log.warning("coordination: unreadable member key %s", kv.key.decode())
         return out
 
-    def recovering(self, group: str) -> bool:
-        """Whether a recovery of the group holds its claim in etcd."""
-        return self.client.get(self.key("groups", group, "recovery")) is not None
+    def round_blocked(self, group: str) -> str:
+        """Why no snapshot round of the group may start now ("" if one may): a recovery holds it,
+        or a member's node has no lease (a round would wait on its dead agent while the others
+        stay frozen)."""
+        if self.client.get(self.key("groups", group, "recovery")) is not None:
+            return "it is being recovered"
+        live = {kv.key.decode().rsplit("/", 1)[-1] for kv in self.client.get_prefix(self.key("nodes", ""))}
+        if gone := sorted({m.node for m in self.members(group)} - live - {self.node}):
+            return f"node {gone[0]}, where a member runs, has no lease in etcd"
+        return ""
 
     def put_snapshot(self, group: str, value: str) -> None:
         """The group's last complete snapshot (agent.snapshots.protect): what a recovery restores."""

@@ -57,8 +57,10 @@ log = logging.getLogger(__name__)
 
 #: How often an agent expires leases and asks about unresolved migrations.
 HOUSEKEEPING_S = float(os.environ.get("FERRY_HOUSEKEEPING_S", "5"))
-#: How long a dead node's agent is given to answer before its member counts as lost.
-PROBE_S = 2.0
+#: How long a dead node's agent is given to answer before its member counts as lost. Its lease
+#: has expired already, so its members are fenced: an agent slower than this costs a needless
+#: recovery, never a second copy.
+PROBE_S = 1.5
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,7 @@ class AgentNode:
             self._snapshot_call,
             members=(lambda g: list(dict.fromkeys(m.agent for m in live.members(g)))) if live else None,
             publish=live.put_snapshot if live else None,
-            recovering=live.recovering if live else lambda group: False,
+            blocked=live.round_blocked if live else lambda group: "",
             record=lambda kind, message: self.events.record(kind, message),
             observe=self.metrics.snapshot_round,
         )

@@ -4,7 +4,7 @@ of `ferry protect`.
     [snapshots]
     dir = "/dev/shm/ferry-snapshots"   # memory: a tmpfs; a local disk where memory is short
     every_s = 300                      # `ferry protect GROUP` without --every
-    hold_s = 60                        # a held member goes on by itself after this long
+    hold_s = 60                        # a held member goes on by itself this long after its dump
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ MIN_EVERY_S = 1.0
 class SnapshotConfig:
     dir: str = "/dev/shm/ferry-snapshots"
     every_s: float = 300.0
-    #: A member held for a round goes on by itself if no release comes this long after the hold
-    #: was asked: its coordinator is gone, and a job must never stay frozen for a snapshot.
+    #: A member held for a round goes on by itself if no release comes this long after its dump
+    #: ended: its coordinator is gone, and a job must never stay frozen for a snapshot.
     hold_s: float = 60.0
 
     def check(self) -> SnapshotConfig:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,10 +145,9 @@ class MemberSnapshots:
             out = self.root / group / str(epoch)
             helds = [Held(group, epoch, r.name, rank_of(r), out / r.name, world_of(r)) for r in recs]
             self._held[(group, epoch)] = helds
-        deadline = time.monotonic() + hold_s
         for h in helds:
             threading.Thread(
-                target=self._save, args=(h, deadline), name=f"snapshot-{h.job}", daemon=True
+                target=self._save, args=(h, hold_s), name=f"snapshot-{h.job}", daemon=True
             ).start()
         for h in helds:
             h.dumped.wait()
@@ -162,13 +160,13 @@ class MemberSnapshots:
             )
         return helds
 
-    def _save(self, h: Held, deadline: float) -> None:
+    def _save(self, h: Held, hold_s: float) -> None:
         def hold(m: Manifest) -> None:
             h.bytes = m.image_bytes
             with self._lock:
                 self._to(h, HeldState.HELD)
             h.dumped.set()
-            if h.go.wait(max(0.0, deadline - time.monotonic())):
+            if h.go.wait(hold_s):  # from the dump's end: a large member's dump takes long
                 return
             with self._lock:
                 if h.state is HeldState.HELD:  # a release landing now has already moved it on

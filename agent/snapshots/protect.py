@@ -81,14 +81,14 @@ class Protections:
         *,
         members: Callable[[str], list[str]] | None = None,  # group → its members' agents (etcd)
         publish: Callable[[str, str], None] | None = None,  # (group, JSON of the set) → etcd
-        recovering: Callable[[str], bool] = lambda group: False,  # a recovery holds the group (etcd)
+        blocked: Callable[[str], str] = lambda group: "",  # why no round may start now (etcd)
         record: Callable[[str, str], None] = lambda kind, message: None,  # the node's events
         observe: Callable[[str, pb.SnapshotSet | None, str], None] = lambda g, s, e: None,  # metrics
     ) -> None:
         self.path = state_dir / FILE
         self.node, self.config, self.call = node, config, call
         self.members, self.publish, self.record, self.observe = members, publish, record, observe
-        self.recovering = recovering
+        self.blocked = blocked
         self._groups: dict[str, Protected] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -198,10 +198,8 @@ class Protections:
         """One round now (after the one in progress, if any); raise if it fails."""
         p = self.get(group)
         with p.lock:
-            if self.recovering(group):
-                raise RefusedError(
-                    f"group {group} is being recovered: no snapshot until it is", step="snapshot"
-                )
+            if why := self.blocked(group):
+                raise RefusedError(f"no snapshot of group {group} now: {why}", step="snapshot")
             agents = p.agents or self._agents_of(group)  # with etcd: where the members run now
             epoch = p.tried = max(p.tried, p.last.epoch) + 1
             p.rounds += 1
