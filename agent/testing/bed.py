@@ -253,6 +253,13 @@ class Bed:
         agent.kill_jobs()
         _ip("-n", agent.netns, "link", "del", "uplink", check=False)
 
+    def partition(self, agent: BedAgent) -> None:
+        """The node is cut off from everything (the fabric, etcd, its peers); it lives on."""
+        _ip("-n", agent.netns, "link", "set", "uplink", "down")
+
+    def heal(self, agent: BedAgent) -> None:
+        _ip("-n", agent.netns, "link", "set", "uplink", "up")
+
     def outside(self, cmd: list[str], **kw: object) -> subprocess.Popen[str]:
         """A process on the outside host (not a job, not a node)."""
         return subprocess.Popen(["ip", "netns", "exec", self.outside_ns, *cmd], text=True, **kw)  # type: ignore[call-overload]

@@ -96,9 +96,10 @@ def test_a_dead_nodes_member_comes_back_on_the_spare_and_the_job_ends_bit_identi
     assert digests == ref_digests and int(snap["epoch"]) >= 1
 
 
-def _protected(a: BedAgent) -> bool:
+def _protected(a: BedAgent, every: str = "4s") -> bool:
+    """Protected once etcd has every member's key; True once a round is complete."""
     if a.cli("snapshot", "llm", "--last", check=False).returncode != 0:
-        a.cli("protect", "llm", "--every", "4s", check=False)
+        a.cli("protect", "llm", "--every", every, check=False)
         return False
     last = json.loads(a.cli("snapshot", "llm", "--last", "--json").stdout)["last"]
     return int(last.get("epoch", 0)) >= 1
@@ -111,3 +112,61 @@ def _runs(agent: BedAgent, name: str) -> bool:
 
 def _ended(agent: BedAgent, name: str) -> bool:
     return wait_exited(agent, name, timeout_s=240)["exit_code"] == 0
+
+
+def _cluster(bed: Bed) -> tuple[list[BedAgent], BedAgent]:
+    with_spare = CONFIG + f'[[peers]]\naddress = "{SPARE}"\nspare = true\n'
+    nodes = [bed.node(n, config=with_spare) for n in ("node-a", "node-b", "node-c")]
+    spare = bed.node("node-d", config=CONFIG)
+    assert spare.address == SPARE
+    return nodes, spare
+
+
+def test_a_cut_off_node_fences_its_member_and_its_copy_never_runs_again_once_it_heals(bed: Bed) -> None:
+    """node-b loses everything (fabric and etcd) but lives: its member is fenced before its lease
+    expires, the group recovers it on the spare, and when node-b comes back its copy ends
+    without printing another line."""
+    (a, b, c), spare = _cluster(bed)
+    job = start_ranks([a, b, c], "llm", 29500, ["--steps", str(STEPS), "--step-time", "0.25"])
+    wait_log(a, job[0], r"^step 5 ", timeout_s=240)
+    wait_for("a first snapshot", lambda: _protected(a), 60)
+    cut = time.time()
+    bed.partition(b)
+    wait_for("node-b's member to run on the spare", lambda: _runs(spare, job[1]), 90)
+    assert b.job(job[1])["state"] == "fenced"  # b's own CLI: it has not heard of the recovery
+    stdout = Path(b.job(job[1])["stdout_path"])
+    last = stamps(stdout.read_text())[-1]
+    bed.heal(b)
+    wait_for("node-b's copy to end", lambda: b.job(job[1])["state"] == "stopped", 30)
+    assert "node-d" in b.job(job[1])["note"], b.job(job[1])
+    time.sleep(1.0)
+    assert stamps(stdout.read_text())[-1] == last < cut + 3.0  # fenced before its 3 s lease ran out
+    where = {job[0]: a, job[1]: spare, job[2]: c}
+    for name, node in where.items():
+        assert wait_exited(node, name, timeout_s=240)["exit_code"] == 0
+        assert sorted(set(steps_in(node.cli("logs", name).stdout))) == list(range(STEPS))
+    assert len({final_digest(n.cli("logs", j).stdout) for j, n in where.items()}) == 1
+
+
+def test_etcd_restarting_during_rounds_loses_nothing_and_recovers_nothing(bed: Bed) -> None:
+    """etcd down for 2 s while rounds run every 3 s: the lease outlives it (etcd renews leases when
+    it comes back), rounds go on after it, no member is found lost, nothing is recovered."""
+    (a, b, c), _spare = _cluster(bed)
+    job = start_ranks([a, b, c], "llm", 29500, ["--steps", str(STEPS), "--step-time", "0.25"])
+    wait_log(a, job[0], r"^step 5 ", timeout_s=240)
+    wait_for("a first snapshot", lambda: _protected(a, every="3s"), 60)
+    before = int(json.loads(a.cli("snapshot", "llm", "--last", "--json").stdout)["last"]["epoch"])
+    bed.etcd_server.restart(down_s=2.0)
+    wait_for(
+        "a round after the restart",
+        lambda: (
+            int(json.loads(a.cli("snapshot", "llm", "--last", "--json").stdout)["last"]["epoch"]) > before
+        ),
+        60,
+    )
+    where = dict(zip(job, (a, b, c), strict=True))
+    for name, node in where.items():
+        assert wait_exited(node, name, timeout_s=240)["exit_code"] == 0
+        assert steps_in(node.cli("logs", name).stdout) == list(range(STEPS)), name
+    said = [e["message"] for n in (a, b, c) for e in events(n)]
+    assert not [m for m in said if " is lost" in m or "recover" in m], said
