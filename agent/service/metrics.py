@@ -117,6 +117,12 @@ class AgentMetrics:
             buckets=SECONDS_BUCKETS,
             registry=r,
         )
+        self.recovery_lost = Counter(
+            "ferry_recovery_lost_seconds",
+            "Per recovery this agent ran: the time from the snapshot it went back to until the group "
+            "ran again (the work replayed, and the recovery itself)",
+            registry=r,
+        )
         Info("ferry_build", "This agent's build", registry=r).info(
             {"version": __version__, "node": node, "criu": criu_version}
         )
@@ -151,6 +157,7 @@ class AgentMetrics:
             return
         self.recoveries.labels("recovered").inc()
         self.recovery_seconds.observe(done.times.get("recovery", 0.0))
+        self.recovery_lost.inc(done.times.get("lost", 0.0))
 
     def target_ended(self, result: str) -> None:
         """An incoming migration ran the job here ("committed") or was dropped ("aborted")."""

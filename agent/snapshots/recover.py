@@ -163,6 +163,8 @@ class GroupRecovery:
         out.placed = {job: node for job, (_, node) in place.items()}
         out.times.update(fetch=t.fetch_s, end=t.end_s, restore=t.restore_s, paused=t.paused_s)
         out.times["recovery"] = time.monotonic() - t0
+        # The work since the snapshot runs again, and the job stood still while it was recovered.
+        out.times["lost"] = max(time.time() - snap.taken_at, 0.0)
         if lost_since:
             out.times["since_lost"] = time.time() - lost_since
         self.record(

@@ -171,3 +171,24 @@ def test_metrics_read_only_what_they_are_given(tmp_path: Path) -> None:
         JobRecord(name="a", kind=JobKind.LAUNCHED, state=JobState.RUNNING, pid=1, command=["x"], cwd="/")
     )
     assert now()["ferry_jobs{state=running}"] == 1  # read again at this scrape
+
+
+def test_snapshot_rounds_and_recoveries_are_counted(served) -> None:
+    from agent.rpc import pb
+    from agent.snapshots.recover import Recovered
+
+    svc, address = served
+    snap = pb.SnapshotSet(epoch=3, group_pause_s=1.2, members=[pb.MemberCopy(job="r0", bytes=1000)])
+    svc.metrics.snapshot_round("llm", snap, "")
+    svc.metrics.snapshot_round("llm", None, "node-b did not answer")
+    svc.metrics.recovered(Recovered("llm", 3, times={"recovery": 3.5, "lost": 20.0}), "")
+    svc.metrics.recovered(None, "no spare")
+    got = scrape(address)
+    assert got[("ferry_snapshot_rounds_total", (("group", "llm"), ("result", "complete")))] == 1
+    assert got[("ferry_snapshot_rounds_total", (("group", "llm"), ("result", "failed")))] == 1
+    assert got[("ferry_snapshot_group_pause_seconds_sum", (("group", "llm"),))] == pytest.approx(1.2)
+    assert got[("ferry_snapshot_bytes_total", (("group", "llm"),))] == 1000
+    assert got[("ferry_recoveries_total", (("result", "recovered"),))] == 1
+    assert got[("ferry_recoveries_total", (("result", "failed"),))] == 1
+    assert got[("ferry_recovery_seconds_sum", ())] == pytest.approx(3.5)
+    assert got[("ferry_recovery_lost_seconds_total", ())] == 20.0
