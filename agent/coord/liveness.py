@@ -20,6 +20,10 @@ Keys (under the configured prefix, "/ferry/"):
                                     outlive its node to say where the member was
 A recovery (elsewhere) takes a member over by swapping its key to its own node before it
 restores anything; a fenced copy whose key names another node therefore never runs again.
+
+Why one module: the lease, the fencing it drives and the judging of other nodes share one
+state (is this node's own lease to be trusted?) and one etcd client; split, each part would
+read that state from another's object, and the order the timings need would span files.
 """
 
 from __future__ import annotations

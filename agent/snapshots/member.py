@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +90,10 @@ class Held:
     state: HeldState = HeldState.FREEZING
     bytes: int = 0
     frozen_s: float = 0.0
+    gpu_bytes: int = 0
+    cuda_checkpoint_s: float = 0.0
+    resume_s: float = 0.0  # from the release to the save's return: the CUDA restore and unlock
+    released_at: float = 0.0  # monotonic
     error: str = ""
     buddy_node: str = ""
     dir: str = ""
@@ -105,6 +110,9 @@ class Held:
             buddy_node=self.buddy_node,
             dir=self.dir,
             world=self.world,
+            gpu_bytes=self.gpu_bytes,
+            cuda_checkpoint_s=self.cuda_checkpoint_s,
+            resume_s=self.resume_s,
             local_dir=str(self.out_dir) if self.state is HeldState.SHIPPED else "",
         )
 
@@ -162,7 +170,7 @@ class MemberSnapshots:
 
     def _save(self, h: Held, hold_s: float) -> None:
         def hold(m: Manifest) -> None:
-            h.bytes = m.image_bytes
+            h.bytes, h.gpu_bytes = m.image_bytes, m.gpu_bytes
             with self._lock:
                 self._to(h, HeldState.HELD)
             h.dumped.set()
@@ -180,7 +188,9 @@ class MemberSnapshots:
 
         try:
             h.out_dir.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            h.frozen_s = self.save(h.job, h.out_dir, hold).frozen_s
+            res = self.save(h.job, h.out_dir, hold)
+            h.frozen_s, h.cuda_checkpoint_s = res.frozen_s, res.phases.get("cuda checkpoint", 0.0)
+            h.resume_s = time.monotonic() - h.released_at if h.released_at else 0.0
         except Exception as e:  # the save resumed the job; the error says what it met
             err = as_ferry_error(e, "snapshot", self.node)
             h.error = err.cause
@@ -213,6 +223,7 @@ class MemberSnapshots:
             for h in helds:
                 if h.state is HeldState.HELD:
                     self._to(h, HeldState.RELEASED)
+                h.released_at = time.monotonic()
                 h.go.set()
         for h in helds:
             if not h.done.wait(RESUME_WAIT_S):

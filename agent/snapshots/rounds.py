@@ -92,7 +92,7 @@ def take(
     t1 = time.monotonic()
     shipped = each(pb.SNAPSHOT_ACTION_SHIP, SHIP_CALL_S, buddy=lambda i: agents[(i + 1) % len(agents)])
     times.ship_s = time.monotonic() - t1
-    frozen = {m.job: m.frozen_s for a in released for m in a.members}
+    frozen = {m.job: m for a in released for m in a.members}  # the pause and its parts
     out = pb.SnapshotSet(epoch=epoch, taken_at=taken_at, group_pause_s=pause)
     for i, (h, s) in enumerate(zip(held, shipped, strict=True)):
         for m in s.members:
@@ -106,8 +106,11 @@ def take(
                     buddy_agent=agents[(i + 1) % len(agents)],
                     dir=m.dir,
                     bytes=m.bytes,
-                    frozen_s=frozen.get(m.job, 0.0),
+                    frozen_s=frozen[m.job].frozen_s if m.job in frozen else 0.0,
                     local_dir=m.local_dir,
+                    gpu_bytes=frozen[m.job].gpu_bytes if m.job in frozen else 0,
+                    cuda_checkpoint_s=frozen[m.job].cuda_checkpoint_s if m.job in frozen else 0.0,
+                    resume_s=frozen[m.job].resume_s if m.job in frozen else 0.0,
                 )
             )
     return out, times

@@ -90,6 +90,37 @@ def test_pytorch_cuda_training_moves_bit_identical(bed: Bed):
     move_and_check(a, b, "torch", cmd, 40, "pytorch cuda training", 1)
 
 
+def test_a_group_snapshot_of_cuda_members_leaves_them_running_unchanged(bed: Bed):
+    """Two CUDA counters in one group, on two nodes: a snapshot round locks, checkpoints, dumps,
+    restores and unlocks each in place; each member's device memory is in its image (kept on
+    the other node), and both finish exactly as an uninterrupted run."""
+    cmd = counter_cmd(40, mib=1024)
+    a, b = bed.node("node-a"), bed.node("node-b")
+    for agent, name in ((a, "g-r0"), (b, "g-r1")):
+        agent.cli("run", "--name", name, "--group", "g", "--", *cmd)
+    wait_steps(a, "g-r0", 5)
+    wait_steps(b, "g-r1", 5)
+    a.cli("protect", "g", "--every", "1h", "--members-on", a.address, "--members-on", b.address)
+    a.cli("snapshot", "g")
+    last = json.loads(a.cli("snapshot", "g", "--last", "--json").stdout)["last"]
+    assert {m["job"] for m in last["members"]} == {"g-r0", "g-r1"}
+    for m in last["members"]:
+        gpu = int(m["gpu_bytes"])
+        assert gpu >= 1 << 30 and m["buddy_node"] != m["node"], m
+        d2h = gpu / m["cuda_checkpoint_s"] / 1e9 if m["cuda_checkpoint_s"] else 0.0
+        h2d = gpu / m["resume_s"] / 1e9 if m["resume_s"] else 0.0
+        record_note(
+            f"group snapshot, {m['job']}",
+            frozen_s=m["frozen_s"],
+            gpu_bytes=gpu,
+            d2h_gbps=round(d2h, 2),
+            resume_gbps=round(h2d, 2),
+            image_bytes=int(m["bytes"]),
+        )
+    same_as_uninterrupted(a, "g-r0", cmd, 40)
+    same_as_uninterrupted(b, "g-r1", cmd, 40)
+
+
 def test_restore_with_explicit_identity_gpu_pairs(bed: Bed):
     """A one-GPU node never remaps, so only `[cuda] explicit_gpu_pairs` makes the pair path
     (CUcheckpointRestoreArgs with CUuuid pairs covering every checkpointed GPU) meet the driver."""

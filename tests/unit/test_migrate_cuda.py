@@ -42,7 +42,7 @@ from agent.jobs.record import JobState
 from agent.jobs.registry import JobRegistry
 from agent.migration import capture
 from agent.migration import target as incoming
-from agent.migration.journal import Journal
+from agent.migration.journal import SOURCE, Journal
 from agent.migration.local import checkpoint, restore_image
 from agent.migration.model import Method, MigrationResult, MigrationSpec
 from agent.migration.source import SourceMigration
@@ -422,6 +422,44 @@ def test_checkpoint_leave_running_resumes_cuda_in_place(tmp_path, sleeper, fake_
     save_here(registry, fake_criu, cj, tmp_path, leave_running=True)
     assert world.state(proc.pid) == RUNNING and registry.get("train").state is JobState.RUNNING
     assert drv.actions() == ["lock", "checkpoint", "restore", "unlock"]
+    wait_running(proc.pid)
+
+
+def test_a_gpu_member_held_for_a_snapshot_stays_checkpointed_until_released(
+    tmp_path, sleeper, fake_criu, registry
+) -> None:
+    """A group snapshot's hold (agent.snapshots.member): while held, the member's CUDA state is
+    checkpointed (its device memory in host memory, in the image's dump) and its calls blocked;
+    once released it is restored and unlocked in place, on its own GPU."""
+    world = CudaWorld([FakeGpu(GPU0)])
+    proc, out, err = sleeper()
+    world.add_cuda_process(proc.pid, [GPU0], bytes_per_gpu=4 * GIB)
+    cj, drv = fake_cuda_jobs(world)
+    registry.save(launched_record("train", proc, out, err))
+    seen = []
+
+    def hold(m) -> None:
+        seen.append((world.state(proc.pid), drv.actions(), m.gpu_bytes, registry.get("train").state))
+
+    res = checkpoint(
+        registry,
+        fake_criu,
+        "train",
+        tmp_path / "img",
+        "nodea",
+        True,
+        journal=Journal(tmp_path / "state"),
+        cuda_jobs=cj,
+        hold=hold,
+    )
+    state, actions, gpu_bytes, job_state = seen[0]
+    assert state != RUNNING and actions == ["lock", "checkpoint"] and gpu_bytes == 4 * GIB
+    assert job_state is JobState.MIGRATING
+    assert drv.actions() == ["lock", "checkpoint", "restore", "unlock"]
+    assert world.state(proc.pid) == RUNNING and registry.get("train").state is JobState.RUNNING
+    assert res.frozen_s > 0 and "cuda checkpoint" in res.phases
+    rec = next(r for r in Journal(tmp_path / "state").load(SOURCE) if r.kind == "snapshot")
+    assert rec.state == "aborted"  # journaled as a checkpoint that let the job go on
     wait_running(proc.pid)
 
 
