@@ -11,7 +11,7 @@ CRIU := $(BUILD)/criu/bin/criu
 CRIU_PROTO := $(BUILD)/criu/share/criu/proto
 INIT := $(BUILD)/bin/ferry-init
 STUBS := ferry/v1/agent_pb2.py agent/criu_pb/rpc_pb2.py
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=25
 
 .PHONY: all deps proto native criu slurm test unit integration gpu demo bench lint doctor install clean
 

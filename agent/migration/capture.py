@@ -4,8 +4,10 @@ timings, the checks before a freeze, and what CRIU must be told about the job.""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +21,8 @@ from agent.image import STDERR_LOG, STDOUT_LOG
 from agent.jobs import procs
 from agent.jobs.network import LinkLock
 from agent.jobs.record import LOG_MOUNT, LOG_MOUNT_KEY, JobKind, JobRecord
+
+log = logging.getLogger(__name__)
 
 
 class Phases:
@@ -58,6 +62,25 @@ def estimated_bytes(rec: JobRecord, fp: Footprint) -> int:
     """About what a dump of the job writes: its tree's resident memory, and the device memory its
     CUDA checkpoint copies into it (a move's Prepare asks the target for this much)."""
     return procs.tree_rss(rec.pid) + fp.gpu_bytes
+
+
+def warm_memory(where: Path, size: int) -> float:
+    """Touch `size` bytes of the memory behind `where` (a tmpfs) and give them back, while the job
+    still runs; the seconds it took. The dump that follows then writes into pages the kernel
+    reuses at once, instead of touching fresh ones inside the pause: a first touch costs the
+    page's zeroing, and far more on a VM whose memory the host backs lazily (this one's idle
+    memory takes 0.3 GB/s the first time; memory just freed, 15 times that)."""
+    t0 = time.monotonic()
+    path = where / f".warm-{os.getpid()}-{threading.get_ident()}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:  # no room: the dump itself says so, if it comes to that
+        log.info("could not warm %d bytes in %s: %s", size, where, e)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return time.monotonic() - t0
 
 
 def log_bytes(rec: JobRecord) -> int:

@@ -13,6 +13,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -24,7 +25,7 @@ from agent.cuda import driver as cuda
 from agent.cuda.jobs import CudaJobs, Footprint
 from agent.errors import FerryError, InvalidArgumentError, NotFoundError, as_ferry_error
 from agent.gpus.inventory import GpuNeed
-from agent.image import JobSpec, Manifest, build_manifest, read_manifest, verify
+from agent.image import JobSpec, Manifest, build_manifest, image_files, read_manifest, verify
 from agent.jobs import procs
 from agent.jobs.network import LinkLock
 from agent.jobs.record import JobRecord, JobState
@@ -38,6 +39,7 @@ from agent.migration.capture import (
     log_bytes,
     needs_shell_job,
     require_host_memory,
+    warm_memory,
 )
 from agent.migration.journal import SOURCE, TARGET, Journal, JournaledRecord, MigrationRecord
 from agent.migration.model import Emit, MigrationResult, Progress
@@ -66,13 +68,17 @@ def checkpoint(
     journal: Journal,
     cuda_jobs: CudaJobs,
     suspend: bool = False,
-    hold: Callable[[Manifest], None] | None = None,
+    hold: Callable[[Dumped], None] | None = None,
+    went_on: Callable[[float], None] = lambda frozen_s: None,
 ) -> MigrationResult:
     """Save a job to `out_dir`; unless leave_running, it then ends here (state CHECKPOINTED, or
     PREEMPTED for a preemption's `suspend`).
 
-    `hold` (a group snapshot's member, leave_running only) is called with the complete image while
-    the job is still frozen and cut off; it returns when the job may go on (agent.snapshots.member).
+    `hold` (a group snapshot's member, leave_running only) is called once the image is dumped,
+    while the job is still frozen and cut off; it returns when the job may go on
+    (agent.snapshots.member). The job then goes on before the image's digests are computed: its
+    files no longer change, and hashing them is no part of the pause; `went_on` hears how long
+    it was frozen as soon as it goes on.
 
     A CUDA job's device memory is saved too; ending it frees its GPUs. Every step is journaled
     as a move's is (kind "checkpoint" or "suspend", no peer): after a crash, recovery resumes
@@ -104,13 +110,31 @@ def checkpoint(
     fp = Footprint()
     left = CudaLeft.NONE  # a freeze that fails undoes itself; a finished one is undone by rollback
     t0 = time.monotonic()
-    stopped_at = 0.0
+    stopped_at = frozen_s = 0.0
+    resumed: rollback.Resumed | None = None  # a snapshot's member goes on before its digests
+
+    def saved(r: rollback.Resumed) -> str:
+        note = f"checkpointed to {out_dir}"
+        return f"{note}; but here {r.summary()}: its CUDA calls stay blocked" if r.summary() else note
+
+    def go_on() -> rollback.Resumed:
+        nonlocal frozen_s
+        op.to(MigrationState.ABORTING)  # the frozen copy goes on here: a move's abort, by request
+        done = rollback.resume(
+            registry, cj.driver, frozen(pids, left), saved, cuda_back=lambda: cj.release(fp)
+        )
+        op.to(MigrationState.ABORTED, note=saved(done))
+        frozen_s = time.monotonic() - stopped_at
+        return done
+
     try:
         tree = procs.tree_pids(rec.pid)
         refuse_undumpable(tree, node, step="checkpoint", same_node=True)
         fp = cj.inspect(tree)
         require_host_memory(fp, node)
         out.prepare(estimated_bytes(rec, fp) + log_bytes(rec))
+        if hold is not None:  # a snapshot, again and again: its dump's memory is touched now, not frozen
+            phases.times["warm"] = warm_memory(out_dir.parent, estimated_bytes(rec, fp))
         emit(Progress("dump", f"dumping job {name} to {out_dir}"))
         if fp.processes:
             op.to(MigrationState.LOCKING, cuda_pids=fp.pids)
@@ -142,6 +166,13 @@ def checkpoint(
         op.to(MigrationState.TRANSFERRING, pids=pids)
         faults.check("checkpoint-dumped", node)
         copy_logs(rec, out_dir)
+        if hold is not None:
+            try:
+                hold(Dumped(sum(f.stat().st_size for f in image_files(out_dir)), fp.gpu_bytes))
+            except Exception:  # whatever the hold met, the job goes on: it is this node's one copy
+                log.exception("job %s: its snapshot's hold failed", name)
+            resumed = go_on()
+            went_on(frozen_s)
         emit(Progress("transfer", "writing the manifest and digests"))
         job = JobSpec(**{**rec.spec().__dict__, "shell_job": shell_job})
         m = phases.run(
@@ -159,6 +190,10 @@ def checkpoint(
         )
     except Exception as exc:
         e = out.failed(as_ferry_error(exc, "checkpoint", node), exc)
+        if resumed is not None:  # the job went on already: only its image is incomplete
+            if removed := out.remove():
+                e.cause += f"; {removed}"
+            raise e.at(step="checkpoint", node=node) from exc
         note = f"checkpoint failed: {e.cause}"
 
         def failed(r: rollback.Resumed) -> str:
@@ -181,22 +216,7 @@ def checkpoint(
     assert isinstance(m, Manifest)
     criu_logs.done(mid)
     if leave_running:
-        if hold is not None:
-            try:
-                hold(m)
-            except Exception:  # whatever the hold met, the job goes on: it is this node's one copy
-                log.exception("job %s: its snapshot's hold failed", name)
-
-        def saved(r: rollback.Resumed) -> str:
-            note = f"checkpointed to {out_dir}"
-            return f"{note}; but here {r.summary()}: its CUDA calls stay blocked" if r.summary() else note
-
-        op.to(MigrationState.ABORTING)  # the frozen copy goes on here: a move's abort, by request
-        done = rollback.resume(
-            registry, cj.driver, frozen(pids, left), saved, cuda_back=lambda: cj.release(fp)
-        )
-        op.to(MigrationState.ABORTED, note=saved(done))
-        frozen_s = time.monotonic() - stopped_at
+        done = resumed or go_on()
         if done.summary():
             raise FerryError(
                 f"saved to {out_dir}, but {done.summary()}",
@@ -220,6 +240,16 @@ def checkpoint(
 
 
 KIND_CHECKPOINT, KIND_SUSPEND, KIND_SNAPSHOT = "checkpoint", "suspend", "snapshot"
+
+
+@dataclass(frozen=True)
+class Dumped:
+    """A snapshot member's image as its hold sees it: dumped, its digests still to come."""
+
+    image_bytes: int
+    gpu_bytes: int
+
+
 #: The CUDA freeze's progress (agent.cuda.driver.freeze), journaled as it is reached.
 CUDA_STEPS = {"locked": MigrationState.LOCKED, "checkpointing": MigrationState.CHECKPOINTING}
 

@@ -33,14 +33,13 @@ from agent.gpus.quarantine import Entry, Quarantine
 from agent.health.events import EventLog
 from agent.health.healing import Hooks, SelfHealing
 from agent.health.monitor import GpuHealth, HealthMonitor
-from agent.image import Manifest
 from agent.jobs import fence
 from agent.jobs.network import JobNetwork
 from agent.jobs.record import JobRecord, JobState, OnDegraded, Priority, check_job_name
 from agent.jobs.registry import JobRegistry
 from agent.migration.datatls import sweep_keys
 from agent.migration.journal import SOURCE, Journal
-from agent.migration.local import checkpoint, restore_image, resume_preempted
+from agent.migration.local import Dumped, checkpoint, restore_image, resume_preempted
 from agent.migration.model import Emit, Method, MigrationResult, MigrationSpec, Progress, Resolution
 from agent.migration.recovery import SourceRecovery
 from agent.migration.source import SourceMigration
@@ -204,10 +203,12 @@ class AgentNode:
     def _group_members(self, group: str) -> list[JobRecord]:
         return [r for r in self.registry.list() if r.group == group and r.state is JobState.RUNNING]
 
-    def _snapshot_save(self, job: str, out: Path, hold: Callable[[Manifest], None]) -> MigrationResult:
+    def _snapshot_save(
+        self, job: str, out: Path, hold: Callable[[Dumped], None], went_on: Callable[[float], None]
+    ) -> MigrationResult:
         with self.counted():  # a graceful stop waits for a held member to go on
             args = (self.registry, self.criu, job, out, self.node, True)
-            return checkpoint(*args, journal=self.journal, cuda_jobs=self.cuda, hold=hold)
+            return checkpoint(*args, journal=self.journal, cuda_jobs=self.cuda, hold=hold, went_on=went_on)
 
     def _push_snapshot(self, buddy: str, chunks: Iterator[pb.ImageChunk]) -> pb.StoredSnapshot:
         return client.PeerClient(buddy, self.dial).store_snapshot(chunks)

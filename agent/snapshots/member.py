@@ -40,6 +40,7 @@ from agent.coord.liveness import rank_of
 from agent.errors import FerryError, NotFoundError, RefusedError, as_ferry_error
 from agent.image import Manifest, read_manifest
 from agent.jobs.record import JobRecord
+from agent.migration.local import Dumped
 from agent.migration.model import MigrationResult
 from agent.migration.transfer import SendStats, send_image
 from agent.rpc import pb
@@ -72,9 +73,9 @@ HELD_TRANSITIONS = Transitions(
 #: How long a release waits for a held member to be going again (CUDA restore included).
 RESUME_WAIT_S = 120.0
 
-#: save(job, out_dir, hold) → the checkpoint's result: `ferry checkpoint --leave-running` with a
-#: hold (agent.migration.local.checkpoint).
-Save = Callable[[str, Path, Callable[[Manifest], None]], MigrationResult]
+#: save(job, out_dir, hold, went_on) → the checkpoint's result: `ferry checkpoint --leave-running`
+#: with a hold, and word of the job going on (agent.migration.local.checkpoint).
+Save = Callable[[str, Path, Callable[[Dumped], None], Callable[[float], None]], MigrationResult]
 #: push(buddy's HOST:PORT, chunks) → what the buddy stored.
 Push = Callable[[str, Iterator[pb.ImageChunk]], pb.StoredSnapshot]
 
@@ -93,13 +94,15 @@ class Held:
     gpu_bytes: int = 0
     cuda_checkpoint_s: float = 0.0
     resume_s: float = 0.0  # from the release to the save's return: the CUDA restore and unlock
+    dropped: bool = False  # its round was dropped before its digests were done: removed then
     released_at: float = 0.0  # monotonic
     error: str = ""
     buddy_node: str = ""
     dir: str = ""
     dumped: threading.Event = field(default_factory=threading.Event)  # held, or failed
     go: threading.Event = field(default_factory=threading.Event)
-    done: threading.Event = field(default_factory=threading.Event)  # the save returned
+    going: threading.Event = field(default_factory=threading.Event)  # it went on (or never froze)
+    done: threading.Event = field(default_factory=threading.Event)  # the save returned (digests too)
 
     def pb(self) -> pb.HeldMember:
         return pb.HeldMember(
@@ -135,8 +138,9 @@ class MemberSnapshots:
     def hold(self, group: str, epoch: int, hold_s: float) -> list[Held]:
         """Save and hold every running member of `group` here; answer once each is dumped."""
         with self._lock:
+            # Still frozen (its digests may come after it went on: they hold nothing).
             busy = [
-                k for k, hs in self._held.items() if k[0] == group and not all(h.done.is_set() for h in hs)
+                k for k, hs in self._held.items() if k[0] == group and not all(h.going.is_set() for h in hs)
             ]
             if busy:
                 raise RefusedError(
@@ -169,7 +173,7 @@ class MemberSnapshots:
         return helds
 
     def _save(self, h: Held, hold_s: float) -> None:
-        def hold(m: Manifest) -> None:
+        def hold(m: Dumped) -> None:
             h.bytes, h.gpu_bytes = m.image_bytes, m.gpu_bytes
             with self._lock:
                 self._to(h, HeldState.HELD)
@@ -188,9 +192,14 @@ class MemberSnapshots:
 
         try:
             h.out_dir.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            res = self.save(h.job, h.out_dir, hold)
-            h.frozen_s, h.cuda_checkpoint_s = res.frozen_s, res.phases.get("cuda checkpoint", 0.0)
-            h.resume_s = time.monotonic() - h.released_at if h.released_at else 0.0
+
+            def went_on(frozen_s: float) -> None:
+                h.frozen_s = frozen_s
+                h.resume_s = time.monotonic() - h.released_at if h.released_at else 0.0
+                h.going.set()
+
+            res = self.save(h.job, h.out_dir, hold, went_on)
+            h.cuda_checkpoint_s = res.phases.get("cuda checkpoint", 0.0)
         except Exception as e:  # the save resumed the job; the error says what it met
             err = as_ferry_error(e, "snapshot", self.node)
             h.error = err.cause
@@ -202,13 +211,18 @@ class MemberSnapshots:
             log.error("snapshot of job %s (round %d of group %s): %s", h.job, h.epoch, h.group, err)
         finally:
             h.dumped.set()
+            h.going.set()
             h.done.set()
+            with self._lock:
+                if h.dropped:
+                    shutil.rmtree(h.out_dir, ignore_errors=True)
 
     def release(self, group: str, epoch: int) -> list[Held]:
-        """Let the round's members go on; refused (after releasing) if any already went on by
-        itself or could not be put back, since then the round is no consistent cut."""
+        """Let the round's members go on; answer once they do (their digests come after).
+        Refused (after releasing) if any already went on by itself or could not be put back,
+        since then the round is no consistent cut."""
         helds = self._round(group, epoch)
-        self._release(helds)
+        self._release(helds, wait=lambda h: h.going)
         if bad := [h for h in helds if h.state is HeldState.EXPIRED or h.error]:
             why = bad[0].error or "it went on by itself after [snapshots] hold_s, before the release"
             raise RefusedError(
@@ -218,7 +232,7 @@ class MemberSnapshots:
             )
         return helds
 
-    def _release(self, helds: list[Held]) -> None:
+    def _release(self, helds: list[Held], wait: Callable[[Held], threading.Event] = lambda h: h.done) -> None:
         with self._lock:
             for h in helds:
                 if h.state is HeldState.HELD:
@@ -226,13 +240,20 @@ class MemberSnapshots:
                 h.released_at = time.monotonic()
                 h.go.set()
         for h in helds:
-            if not h.done.wait(RESUME_WAIT_S):
+            if not wait(h).wait(RESUME_WAIT_S):
                 h.error = h.error or f"it was not going again {RESUME_WAIT_S:g} s after its release"
 
     def ship(self, group: str, epoch: int, buddy: str) -> list[Held]:
         """Send each released member's image to `buddy`; done once the buddy has verified it."""
         helds = self._round(group, epoch)
         for h in helds:
+            h.done.wait(RESUME_WAIT_S)  # its digests, computed once it went on
+            if h.error:
+                raise RefusedError(
+                    f"job {h.job}'s image of round {epoch} is incomplete: {h.error}",
+                    step="snapshot ship",
+                    node=self.node,
+                )
             if h.state is not HeldState.RELEASED:
                 raise RefusedError(
                     f"job {h.job}'s image of round {epoch} is {h.state.value}, not released: it cannot ship",
@@ -262,24 +283,28 @@ class MemberSnapshots:
             return m
 
         first = True
-        for chunk in send_image("", h.out_dir, same, SendStats()):
+        for chunk in send_image("", h.out_dir, same, SendStats(), digests=digests):
             if first:
                 chunk.snapshot.CopyFrom(pb.SnapshotKey(group=h.group, epoch=h.epoch, job=h.job))
                 first = False
             yield chunk
 
     def drop(self, group: str, keep: int) -> None:
-        """Forget every round of `group` but round `keep` that holds no member, and their images
-        here (those a restarted agent left too)."""
+        """Forget every round of `group` but round `keep`, and their images here (those a restarted
+        agent left too); a round whose digests are still being computed goes once they are."""
         with self._lock:
-            busy = {
-                k[1] for k, hs in self._held.items() if k[0] == group and not all(h.done.is_set() for h in hs)
-            }
-            for key in [k for k in self._held if k[0] == group and k[1] != keep and k[1] not in busy]:
-                del self._held[key]
+            pending = set()
+            for key in [k for k in self._held if k[0] == group and k[1] != keep]:
+                for h in self._held.pop(key):
+                    h.dropped = True
+                    if h.done.is_set():
+                        shutil.rmtree(h.out_dir, ignore_errors=True)
+                    else:
+                        pending.add(h.epoch)
+            busy = pending | {k[1] for k in self._held if k[0] == group}
             gdir = self.root / group
             for d in gdir.iterdir() if gdir.is_dir() else []:
-                if d.name.isdigit() and int(d.name) != keep and int(d.name) not in busy:
+                if d.name.isdigit() and int(d.name) not in busy:
                     shutil.rmtree(d, ignore_errors=True)
 
     def abandon(self, group: str) -> list[str]:

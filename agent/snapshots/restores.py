@@ -236,7 +236,8 @@ def image_chunks(image_dir: Path, key: pb.SnapshotKey) -> Iterator[pb.ImageChunk
 
     m = read_manifest(image_dir)
     first = True
-    for chunk in send_image("", image_dir, lambda entries: m, SendStats()):
+    digests = {f.name: f.sha256 for f in m.files}
+    for chunk in send_image("", image_dir, lambda entries: m, SendStats(), digests=digests):
         if first:
             chunk.snapshot.CopyFrom(key)
             first = False

@@ -18,7 +18,7 @@ from tests.integration.jobtools import final_digest, steps_in
 from tests.integration.test_nodes import wait_exited, wait_for
 
 STEPS = 80
-LONG = 140  # the job that is snapshot and rolled back: still running when it is
+LONG = 200  # the job that is snapshot and rolled back: still running when it is
 STORE = "/dev/shm/ferry-snapshots"
 
 

@@ -49,12 +49,15 @@ class FakeSave:
         self.fail = fail or set()
         self.resumed: list[str] = []
 
-    def __call__(self, job: str, out: Path, hold: Callable[[Manifest], None]) -> MigrationResult:
+    def __call__(
+        self, job: str, out: Path, hold: Callable[[Manifest], None], went_on: Callable[[float], None]
+    ) -> MigrationResult:
         if job in self.fail:
             raise FerryError("injected fault at 'checkpoint'", step="checkpoint", node="node-a")
         t0 = time.monotonic()
         hold(image(out, job))
         self.resumed.append(job)
+        went_on(time.monotonic() - t0)
         return MigrationResult("", job, "node-a", frozen_s=time.monotonic() - t0)
 
 
