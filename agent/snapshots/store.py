@@ -22,6 +22,7 @@ from agent.errors import InvalidArgumentError, TransferError
 from agent.jobs.record import check_group_name, check_job_name
 from agent.migration.transfer import Intake
 from agent.rpc import pb
+from agent.snapshots.member import in_background
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +62,11 @@ class SnapshotStore:
             part.mkdir(parents=True, mode=0o700)
         intake = Intake(part, self._room(), node=self.node)
         try:
-            intake.feed(first)
-            for chunk in chunks:
-                intake.feed(chunk)
-            intake.finish()
+            with in_background():  # this node's own members come first
+                intake.feed(first)
+                for chunk in chunks:
+                    intake.feed(chunk)
+                intake.finish()
             os.rename(part, final)
         except BaseException:
             intake.close()

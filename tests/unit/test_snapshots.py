@@ -4,6 +4,7 @@ order and failures, and a protection's record (agent.snapshots). The bed's test
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -411,3 +412,25 @@ def test_a_rollback_abandons_a_round_that_holds_members(tmp_path: Path) -> None:
     assert h.state is HeldState.EXPIRED
     with pytest.raises(RefusedError, match="expired, not released"):
         m.ship("g", 1, "10.0.0.2:7070")
+
+
+def test_a_rounds_background_work_yields_to_the_job_and_the_thread_gets_its_priority_back() -> None:
+    from agent.snapshots.member import BACKGROUND_NICE, in_background
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    seen: list[int] = []
+
+    def work() -> None:
+        before = nice()
+        with in_background():
+            seen.append(nice() - before)
+        seen.append(nice() - before)
+
+    mine = nice()
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert seen == [min(BACKGROUND_NICE, 19), 0]
+    assert nice() == mine  # only that thread's priority changed
