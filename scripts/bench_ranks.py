@@ -354,6 +354,10 @@ def preflight(args: argparse.Namespace) -> None:
         raise BenchError(
             f"need 0 < --interval-steps/2 ({k}) <= --fail-at ({args.fail_at}) < --steps-1 ({args.steps - 1})"
         )
+    require_criu()
+
+
+def require_criu() -> None:
     from agent import config
     from agent.errors import FerryError
 

@@ -91,6 +91,7 @@ from bench_ranks import (  # noqa: E402
     median_step,
     pause_target,
     project,
+    require_criu,
     wall_s,
 )
 from bench_ranks import Runs as RanksRuns  # noqa: E402
@@ -936,13 +937,7 @@ def preflight(args: argparse.Namespace, sizes: list[int]) -> None:
         raise BenchError(
             f"{max(sizes)} MiB per member needs about {need} MiB of memory; {avail} MiB is available"
         )
-    from agent import config
-    from agent.errors import FerryError
-
-    try:
-        config.criu_binary()
-    except FerryError as e:
-        raise BenchError(f"CRIU not found: {e}") from e
+    require_criu()
 
 
 def run(args: argparse.Namespace, say: Progress) -> dict[str, Any]:

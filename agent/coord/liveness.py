@@ -42,7 +42,7 @@ from agent.coord.etcd import EtcdClient, Lease
 from agent.errors import FerryError, InvalidArgumentError, NotFoundError
 from agent.health.events import EventLog
 from agent.jobs import fence
-from agent.jobs.record import JobRecord, JobState
+from agent.jobs.record import JobRecord, JobState, env_of
 from agent.jobs.registry import JobRegistry
 from agent.statemachine import Transitions
 from agent.tls import Identity
@@ -101,8 +101,7 @@ class LostMember:
 
 
 def rank_of(rec: JobRecord) -> str:
-    env = dict(kv.partition("=")[::2] for kv in rec.env)
-    return env.get("RANK", "")
+    return env_of(rec).get("RANK", "")
 
 
 def for_agent(

@@ -184,6 +184,11 @@ class JobRecord:
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
+def env_of(rec: JobRecord) -> dict[str, str]:
+    """The job's `--env` settings, by name."""
+    return dict(kv.partition("=")[::2] for kv in rec.env)
+
+
 def check_job_name(name: str) -> str:
     if not _NAME.match(name or ""):
         raise InvalidArgumentError(

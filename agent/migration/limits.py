@@ -30,7 +30,7 @@ from pathlib import Path
 
 from agent.durable import replace_file
 from agent.errors import RefusedError
-from agent.jobs.record import JobRecord
+from agent.jobs.record import JobRecord, env_of
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def is_distributed(rec: JobRecord) -> bool:
     WORLD_SIZE > 1, or a torchrun agent of a multi-node job."""
     if rec.group:
         return True
-    env = dict(kv.partition("=")[::2] for kv in rec.env)
+    env = env_of(rec)
     if env.get("WORLD_SIZE", "1").isdigit() and int(env.get("WORLD_SIZE", "1")) > 1:
         return True
     return torchrun_nnodes(rec.command) > 1

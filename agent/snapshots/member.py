@@ -41,7 +41,7 @@ from agent.compat import StrEnum
 from agent.coord.liveness import rank_of
 from agent.errors import FerryError, NotFoundError, RefusedError, as_ferry_error
 from agent.image import Manifest, read_manifest
-from agent.jobs.record import JobRecord
+from agent.jobs.record import JobRecord, env_of
 from agent.migration.local import Dumped
 from agent.migration.model import MigrationResult
 from agent.migration.transfer import SendStats, send_image
@@ -371,5 +371,5 @@ class MemberSnapshots:
 
 
 def world_of(rec: JobRecord) -> int:
-    env = dict(kv.partition("=")[::2] for kv in rec.env)
-    return int(env["WORLD_SIZE"]) if env.get("WORLD_SIZE", "").isdigit() else 0
+    world = env_of(rec).get("WORLD_SIZE", "")
+    return int(world) if world.isdigit() else 0

@@ -34,7 +34,7 @@ from pathlib import Path
 from agent.compat import StrEnum
 from agent.errors import FerryError, NotFoundError, RefusedError, as_ferry_error
 from agent.image import read_manifest, verify
-from agent.jobs import procs
+from agent.jobs import fence, procs
 from agent.jobs.record import JobRecord, JobState
 from agent.jobs.registry import JobRegistry
 from agent.migration.transfer import Intake
@@ -159,8 +159,6 @@ class MemberRestores:
             if rec.group != group or rec.state not in (JobState.RUNNING, JobState.FENCED):
                 continue
             if rec.state is JobState.RUNNING:
-                from agent.jobs import fence  # fence imports the registry; only a rollback needs it
-
                 fence.fence(self.registry, rec.name, why)
             if self.registry.end_fenced(rec.name, why) is not None:
                 ended.append(rec.name)
