@@ -153,6 +153,7 @@ class NodeLiveness:
         self.fenced_at = 0.0  # monotonic, of the last fencing (for the tests and the log)
         self._stop = threading.Event()
         self._node_gone = threading.Event()  # a node's key went (its lease expired): check now
+        registry.may_go_on = self.may_go_on
         self._thread = threading.Thread(target=self._run, name="coordination", daemon=True)
         # Its own thread: asking a dead node's agent takes seconds, which must never delay a renewal.
         self._watcher = threading.Thread(target=self._watch, name="group-watch", daemon=True)
@@ -199,6 +200,8 @@ class NodeLiveness:
             self._stop.wait(wait)
 
     def _connect(self) -> float:
+        # A member that went on (past the gate, may_go_on) just before the lease was found gone.
+        self._fence_members("this node's lease in etcd is gone", then="; etcd settles them")
         try:
             lease = self.client.grant(self.config.lease_ttl_s)
             value = json.dumps({"agent": self.agent, "node": self.node})
@@ -217,6 +220,8 @@ class NodeLiveness:
         sent = time.monotonic()
         if sent >= deadline and self.state is Liveness.LIVE:
             self._fence_all(f"no lease renewal landed for {sent - (self.valid_until - self.lease.ttl):.1f} s")
+        elif self.state is Liveness.FENCED:  # one that went on under this lease, just before the deadline
+            self._fenced_under_lease |= self._fence_members("this node's lease is past its fencing deadline")
         try:
             # Never past the deadline: a renewal that hangs must not delay fencing.
             budget = max(deadline - sent, 0.1) if self.state is Liveness.LIVE else self.config.renew_every_s
@@ -274,6 +279,19 @@ class NodeLiveness:
             if rec.state is JobState.FENCED and rec.name in self._fenced_under_lease:
                 self._unfence(rec.name, why)
         self._fenced_under_lease.clear()
+
+    def may_go_on(self, rec: JobRecord, since: float) -> str:
+        """registry.may_go_on: a frozen member (a move's, a snapshot's) goes on only if this node
+        held one lease, live, from `since` (at or before its freeze) to now, so that no recovery
+        can have started it elsewhere meanwhile; else why not. Fencing stops running members
+        only: without this, one frozen across a lost lease would run beside its recovered copy
+        (tests/unit/test_recovery_model.py finds two copies)."""
+        lease = self.lease
+        if self.state is not Liveness.LIVE or lease is None or self.word_ms() <= 0:
+            return f"node {self.node} has no live lease in etcd now ({self.state.value})"
+        if lease.granted_at > since:
+            return f"node {self.node}'s lease in etcd was lost and granted again since job {rec.name} froze"
+        return ""
 
     def word_ms(self) -> int:
         """What a member's PID 1 may run for without a newer word: to this node's own fencing

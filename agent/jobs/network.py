@@ -367,6 +367,10 @@ class LinkLock:
             self.engaged = False
         self._stop_standin()  # after the reconnect: a peer's retry in between is still answered
 
+    def keep_cut(self) -> None:
+        """The copy stays, fenced: its link stays off the bridge, and no stand-in answers for it."""
+        self._stop_standin()
+
     def drop(self) -> None:
         """The copy this link served is gone: the node's end goes, and the stand-in with it."""
         if self.network is not None:

@@ -33,7 +33,8 @@ class JobState(StrEnum):
     RUNNING → FENCED: its node lost etcd, so it is stopped and cut off before its lease can
     expire (agent.coord.liveness); FENCED → RUNNING (etcd answered: no other copy was started)
     | STOPPED (another copy was started elsewhere, or `ferry stop`: killed, never resumed) |
-    EXITED | LOST (its process ended).
+    EXITED | LOST (its process ended). MIGRATING → FENCED: a frozen member whose node's lease
+    did not last from its freeze to its resume stays frozen, fenced (agent.migration.rollback).
     Every state but RUNNING, MIGRATING, FENCED and PREEMPTED is final for this node (LOST can
     still be corrected to MOVED); a final job's name may be reused.
     """
@@ -65,7 +66,7 @@ JOB_TRANSITIONS: Transitions[JobState] = Transitions(
     {
         _J.RUNNING: frozenset({_J.MIGRATING, _J.EXITED, _J.STOPPED, _J.LOST, _J.PREEMPTED, _J.FENCED}),
         _J.FENCED: frozenset({_J.RUNNING, _J.STOPPED, _J.EXITED, _J.LOST}),
-        _J.MIGRATING: frozenset({_J.RUNNING, _J.MOVED, _J.CHECKPOINTED, _J.EXITED, _J.LOST}),
+        _J.MIGRATING: frozenset({_J.RUNNING, _J.MOVED, _J.CHECKPOINTED, _J.EXITED, _J.LOST, _J.FENCED}),
         _J.CHECKPOINTED: frozenset({_J.PREEMPTED}),
         _J.PREEMPTED: frozenset({_J.STOPPED}),
         _J.EXITED: frozenset(),

@@ -142,6 +142,10 @@ class JobRegistry:
         #: Called with a restored job's record while it is still held: its PID 1's fencing
         #: watchdog hears from this node first (agent.service.node), not the restored clock.
         self.on_restored: Callable[[JobRecord], None] = lambda rec: None
+        #: (a frozen copy's record, a monotonic time at or before its freeze) → "" if it may go on
+        #: here, else why not: a group member goes on only if this node's lease lasted from
+        #: then to now (agent.coord.liveness installs it; without one, every copy may).
+        self.may_go_on: Callable[[JobRecord, float], str] = lambda rec, since: ""
         self._load()
 
     # -- queries ----------------------------------------------------------------

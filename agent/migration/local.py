@@ -103,7 +103,7 @@ def checkpoint(
     criu_logs = CriuLogs(registry.root.parent)
 
     def frozen(pids: list[int], left: CudaLeft) -> rollback.FrozenCopy:
-        return rollback.FrozenCopy(rec, pids, link, fp.pids, left)
+        return rollback.FrozenCopy(rec, pids, link, fp.pids, left, since=t0)
 
     phases = Phases()
     pids: list[int] = []
@@ -115,6 +115,8 @@ def checkpoint(
 
     def saved(r: rollback.Resumed) -> str:
         note = f"checkpointed to {out_dir}"
+        if r.fenced and not r.undone:
+            return f"{note}; {r.summary()}"
         return f"{note}; but here {r.summary()}: its CUDA calls stay blocked" if r.summary() else note
 
     def go_on() -> rollback.Resumed:
@@ -197,7 +199,9 @@ def checkpoint(
         note = f"checkpoint failed: {e.cause}"
 
         def failed(r: rollback.Resumed) -> str:
-            return f"{note}; {r.summary()}; {cuda.UNDO_HINT}" if r.summary() else note
+            if not r.summary():
+                return note
+            return f"{note}; {r.summary()}; {cuda.UNDO_HINT}" if r.undone else f"{note}; {r.summary()}"
 
         op.to(MigrationState.ABORTING)
         done = rollback.resume(

@@ -100,6 +100,7 @@ class SourceMigration(PrepareStep, PostCopyStep, AbortPath):
         self.keep_criu_logs = False
         self.estimated_bytes = 0
         self.phases = Phases()
+        self.started = 0.0  # monotonic, before anything froze: a resume's lease check (rollback)
         #: How fast this agent's moves froze jobs: a member's expected pause is judged by it.
         self.rates = RateLog(registry.root.parent)
         self.result = MigrationResult(spec.migration_id, spec.job, node, target=spec.target)
@@ -127,7 +128,7 @@ class SourceMigration(PrepareStep, PostCopyStep, AbortPath):
         self._to({"locked": MigrationState.LOCKED, "checkpointing": MigrationState.CHECKPOINTING}[step])
 
     def run(self) -> MigrationResult:
-        t_start = time.monotonic()
+        t_start = self.started = time.monotonic()
         rec = self.registry.begin_move(self.spec.job, self.spec.migration_id, "migration")
         self.record.pids = [rec.pid]
         try:

@@ -44,6 +44,7 @@ class AbortPath:
     data: SourceDataPath
     lazy_dump: LazyDump | None
     staging: Path
+    started: float
 
     if TYPE_CHECKING:  # SourceMigration's and its post-copy's, which this is part of
 
@@ -85,7 +86,7 @@ class AbortPath:
         # A freeze that failed undid itself (agent.cuda.driver.freeze); a finished one is undone here.
         left = cuda_left(phase, bool(self.footprint.processes))
         left = left if left is CudaLeft.CHECKPOINTED else CudaLeft.NONE
-        copy = rollback.FrozenCopy(rec, pids, self.link, self.footprint.pids, left)
+        copy = rollback.FrozenCopy(rec, pids, self.link, self.footprint.pids, left, since=self.started)
         note = f"migration to {self.spec.target} aborted while {phase.value}: {err.cause}"
         outcome = f"the job keeps running on {self.node}"
         hint = err.hint
@@ -94,6 +95,10 @@ class AbortPath:
             nonlocal outcome, hint
             if not r.summary():
                 return note
+            if r.fenced:
+                outcome = f"the job stays frozen on {self.node}, fenced: {r.fenced}"
+                hint = rollback.FENCED_HINT
+                return f"{note}; {outcome}"
             outcome = f"the job's processes run on {self.node}, but {r.summary()}"
             hint = cuda.UNDO_HINT if r.undone else "see the agent's log"
             return f"{note}; {outcome}; {hint}"

@@ -18,6 +18,7 @@ Each member's part is a Restoring, whose RestoreState only moves as RESTORE_TRAN
     FETCHED → HELD        restored, recorded, and stopped until RESUME
     FETCHED → FAILED      the restore failed: nothing runs
     HELD → RUNNING        resumed (by the coordinator, or by itself after hold_s)
+    HELD → ENDED          a later END (the rollback's next try) ended it: it never goes on
 """
 
 from __future__ import annotations
@@ -49,15 +50,17 @@ class RestoreState(StrEnum):
     HELD = "held"
     RUNNING = "running"
     FAILED = "failed"
+    ENDED = "ended"
 
 
 RESTORE_TRANSITIONS = Transitions(
     "snapshot restore",
     {
         RestoreState.FETCHED: frozenset({RestoreState.HELD, RestoreState.FAILED}),
-        RestoreState.HELD: frozenset({RestoreState.RUNNING}),
+        RestoreState.HELD: frozenset({RestoreState.RUNNING, RestoreState.ENDED}),
         RestoreState.RUNNING: frozenset(),
         RestoreState.FAILED: frozenset(),
+        RestoreState.ENDED: frozenset(),
     },
 )
 
@@ -153,7 +156,13 @@ class MemberRestores:
         return m.image_bytes
 
     def end(self, group: str, why: str) -> list[str]:
-        """End every running or fenced copy of the group's members here; the jobs ended."""
+        """End every running or fenced copy of the group's members here, those a failed try of
+        the rollback restored and holds included (they never go on); the jobs ended."""
+        with self._lock:
+            held = [r for k, r in self._restoring.items() if k[0] == group and r.state is RestoreState.HELD]
+            for r in held:
+                self._to(r, RestoreState.ENDED)
+                del self._restoring[(r.group, r.epoch, r.job)]
         ended = []
         for rec in self.registry.list():
             if rec.group != group or rec.state not in (JobState.RUNNING, JobState.FENCED):
@@ -163,6 +172,8 @@ class MemberRestores:
             if self.registry.end_fenced(rec.name, why) is not None:
                 ended.append(rec.name)
                 _wait_gone(rec)
+        for r in held:
+            r.go.set()  # its restore unwinds: the copy is gone already
         return ended
 
     def restore(self, group: str, epoch: int, job: str, hold_s: float) -> Restoring:
@@ -181,6 +192,12 @@ class MemberRestores:
             if not r.go.wait(max(0.0, deadline - time.monotonic())):
                 log.warning("rollback: job %s goes on by itself: no RESUME came for round %d", job, epoch)
             with self._lock:
+                if r.state is RestoreState.ENDED:
+                    raise RefusedError(
+                        f"job {job}'s copy restored from round {epoch} was ended by the rollback's next try",
+                        step="rollback restore",
+                        node=self.node,
+                    )
                 self._to(r, RestoreState.RUNNING)
 
         def run() -> None:

@@ -9,14 +9,18 @@ the part of a recovery after a spare was claimed (agent.snapshots.protect runs b
     3. RESTORE on each member's agent: restored (journaled RUNNING at its commit point) and held.
     4. RESUME on all: they go on together, from one consistent cut.
 
-A failure before END changes nothing: every copy runs on. A failure after it leaves the members
-that were restored going on by themselves (hold_s), and the error says which did not: a second
-rollback (or recovery) finishes the work from the same snapshot.
+A failure before END changes nothing: every copy runs on. A failure after it (an END or a
+RESTORE that failed) leaves members with no copy anywhere, so the steps are tried again from the
+same snapshot, FETCH included (ATTEMPTS in all): the next END ends the members restored and held
+by the failed try, so none goes on without the rest. After the last try, whatever was restored
+goes on and the error says which did not: `ferry rollback` finishes the work from the same
+snapshot.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,10 +29,16 @@ from agent.errors import FerryError, as_ferry_error
 from agent.rpc import pb
 from agent.snapshots.rounds import RELEASE_CALL_S, Call
 
+log = logging.getLogger(__name__)
+
 #: Bounds of the steps' calls: an image crossing the network; a restore of a large member.
 FETCH_CALL_S = 1800.0
 END_CALL_S = 60.0
 RESTORE_CALL_S = 600.0
+#: Tries of FETCH, END, RESTORE once a first END went out: a failure then leaves members with no
+#: copy anywhere, and only another try (from the same snapshot) brings them back.
+ATTEMPTS = 3
+RETRY_PAUSE_S = 2.0
 
 
 @dataclass
@@ -89,24 +99,44 @@ def roll_back(
         if a not in dead
     ]
     _every_copy_found(group, snap, call, enders, set(place))
-    t0 = time.monotonic()
-    fetches = [(where[m.job], fetch(m), FETCH_CALL_S) for m in snap.members]
-    all_of(fetches, "rollback fetch")
-    t.fetch_s = time.monotonic() - t0
-    t1 = time.monotonic()
-    all_of([(a, req(pb.SNAPSHOT_ACTION_END), END_CALL_S) for a in enders], "rollback end")
-    t.end_s = time.monotonic() - t1
-    t2 = time.monotonic()
-    restores = [
-        (where[m.job], req(pb.SNAPSHOT_ACTION_RESTORE, m.job), RESTORE_CALL_S + hold_s) for m in snap.members
-    ]
-    try:
-        all_of(restores, "rollback restore")
-    finally:  # whatever was restored goes on now, not after hold_s
-        t.restore_s = time.monotonic() - t2
-        resumers = list(dict.fromkeys(where.values()))
-        _quietly_all(call, [(a, req(pb.SNAPSHOT_ACTION_RESUME), RELEASE_CALL_S) for a in resumers])
-    t.paused_s = time.monotonic() - t1
+    ended = False  # from the first END on, a failure leaves members with no copy: try again
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            t0 = time.monotonic()
+            fetches = [(where[m.job], fetch(m), FETCH_CALL_S) for m in snap.members]
+            all_of(fetches, "rollback fetch")
+            t.fetch_s = time.monotonic() - t0
+            t1 = time.monotonic()
+            ended = True
+            all_of([(a, req(pb.SNAPSHOT_ACTION_END), END_CALL_S) for a in enders], "rollback end")
+            t.end_s = time.monotonic() - t1
+            t2 = time.monotonic()
+            restores = [
+                (where[m.job], req(pb.SNAPSHOT_ACTION_RESTORE, m.job), RESTORE_CALL_S + hold_s)
+                for m in snap.members
+            ]
+            all_of(restores, "rollback restore")
+            t.restore_s = time.monotonic() - t2
+        except FerryError as e:
+            if not ended or attempt == ATTEMPTS:
+                if ended:  # whatever was restored goes on now, not after hold_s
+                    _resume_all(call, where, req(pb.SNAPSHOT_ACTION_RESUME))
+                raise
+            # Members restored and held are ended by the next END: none goes on without the rest.
+            log.warning(
+                "rollback of group %s to round %d: try %d of %d failed after its members ended (%s); "
+                "again from the same snapshot",
+                group,
+                snap.epoch,
+                attempt,
+                ATTEMPTS,
+                e,
+            )
+            time.sleep(RETRY_PAUSE_S)
+            continue
+        _resume_all(call, where, req(pb.SNAPSHOT_ACTION_RESUME))
+        t.paused_s = time.monotonic() - t1
+        break
     return t
 
 
@@ -133,6 +163,10 @@ def _every_copy_found(
             hint="nothing was changed: find where they run (`ferry ps --group`) and name that agent "
             "with `ferry protect --members-on`",
         )
+
+
+def _resume_all(call: Call, where: dict[str, str], resume: pb.SnapshotMemberRequest) -> None:
+    _quietly_all(call, [(a, resume, RELEASE_CALL_S) for a in dict.fromkeys(where.values())])
 
 
 def _quietly_all(call: Call, calls: list[tuple[str, pb.SnapshotMemberRequest, float]]) -> None:

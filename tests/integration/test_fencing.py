@@ -215,3 +215,48 @@ def test_a_member_whose_agent_dies_stops_itself_before_the_lease_expires_and_the
     assert any(m.startswith("fenced m0: the agent started") for m in said), said
     assert any(m == "unfenced: its key in etcd still names this node" for m in said), said
     wait_for("m0 ticking again", lambda: ticks(a, "m0")[-1] > time.time() - 1, 10)
+
+
+def test_a_member_frozen_while_its_node_loses_etcd_stays_frozen_and_its_key_settles_it(bed) -> None:
+    """Fencing stops running members; a member frozen at the deadline (a checkpoint's dump here,
+    a snapshot's hold or a move alike) is passed by. When its freeze ends after the lease is
+    gone, it must not go on: a recovery may run it elsewhere by then. It stays frozen, fenced,
+    and its key settles it once the node is back (here: another node's, so it ends)."""
+    b, _, ctl = bed
+    c = b.node(
+        "node-c",
+        env={"FERRY_PAUSE": "checkpoint-dumped=10"},  # frozen, dumped, for 10 s
+        config=coordination_config(ttl_s=3, margin_s=1.0),
+    )
+    c.cli("run", "--name", "c1", "--group", "g1", "--env", "RANK=2", "--", sys.executable, "-c", TICK)
+    wait_for("c1's member key", lambda: '"node": "node-c"' in ctl("get", "/ferry/groups/g1/members/c1"), 20)
+    saved: list[subprocess.CompletedProcess[str]] = []
+    saving = threading.Thread(
+        target=lambda: saved.append(
+            c.cli("checkpoint", "c1", "--out", "/tmp/c1.img", "--leave-running", check=False)
+        )
+    )
+    saving.start()
+    wait_for("c1 frozen for its checkpoint", lambda: saved or c.job("c1")["state"] == "migrating", 20)
+    assert not saved, saved
+    time.sleep(1.0)  # the dump is written: the pause holds it frozen
+    last = ticks(c, "c1")[-1]
+    expired = ctl.deleted_at("/ferry/nodes/node-c")
+    cut(c)
+    try:
+        wait_for("node-c's lease to expire", lambda: expired, 30)
+        # What a recovery elsewhere does first: it takes the member's key for its own node.
+        ctl("put", "/ferry/groups/g1/members/c1", json.dumps({"node": "node-b", "agent": "10.98.0.2:7070"}))
+        saving.join(60)
+        assert saved and saved[0].returncode != 0, saved
+        said = saved[0].stderr
+        assert "stays frozen, fenced" in said and "no live lease" in said, said
+        assert "Traceback" not in said, said
+        assert c.job("c1")["state"] == "fenced"
+        time.sleep(1.0)
+        assert ticks(c, "c1")[-1] == last, "the frozen copy went on without a lease"
+    finally:
+        heal(c)
+    wait_for("c1 ended", lambda: c.job("c1")["state"] == "stopped", 30)
+    assert "node-b" in c.job("c1")["note"]
+    assert ticks(c, "c1")[-1] == last, "the frozen copy ran again"

@@ -186,7 +186,27 @@ def test_a_cut_off_node_fences_its_member_and_its_copy_never_runs_again_once_it_
     time.sleep(1.0)
     assert stamps(stdout.read_text())[-1] == last < cut + 3.0  # fenced before its 3 s lease ran out
     where = {job[0]: a, job[1]: spare, job[2]: c}
+    try:
+        for name, node in where.items():
+            assert wait_exited(node, name, timeout_s=100)["exit_code"] == 0
+    except BaseException:  # a timeout included: what each node did and said, for the report
+        _tell(where, [a, b, c, spare])
+        raise
     for name, node in where.items():
-        assert wait_exited(node, name, timeout_s=240)["exit_code"] == 0
         assert sorted(set(steps_in(node.cli("logs", name).stdout))) == list(range(STEPS))
     assert len({final_digest(n.cli("logs", j).stdout) for j, n in where.items()}) == 1
+
+
+def _tell(where: dict[str, BedAgent], nodes: list[BedAgent]) -> None:
+    """Each node's events and each member's last lines: a failure's evidence in the test's output."""
+    for n in nodes:
+        for e in events(n):
+            print(f"{n.node} {e['time']:.2f} {e['kind']} {e['job']}: {e['message']}")
+        said = n.log_path.read_text(errors="replace").splitlines()
+        print(f"-- {n.node}'s agent log, its warnings and errors:")
+        print("\n".join([x for x in said if " WARNING " in x or " ERROR " in x][-40:]))
+    for name, n in where.items():
+        j = n.job(name)
+        print(f"{name} on {n.node}: {j['state']} ({j['note']})")
+        print("\n".join(n.cli("logs", name).stdout.splitlines()[-5:]))
+        print("\n".join(n.cli("logs", name).stderr.splitlines()[-10:]))

@@ -389,6 +389,13 @@ def test_a_restored_member_is_held_until_resumed_or_goes_on_by_itself(tmp_path: 
     assert went_on == ["r1", "r1"] and again.state is RestoreState.RUNNING
     with pytest.raises(NotFoundError, match="no image of job r9"):
         r.restore("g", 4, "r9", hold_s=1)
+    # A rollback's next try: its END ends a copy the failed try restored and holds; it never goes on.
+    r.fetch("g", 4, "r1", "10.0.0.2:7070")
+    ended = r.restore("g", 4, "r1", hold_s=5)
+    r.end("g", "the rollback's next try")
+    time.sleep(0.2)
+    assert ended.state is RestoreState.ENDED and went_on == ["r1", "r1"]
+    assert r.resume("g", 4) == []
 
 
 def test_a_round_that_misses_a_rank_of_the_job_is_no_snapshot(tmp_path: Path) -> None:
@@ -434,3 +441,38 @@ def test_a_rounds_background_work_yields_to_the_job_and_the_thread_gets_its_prio
     t.join()
     assert seen == [min(BACKGROUND_NICE, 19), 0]
     assert nice() == mine  # only that thread's priority changed
+
+
+def test_a_restore_that_fails_after_the_end_is_tried_again_and_no_member_goes_on_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past END a failure leaves members with no copy: the steps run again from the same
+    snapshot, and no RESUME goes out until every member is restored."""
+    monkeypatch.setattr("agent.snapshots.rollback.RETRY_PAUSE_S", 0.0)
+    agents = Members({"A": ["r0"], "B": ["r1"], "C": ["r2"]}, fail=("C", "restore"))
+    real = agents.__call__
+    tries = []
+
+    def once(agent: str, req: pb.SnapshotMemberRequest, timeout_s: float) -> pb.SnapshotMemberResponse:
+        if (agent, req.action) == ("C", pb.SNAPSHOT_ACTION_RESTORE):
+            tries.append(agent)
+            if len(tries) > 1:  # the second try's restore works
+                agents.fail = ("", "")
+        return real(agent, req, timeout_s)
+
+    t = roll_back("g", SNAP, once, others=[], hold_s=5)
+    steps = agents.steps()
+    assert steps.count("end") == 6 and steps.count("fetch") == 6 and steps.count("restore") == 6
+    assert steps.index("resume") > max(i for i, s in enumerate(steps) if s == "restore")
+    assert steps.count("resume") == 3 and t.placed == {"r0": "A", "r1": "B", "r2": "C"}
+
+
+def test_a_rollback_that_fails_every_try_resumes_what_was_restored_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("agent.snapshots.rollback.RETRY_PAUSE_S", 0.0)
+    agents = Members({"A": ["r0"], "B": ["r1"], "C": ["r2"]}, fail=("C", "restore"))
+    with pytest.raises(FerryError, match=r"agent C: .*it broke"):
+        roll_back("g", SNAP, agents, others=[], hold_s=5)
+    steps = agents.steps()
+    assert steps.count("end") == 3 * 3 and steps[-3:] == ["resume"] * 3
