@@ -31,7 +31,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         gpus=args.gpu,
         group=args.group,
         max_pause_s=args.max_pause,
+        protect_every_s=args.protect,
     )
+    if args.protect and not args.group:
+        raise Usage("ferry run: --protect needs --group (the group whose snapshots it keeps)")
     if args.attach:
         return _attach(args, args.name, start=lambda: call(args, "Run", req, 30))
     job = call(args, "Run", req, 30)

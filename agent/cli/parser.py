@@ -173,6 +173,15 @@ def build_parser() -> Parser:
         "than gloo's 30 min default); a move expected to freeze it longer is refused (docs/distributed.md)",
     )
     r.add_argument(
+        "--protect",
+        type=duration,
+        default=0.0,
+        metavar="DURATION",
+        help="with --group, on a node with [coordination]: keep snapshots of the group, a round every "
+        "DURATION (as `ferry protect GROUP --every DURATION`). Give it to every member: one agent at a "
+        "time runs the rounds, and another takes over if its node dies (docs/recovery.md)",
+    )
+    r.add_argument(
         "--gpu",
         action="append",
         default=[],

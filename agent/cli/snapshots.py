@@ -96,4 +96,6 @@ def snapshot_lines(p: Any, now: float | None = None) -> list[str]:
         )
     if not p.active:
         lines.append("  no longer protected (`ferry protect --off`)")
+    elif p.rounds_by:
+        lines.append(f"  rounds run by {p.rounds_by}; this agent stands by to take them over")
     return lines

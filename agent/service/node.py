@@ -48,6 +48,7 @@ from agent.rpc import pb
 from agent.service.metrics import AgentMetrics, Sources
 from agent.snapshots.member import MemberSnapshots
 from agent.snapshots.protect import Protections
+from agent.snapshots.protector import ProtectorClaims
 from agent.snapshots.recover import GroupRecovery
 from agent.snapshots.restores import MemberRestores
 from agent.snapshots.store import SnapshotStore
@@ -174,6 +175,7 @@ class AgentNode:
             self._snapshot_call,
             members=(lambda g: list(dict.fromkeys(m.agent for m in live.members(g)))) if live else None,
             publish=live.put_snapshot if live else None,
+            claims=ProtectorClaims(live) if live else None,
             blocked=live.round_blocked if live else lambda group: "",
             record=lambda kind, message: self.events.record(kind, message),
             observe=self.metrics.snapshot_round,
@@ -468,10 +470,14 @@ class AgentNode:
         gpus: list[str],
         group: str = "",
         max_pause_s: float = 0.0,
+        protect_every_s: float = 0.0,
     ) -> JobRecord:
         """`ferry run`: the job's GPUs (if it names any) claimed before it starts. The servicer has
-        turned the request's enums into these (agent.service.convert), defaults included."""
+        turned the request's enums into these (agent.service.convert), defaults included. With
+        protect_every_s this agent protects the job's group too (checked before the job starts)."""
         check_job_name(name)
+        if protect_every_s:
+            self._check_protect(group, protect_every_s)
         if len(set(gpus)) != len(gpus):
             raise InvalidArgumentError(f"--gpu lists a GPU twice: {', '.join(gpus)}")
         owner = f"the start of job {name}"
@@ -482,7 +488,7 @@ class AgentNode:
                 owner, name, lambda taken, _frozen: (self._check_gpus(inv, gpus, taken), gpus)
             )
         try:
-            return self.registry.launch(
+            rec = self.registry.launch(
                 name,
                 command,
                 cwd or "/",
@@ -496,6 +502,23 @@ class AgentNode:
             )
         finally:
             self.gpus.release(owner)
+        if protect_every_s:  # the job runs: a refusal here could only be a bug, and it would say so
+            self.protections.protect(group, protect_every_s, [], check=False)
+        return rec
+
+    def _check_protect(self, group: str, every_s: float) -> None:
+        """`ferry run --protect`: refused before the job starts when it could not be kept."""
+        if not group:
+            raise InvalidArgumentError("--protect needs --group: the group whose snapshots it keeps")
+        if self.liveness is None:
+            raise RefusedError(
+                "--protect finds the group's members through etcd, and this agent has no [coordination]",
+                step="run",
+                node=self.node,
+                hint="configure [coordination], or run the job without --protect and name every member's "
+                "agent with `ferry protect GROUP --members-on HOST:PORT`",
+            )
+        self.protections.check_every(every_s)
 
     def _check_gpus(self, inv: Inventory, gpus: list[str], unavailable: dict[str, str]) -> str:
         """GPUs for `ferry run --gpu`: present, one chip, and free; returns the chip."""

@@ -87,6 +87,7 @@ class AgentService(pb_grpc.AgentServicer):
             list(request.gpus),
             request.group,
             request.max_pause_s,
+            request.protect_every_s,
         )
         return job_pb(rec, self.node)
 

@@ -6,6 +6,11 @@ that restarts goes on protecting) and, with `[coordination]`, in etcd under
 `groups/<group>/snapshot`, where a recovery reads it. A round that fails leaves the previous
 set as it was, every buddy's copy of it included: there is always one complete snapshot once
 the first round succeeded. Only after a set is recorded are the older copies dropped.
+
+With `[coordination]` any number of agents may protect a group, and one at a time runs its
+rounds: the one whose claim etcd holds (agent.snapshots.protector). The others stand by, each
+interval reading the group's last snapshot from etcd, and one takes over when the claim goes
+with its holder's lease.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from google.protobuf import json_format
 
@@ -27,9 +34,14 @@ from agent.rpc import pb
 from agent.snapshots import rollback, rounds
 from agent.snapshots.config import MIN_EVERY_S, SnapshotConfig
 
+if TYPE_CHECKING:
+    from agent.snapshots.protector import ProtectorClaims
+
 log = logging.getLogger(__name__)
 
 FILE = "protections.json"
+#: A DROP removes directories: an agent that does not answer within this keeps them a round longer.
+DROP_CALL_S = 10.0
 
 
 @dataclass
@@ -44,6 +56,7 @@ class Protected:
     failed: int = 0
     last_error: str = ""
     times: rounds.RoundTimes | None = None  # the last complete round's steps (this agent's run only)
+    rounds_by: str = ""  # with etcd: who runs the rounds while this agent stands by ("": this one)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one round at a time
     wake: threading.Event = field(default_factory=threading.Event)
 
@@ -57,6 +70,7 @@ class Protected:
             failed=self.failed,
             last_error=self.last_error,
             active=self.active,
+            rounds_by=self.rounds_by,
         )
 
     def to_json(self) -> dict[str, object]:
@@ -67,6 +81,10 @@ class Protected:
             "tried": self.tried,
             "last": json_format.MessageToDict(self.last),
         }
+
+
+class StandingBy(RefusedError):
+    """Another agent runs the group's rounds (or etcd cannot say which does)."""
 
 
 class Protections:
@@ -81,6 +99,7 @@ class Protections:
         *,
         members: Callable[[str], list[str]] | None = None,  # group → its members' agents (etcd)
         publish: Callable[[str, str], None] | None = None,  # (group, JSON of the set) → etcd
+        claims: ProtectorClaims | None = None,  # with etcd: which protecting agent runs the rounds
         blocked: Callable[[str], str] = lambda group: "",  # why no round may start now (etcd)
         record: Callable[[str, str], None] = lambda kind, message: None,  # the node's events
         observe: Callable[[str, pb.SnapshotSet | None, str], None] = lambda g, s, e: None,  # metrics
@@ -88,7 +107,7 @@ class Protections:
         self.path = state_dir / FILE
         self.node, self.config, self.call = node, config, call
         self.members, self.publish, self.record, self.observe = members, publish, record, observe
-        self.blocked = blocked
+        self.blocked, self.claims = blocked, claims
         self._groups: dict[str, Protected] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -126,21 +145,33 @@ class Protections:
         for p in list(self._groups.values()):
             p.wake.set()
 
-    def protect(self, group: str, every_s: float, agents: list[str]) -> Protected:
-        """Start (or change, or with every_s < 0 stop) protecting `group`."""
+    def check_every(self, every_s: float) -> float:
+        """The interval `every_s` asks for (0: the configured one), refused below the minimum."""
+        every = every_s or self.config.every_s
+        if every < MIN_EVERY_S:
+            raise InvalidArgumentError(f"--every {every:g} s is below the minimum, {MIN_EVERY_S:g} s")
+        return every
+
+    def protect(self, group: str, every_s: float, agents: list[str], check: bool = True) -> Protected:
+        """Start (or change, or with every_s < 0 stop) protecting `group`. `check`: refuse now if
+        etcd knows no member yet (`ferry run --protect` does not: its member's key comes at the
+        next renewal)."""
         check_group_name(group)
         if every_s < 0:
             p = self.get(group)
             p.active = False
             p.wake.set()
             self._save()
+            if self.claims is not None:
+                try:
+                    self.claims.release(group)
+                except FerryError as e:  # it goes with this node's lease; a standby waits until then
+                    log.warning("snapshots: group %s's protector claim stays with the lease: %s", group, e)
             self.record("info", f"group {group} is no longer protected (its last snapshot is kept)")
             return p
-        every = every_s or self.config.every_s
-        if every < MIN_EVERY_S:
-            raise InvalidArgumentError(f"--every {every:g} s is below the minimum, {MIN_EVERY_S:g} s")
+        every = self.check_every(every_s)
         agents = list(dict.fromkeys(agents))
-        if not agents:
+        if not agents and check:
             self._agents_of(group)  # refused now, not at the first round, if no one can say
         with self._lock:
             p = self._groups.get(group)
@@ -189,6 +220,8 @@ class Protections:
                 return
             try:
                 self.take(p.group)
+            except StandingBy:
+                pass  # another agent runs the rounds; this one took the group's last snapshot
             except FerryError:
                 pass  # recorded by take(); the next round tries again
             except Exception:
@@ -198,10 +231,13 @@ class Protections:
         """One round now (after the one in progress, if any); raise if it fails."""
         p = self.get(group)
         with p.lock:
+            self._claim(p)
             if why := self.blocked(group):
                 raise RefusedError(f"no snapshot of group {group} now: {why}", step="snapshot")
             agents = p.agents or self._agents_of(group)  # with etcd: where the members run now
             epoch = p.tried = max(p.tried, p.last.epoch) + 1
+            if self.claims is not None:
+                self.claims.tried(group, epoch)  # before the round: no later protector reuses it
             p.rounds += 1
             self._save()
             try:
@@ -242,6 +278,7 @@ class Protections:
         """Every member of `group` back to its last complete snapshot, in place (ferry rollback)."""
         p = self.get(group)
         with p.lock:  # no round while the members are being replaced
+            self._claim(p)  # nor one by another agent
             snap = p.last
             others = list(p.agents)
             if self.members is not None:
@@ -268,14 +305,48 @@ class Protections:
             out.members.append(here)
         return out
 
+    def _claim(self, p: Protected) -> None:
+        """With etcd: go on only as the agent that runs the group's rounds (taking them if no one
+        does), from the group's last snapshot as etcd holds it; raise StandingBy otherwise."""
+        if self.claims is None:
+            return
+        try:
+            c = self.claims.claim(p.group)
+        except FerryError as e:  # in doubt, no round: two coordinators would refuse each other's holds
+            raise StandingBy(
+                f"etcd cannot say which agent runs group {p.group}'s rounds: {e.cause}", step="snapshot"
+            ) from e
+        if c.last is not None and c.last.epoch > p.last.epoch:
+            p.last = c.last  # a round another protector completed
+        p.tried = max(p.tried, c.tried)
+        was, p.rounds_by = p.rounds_by, c.holder
+        if c.holder:
+            if c.holder != was:
+                said = f"group {p.group}: {c.holder} runs its snapshot rounds; this agent stands by"
+                self.record("info", said)
+            raise StandingBy(
+                f"group {p.group}'s snapshot rounds are run by {c.holder}",
+                step="snapshot",
+                node=self.node,
+                hint="ask that agent; this one takes over if its node's lease ends",
+            )
+        if was:
+            self.record("info", f"group {p.group}: this agent runs its snapshot rounds now (after {was})")
+            self._save()
+
     def _drop(self, p: Protected, keep: int, agents: list[str]) -> None:
         """Every node of the round (and of the kept set) drops every other round's images."""
         req = pb.SnapshotMemberRequest(group=p.group, epoch=keep, action=pb.SNAPSHOT_ACTION_DROP)
-        for agent in dict.fromkeys([*agents, *(m.agent for m in p.last.members)]):
+
+        def one(agent: str) -> None:
             try:
-                self.call(agent, req, rounds.RELEASE_CALL_S)
+                self.call(agent, req, DROP_CALL_S)
             except FerryError as e:  # its older copies stay until the next round's drop
                 log.warning("snapshots: agent %s did not drop group %s's older images: %s", agent, p.group, e)
+
+        # At once, and briefly: a dead node in the last set must not hold the next round back.
+        with ThreadPoolExecutor(max(1, len(agents) + len(p.last.members))) as pool:
+            pool.map(one, dict.fromkeys([*agents, *(m.agent for m in p.last.members)]))
 
 
 def age(snap: pb.SnapshotSet, now: float | None = None) -> float:

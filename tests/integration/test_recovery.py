@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
     not have_etcd(), reason="no etcd binary: `make etcd` installs Debian's etcd-server"
 )
 
-STEPS = 80
+STEPS = 120  # the cut-off test's job: still running once another agent has taken the rounds over
 LONG = 240  # the job two nodes die under: still running after both recoveries
 #: Short timings (a test): a 3 s lease; a held member goes on by itself after 10 s.
 CONFIG = coordination_config(ttl_s=3, margin_s=1.0) + "[snapshots]\nhold_s = 10\n"
@@ -115,13 +115,11 @@ def test_two_nodes_that_die_one_after_the_other_are_recovered_and_the_job_ends_b
 
 
 def _epoch(a: BedAgent) -> int:
-    return int(json.loads(a.cli("snapshot", "llm", "--last", "--json").stdout)["last"].get("epoch", 0))
+    return int(_protection(a)["last"].get("epoch", 0))
 
 
 def _nodes(a: BedAgent) -> set[str]:
-    return {
-        m["node"] for m in json.loads(a.cli("snapshot", "llm", "--last", "--json").stdout)["last"]["members"]
-    }
+    return {m["node"] for m in _protection(a)["last"].get("members", [])}
 
 
 def _group(agent: BedAgent) -> list[dict]:
@@ -166,35 +164,63 @@ def _cluster(bed: Bed, spares: int = 1) -> tuple[list[BedAgent], list[BedAgent]]
     return nodes, free
 
 
-def test_a_cut_off_node_fences_its_member_and_its_copy_never_runs_again_once_it_heals(bed: Bed) -> None:
-    """node-b loses everything (fabric and etcd) but lives: its member is fenced before its lease
-    expires, the group recovers it on the spare, and when node-b comes back its copy ends
-    without printing another line."""
+def test_the_protectors_node_cut_off_is_fenced_recovered_and_another_agent_runs_the_rounds(
+    bed: Bed,
+) -> None:
+    """Every member is started with `--protect`: one agent runs the rounds, the others stand by.
+    The node of the one that runs them loses everything (fabric and etcd) but lives: its member
+    is fenced before its lease expires, the group recovers it on the spare, another member's
+    agent takes the rounds over, and when the node comes back its copy ends without printing
+    another line, and its agent stands by."""
     (a, b, c), (spare,) = _cluster(bed)
-    job = start_ranks([a, b, c], "llm", 29500, ["--steps", str(STEPS), "--step-time", "0.25"])
+    nodes = [a, b, c]
+    protect = {rank: ("--protect", "3s") for rank in range(3)}
+    job = start_ranks(nodes, "llm", 29500, ["--steps", str(STEPS), "--step-time", "0.25"], flags=protect)
     wait_log(a, job[0], r"^step 5 ", timeout_s=240)
-    wait_for("a first snapshot", lambda: _protected(a), 60)
+    wait_for("a first snapshot", lambda: any(_runs_rounds(n) and _epoch(n) >= 1 for n in nodes), 60)
+    i = next(i for i, n in enumerate(nodes) if _runs_rounds(n))
+    x, member = nodes[i], job[i]
+    others = [n for n in nodes if n is not x]
+    assert all(_protection(n)["rounds_by"] for n in others)  # they stand by
     cut = time.time()
-    bed.partition(b)
-    wait_for("node-b's member to run on the spare", lambda: _runs(spare, job[1]), 90)
-    assert b.job(job[1])["state"] == "fenced"  # b's own CLI: it has not heard of the recovery
-    stdout = Path(b.job(job[1])["stdout_path"])
+    bed.partition(x)
+    wait_for(f"{x.node}'s member to run on the spare", lambda: _runs(spare, member), 90)
+    assert x.job(member)["state"] == "fenced"  # its own CLI: it has not heard of the recovery
+    took = time.time()
+    wait_for(
+        "a round over node-d by another agent",
+        lambda: any(_runs_rounds(n) and "node-d" in _nodes(n) for n in others),
+        60,
+    )
+    print(f"{x.node} cut off; another agent's round over node-d {time.time() - took:.1f} s after recovery")
+    stdout = Path(x.job(member)["stdout_path"])
     last = stamps(stdout.read_text())[-1]
-    bed.heal(b)
-    wait_for("node-b's copy to end", lambda: b.job(job[1])["state"] == "stopped", 30)
-    assert "node-d" in b.job(job[1])["note"], b.job(job[1])
+    bed.heal(x)
+    wait_for(f"{x.node}'s copy to end", lambda: x.job(member)["state"] == "stopped", 30)
+    assert "node-d" in x.job(member)["note"], x.job(member)
     time.sleep(1.0)
     assert stamps(stdout.read_text())[-1] == last < cut + 3.0  # fenced before its 3 s lease ran out
-    where = {job[0]: a, job[1]: spare, job[2]: c}
+    wait_for(f"{x.node}'s agent to stand by", lambda: bool(_protection(x)["rounds_by"]), 30)
+    where = {j: n for j, n in zip(job, nodes, strict=True)} | {member: spare}
     try:
         for name, node in where.items():
             assert wait_exited(node, name, timeout_s=100)["exit_code"] == 0
     except BaseException:  # a timeout included: what each node did and said, for the report
-        _tell(where, [a, b, c, spare])
+        _tell(where, [*nodes, spare])
         raise
     for name, node in where.items():
         assert sorted(set(steps_in(node.cli("logs", name).stdout))) == list(range(STEPS))
     assert len({final_digest(n.cli("logs", j).stdout) for j, n in where.items()}) == 1
+
+
+def _protection(agent: BedAgent) -> dict:
+    return json.loads(agent.cli("snapshot", "llm", "--last", "--json").stdout)
+
+
+def _runs_rounds(agent: BedAgent) -> bool:
+    """This agent protects the group and holds etcd's claim on its rounds."""
+    got = agent.cli("snapshot", "llm", "--last", "--json", check=False)
+    return got.returncode == 0 and not json.loads(got.stdout)["rounds_by"]
 
 
 def _tell(where: dict[str, BedAgent], nodes: list[BedAgent]) -> None:

@@ -22,7 +22,8 @@ from agent.rpc import pb
 from agent.snapshots import rounds
 from agent.snapshots.config import SnapshotConfig
 from agent.snapshots.member import HeldState, MemberSnapshots
-from agent.snapshots.protect import Protections
+from agent.snapshots.protect import Protections, StandingBy
+from agent.snapshots.protector import Claim
 from agent.snapshots.restores import MemberRestores, RestoreState, image_chunks
 from agent.snapshots.rollback import roll_back
 from agent.snapshots.store import SnapshotStore
@@ -266,6 +267,55 @@ def test_a_failed_round_keeps_the_last_complete_snapshot_and_never_reuses_its_ep
     assert seen == [("g", 1), ("g", -1), ("g", 3)]
     again = Protections(tmp_path / "state", "node-1", SnapshotConfig(), cl.call)
     assert again.get("g").last.epoch == 3 and again.get("g").tried == 3 and again.get("g").every_s == 3600
+
+
+class Claims:
+    """etcd's word on who runs a group's rounds (agent.snapshots.protector), as a test sets it."""
+
+    def __init__(self, holder: str, last: pb.SnapshotSet | None, tried: int) -> None:
+        self.holder, self.last, self.tried_at = holder, last, tried
+        self.put: list[int] = []
+        self.released: list[str] = []
+
+    def claim(self, group: str) -> Claim:
+        return Claim(self.holder, self.last, self.tried_at)
+
+    def tried(self, group: str, epoch: int) -> None:
+        self.put.append(epoch)
+
+    def release(self, group: str) -> None:
+        self.released.append(group)
+
+
+def test_with_etcd_one_agent_runs_the_rounds_and_a_standby_takes_over_from_the_last_snapshot(
+    tmp_path: Path,
+) -> None:
+    cl = Cluster(tmp_path)
+    claims = Claims("agent 10.0.0.9:7070 on node node-9", pb.SnapshotSet(epoch=7, taken_at=1.0), 8)
+    said: list[str] = []
+    p = Protections(
+        tmp_path / "state",
+        "node-1",
+        SnapshotConfig(every_s=3600),
+        cl.call,
+        claims=claims,  # type: ignore[arg-type]
+        record=lambda kind, message: said.append(message),
+    )
+    (tmp_path / "state").mkdir()
+    p.stop()
+    p.protect("g", 3600, list(cl.stores))
+    for _ in range(2):
+        with pytest.raises(StandingBy, match=r"run by agent 10\.0\.0\.9:7070 on node node-9"):
+            p.take("g")
+    assert cl.log == [] and claims.put == []  # no member was asked anything
+    assert p.get("g").last.epoch == 7 and p.get("g").rounds_by  # `ferry snapshot --last` answers
+    assert sum("stands by" in m for m in said) == 1  # said once, not every interval
+    claims.holder = ""  # its holder's lease ended: this agent's claim took
+    p.take("g")
+    assert p.get("g").last.epoch == 9 and claims.put == [9], "round 8 was tried by the other agent"
+    assert not p.get("g").rounds_by and any("runs its snapshot rounds now" in m for m in said)
+    p.protect("g", -1, [])  # `--off`: the claim goes now, for a standby to take
+    assert claims.released == ["g"]
 
 
 def test_protect_needs_the_members_agents_without_etcd(tmp_path: Path) -> None:

@@ -1,0 +1,88 @@
+"""Which agent runs a group's snapshot rounds: one at a time, chosen through etcd.
+
+Every agent asked to protect a group (`ferry protect`, `ferry run --protect`) may run its
+rounds, but only one does: the one whose claim `groups/<g>/protector` holds. The claim is
+created if absent (a transaction) on the claiming node's lease, so it goes when that node's
+lease does (the node died, or was cut off and fenced its members), and the next agent that
+protects the group takes it at its next interval. The others stand by; at every interval each
+reads the group's last complete snapshot from etcd, so `ferry snapshot --last` answers on any
+of them and a standby that takes over starts from it.
+
+A round's epoch is never reused, not even across protectors: each round's epoch is written to
+`groups/<g>/tried` before the round begins, and a new protector numbers its rounds after the
+larger of that and the last complete snapshot's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from google.protobuf import json_format
+
+from agent.coord.liveness import Liveness, NodeLiveness
+from agent.errors import FerryError
+from agent.rpc import pb
+
+
+@dataclass(frozen=True)
+class Claim:
+    holder: str = ""  # who runs the group's rounds, if not this agent ("" : this agent does)
+    last: pb.SnapshotSet | None = None  # the group's last complete snapshot, as etcd holds it
+    tried: int = 0  # the last round's epoch any protector began
+
+
+class ProtectorClaims:
+    """The claims of this agent (on its node's lease) for the groups it protects."""
+
+    def __init__(self, live: NodeLiveness) -> None:
+        self.live = live
+
+    def claim(self, group: str) -> Claim:
+        """This agent's claim on `group`'s rounds, taken if no one holds it; raises FerryError
+        when etcd cannot say (then no round runs here: fail closed)."""
+        live, k = self.live, self.live.key
+        lease = live.lease
+        last, tried = self._progress(group)
+        if live.state is not Liveness.LIVE or lease is None:
+            return Claim(f"no agent here: node {live.node} has no live lease in etcd", last, tried)
+        key = k("groups", group, "protector")
+        mine = json.dumps({"agent": live.agent, "node": live.node})
+        if live.client.create_if_absent(key, mine, lease=lease.id):
+            return Claim("", last, tried)
+        kv = live.client.get(key)
+        if kv is None:  # its holder's lease went just now: taken at the next interval
+            return Claim("no agent yet (its last protector's claim just ended)", last, tried)
+        if kv.value.decode() == mine and kv.lease == lease.id:
+            return Claim("", last, tried)
+        try:
+            d = json.loads(kv.value)
+            return Claim(f"agent {d['agent']} on node {d['node']}", last, tried)
+        except (ValueError, KeyError):
+            return Claim(f"the holder of {key} (unreadable: {kv.value[:80]!r})", last, tried)
+
+    def release(self, group: str) -> None:
+        """This agent stops protecting `group` (`ferry protect --off`): its claim, if it holds it,
+        goes now, so that a standby takes the rounds over at its next interval."""
+        live = self.live
+        key = live.key("groups", group, "protector")
+        kv = live.client.get(key)
+        if kv is not None and kv.value.decode() == json.dumps({"agent": live.agent, "node": live.node}):
+            live.client.delete_if(key, kv.mod_revision)
+
+    def tried(self, group: str, epoch: int) -> None:
+        """Round `epoch` begins: no protector after this one numbers a round so again."""
+        self.live.client.put(self.live.key("groups", group, "tried"), str(epoch))
+
+    def _progress(self, group: str) -> tuple[pb.SnapshotSet | None, int]:
+        live, k = self.live, self.live.key
+        last = None
+        if (kv := live.client.get(k("groups", group, "snapshot"))) is not None:
+            try:
+                last = json_format.Parse(kv.value, pb.SnapshotSet())
+            except json_format.ParseError as e:
+                why = f"group {group}'s snapshot in etcd is unreadable: {e}"
+                raise FerryError(why, step="snapshot") from e
+        kv = live.client.get(k("groups", group, "tried"))
+        tried = int(kv.value) if kv is not None and kv.value.isdigit() else 0
+        return last, tried
