@@ -156,10 +156,14 @@ def test_etcd_down_past_the_deadline_fences_and_its_return_unfences_without_an_e
 def test_a_member_taken_over_while_fenced_ends_without_running_again(bed) -> None:
     _, a, ctl = bed
     start_member(a, ctl, "m1")
+    expired = ctl.deleted_at("/ferry/nodes/node-a")
     cut(a)
     try:
         wait_for("m1 fenced", lambda: a.job("m1")["state"] == "fenced", 30)
         last = ticks(a, "m1")[-1]
+        # A recovery acts only once the lease is gone (healed before, the lease lives on and
+        # the member is unfenced: no one could have taken it over).
+        wait_for("node-a's lease to expire", lambda: expired, 30)
         # What a recovery elsewhere does first: it takes the member's key for its own node.
         ctl("put", "/ferry/groups/g1/members/m1", json.dumps({"node": "node-b", "agent": "10.98.0.2:7070"}))
     finally:
