@@ -12,8 +12,9 @@ truncate-image (the stream ends before the manifest).
 FERRY_PAUSE=point=SECONDS[,...] sleeps at a point instead, which gives a test a
 window to kill an agent or cut a link at a known step. Pause-only points:
 source-dumped (tree frozen, image on disk), source-transferring,
-target-receiving (after the first chunk) and target-stop-stream (a dropped
-migration's page server or lazy-pages daemon about to be killed: slow to die).
+target-receiving (after the first chunk), target-stop-stream (a dropped
+migration's page server or lazy-pages daemon about to be killed: slow to die) and
+rollback-ended (a rollback's coordinator, every old copy ended and none restored yet).
 """
 
 from __future__ import annotations

@@ -222,9 +222,20 @@ class EtcdClient:
         req = rpc_pb2.DeleteRangeRequest(key=k, range_end=prefix_end(k) if prefix else b"")
         return self._call("delete", lambda ch, t: rpc_pb2_grpc.KVStub(ch).DeleteRange(req, timeout=t)).deleted
 
-    def _txn(self, op: str, compare: rpc_pb2.Compare, put: rpc_pb2.PutRequest) -> bool:
-        req = rpc_pb2.TxnRequest(compare=[compare], success=[rpc_pb2.RequestOp(request_put=put)])
+    def _txn(self, op: str, compares: list[rpc_pb2.Compare], put: rpc_pb2.PutRequest) -> bool:
+        req = rpc_pb2.TxnRequest(compare=compares, success=[rpc_pb2.RequestOp(request_put=put)])
         return self._call(op, lambda ch, t: rpc_pb2_grpc.KVStub(ch).Txn(req, timeout=t)).succeeded
+
+    def put_if_held(self, guard: Bytes, value: Bytes, lease: int, key: Bytes, new: Bytes) -> bool:
+        """Put key only while `guard` holds `value` on `lease` (a claim that is still ours);
+        True if it was put."""
+        g = _b(guard)
+        eq = rpc_pb2.Compare.EQUAL
+        cmps = [
+            rpc_pb2.Compare(key=g, target=rpc_pb2.Compare.VALUE, result=eq, value=_b(value)),
+            rpc_pb2.Compare(key=g, target=rpc_pb2.Compare.LEASE, result=eq, lease=lease),
+        ]
+        return self._txn("put if held", cmps, rpc_pb2.PutRequest(key=_b(key), value=_b(new)))
 
     def create_if_absent(self, key: Bytes, value: Bytes, lease: int = 0) -> bool:
         """Put only if no one has the key (its create_revision is 0); True if this call made it."""
@@ -232,7 +243,7 @@ class EtcdClient:
         cmp = rpc_pb2.Compare(
             key=k, target=rpc_pb2.Compare.CREATE, result=rpc_pb2.Compare.EQUAL, create_revision=0
         )
-        return self._txn("create", cmp, rpc_pb2.PutRequest(key=k, value=_b(value), lease=lease))
+        return self._txn("create", [cmp], rpc_pb2.PutRequest(key=k, value=_b(value), lease=lease))
 
     def compare_and_swap(self, key: Bytes, value: Bytes, mod_revision: int, lease: int = 0) -> bool:
         """Put only if the key was last changed at mod_revision (as read); True if it was swapped."""
@@ -240,7 +251,7 @@ class EtcdClient:
         cmp = rpc_pb2.Compare(
             key=k, target=rpc_pb2.Compare.MOD, result=rpc_pb2.Compare.EQUAL, mod_revision=mod_revision
         )
-        return self._txn("swap", cmp, rpc_pb2.PutRequest(key=k, value=_b(value), lease=lease))
+        return self._txn("swap", [cmp], rpc_pb2.PutRequest(key=k, value=_b(value), lease=lease))
 
     def delete_if(self, key: Bytes, mod_revision: int) -> bool:
         """Delete only if the key was last changed at mod_revision (as read); True if it went."""

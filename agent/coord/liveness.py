@@ -403,23 +403,38 @@ class NodeLiveness:
         stay frozen)."""
         if self.client.get(self.key("groups", group, "recovery")) is not None:
             return "it is being recovered"
-        live = {kv.key.decode().rsplit("/", 1)[-1] for kv in self.client.get_prefix(self.key("nodes", ""))}
+        if self.client.get(self.key("groups", group, "pending")) is not None:
+            return "a recovery of it is to be finished"
+        live = self.live_nodes()
         if gone := sorted({m.node for m in self.members(group)} - live - {self.node}):
             return f"node {gone[0]}, where a member runs, has no lease in etcd"
         return ""
 
-    def put_snapshot(self, group: str, value: str) -> None:
-        """The group's last complete snapshot (agent.snapshots.protect): what a recovery restores."""
-        self.client.put(self.key("groups", group, "snapshot"), value)
+    def live_nodes(self) -> set[str]:
+        """The nodes etcd holds a lease for (`nodes/<node>` goes with its lease)."""
+        return {kv.key.decode().rsplit("/", 1)[-1] for kv in self.client.get_prefix(self.key("nodes", ""))}
+
+    def without_lease(self, nodes: set[str]) -> set[str]:
+        """Of `nodes`, those etcd holds no lease for (none when etcd cannot say)."""
+        try:
+            live = self.live_nodes()
+        except FerryError as e:
+            log.info("coordination: cannot tell which nodes have a lease: %s", e)
+            return set()
+        return nodes - live - {self.node}
 
     def check_peers(self) -> None:
         """A member of a group with a member here is lost when its node has no lease and its agent
         does not answer: the group is degraded, and `ferry events` says so once."""
-        here = {r.group for r in self.registry.list() if r.group and r.state.active}
-        live = {kv.key.decode().rsplit("/", 1)[-1] for kv in self.client.get_prefix(self.key("nodes", ""))}
+        records = [r for r in self.registry.list() if r.group]
+        here = {r.group for r in records if r.state.active}
+        live = self.live_nodes()
         members = []
+        marks: dict[str, set[str]] = {}  # group -> its `pending` and `recovery` keys
         for kv in self.client.get_prefix(self.key("groups", "")):
             parts = kv.key.decode()[len(self.config.prefix) :].split("/")  # groups/<g>/members/<job>
+            if len(parts) == 3 and parts[2] in ("pending", "recovery"):
+                marks.setdefault(parts[1], set()).add(parts[2])
             if len(parts) == 4 and parts[1] in here:
                 try:
                     members.append(Member.parse(parts[1], parts[3], kv.value))
@@ -430,6 +445,8 @@ class NodeLiveness:
             seen.add(m.job)
             if m.node == self.node or m.node in live:
                 self._cut_off.discard(m.node)
+                if "pending" in marks.get(m.group, ()):
+                    continue  # its key may name a spare that runs nothing yet: not back until done
                 if (gone := self.lost.pop(m.job, None)) is not None:
                     self.record("info", f"group {m.group}: member {m.job} runs on node {m.node} again", m.job)
                     log.info("coordination: %s no longer lost (was on %s)", m.job, gone.member.node)
@@ -459,6 +476,10 @@ class NodeLiveness:
             del self.lost[job]
         for g, since in {x.member.group: x.since for x in self.lost.values()}.items():
             self.on_lost(g, since)  # every check while lost: a recovery that died is taken over
+        # A recovery that died half-way (its claim went with its lease; its mark stays) may have
+        # ended every member that was running: any agent with a record of the group takes it over.
+        for g in {r.group for r in records} & {g for g, m in marks.items() if m == {"pending"}}:
+            self.on_lost(g, time.time())
 
     # -- members ----------------------------------------------------------------------------
 

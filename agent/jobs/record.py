@@ -140,6 +140,9 @@ class JobRecord:
     #: move leaves it: here when it resumes (JobRegistry.update), on its target once it runs there
     #: (agent.migration.stops).
     stop_grace_s: float = 0.0
+    #: The snapshot round a rollback ended this copy for (0: none): until a copy is restored here,
+    #: the rollback's next try (or the recovery that takes it over) knows no copy of it runs here.
+    rolled_back_to: int = 0
 
     def spec(self) -> JobSpec:
         """What the job is, independent of where it runs (it travels in the image)."""

@@ -458,12 +458,13 @@ class JobRegistry:
         log.info("job %s: stopped", name)
         return rec
 
-    def _end_fenced(self, rec: JobRecord, why: str) -> JobRecord:
+    def _end_fenced(self, rec: JobRecord, why: str, rolled_back_to: int = 0) -> JobRecord:
         """A fenced copy never runs again, not even its SIGTERM handler: its link goes first (a
         killed copy's kernel would close its TCP connections from the job's own address), then
         SIGKILL."""
         rec.state = JOB_TRANSITIONS.check(rec.state, JobState.STOPPED, rec.name)
         rec.note = f"{why}: killed without running again (a fenced copy must not run)"
+        rec.rolled_back_to = rolled_back_to
         self.save(rec)
         if self.network is not None and rec.veth:
             self.network.delete(rec.veth)
@@ -471,11 +472,12 @@ class JobRegistry:
         log.info("job %s: %s", rec.name, rec.note)
         return rec
 
-    def end_fenced(self, name: str, why: str) -> JobRecord | None:
-        """End a fenced copy because another runs (None if it is not fenced any more)."""
+    def end_fenced(self, name: str, why: str, rolled_back_to: int = 0) -> JobRecord | None:
+        """End a fenced copy because another runs, or will: a rollback to snapshot round
+        `rolled_back_to` restores it (None if it is not fenced any more)."""
         with self._lock:
             rec = self.get(name)
-            return self._end_fenced(rec, why) if rec.state is JobState.FENCED else None
+            return self._end_fenced(rec, why, rolled_back_to) if rec.state is JobState.FENCED else None
 
     def stop_later(self, name: str, timeout_s: float) -> JobRecord:
         """`stop` on a thread of its own (its grace can be long); returns the record as it is now."""

@@ -313,15 +313,30 @@ class TargetMigrations:
         """After a restart (agent.migration.target_recovery); returns what was done."""
         return recover_incoming(self.journal, self.registry)
 
-    def expire(self) -> None:
+    def expire(self, dead: Callable[[set[str]], set[str]] | None = None) -> None:
         """Leases whose source went silent: free their slot and staging (run periodically, and by
         Prepare to make room). Synchronous: Prepare needs the room, and an expired lease holds no
         running CRIU (a pre-copy page server ends with STREAMED; a post-copy daemon starts at the
-        commit), so what it waits for is only its staging's removal."""
+        commit), so what it waits for is only its staging's removal.
+
+        `dead` (with [coordination]): of these source nodes, those etcd holds no lease for. A
+        migration waiting on one (before its commit: the source still owns the job) is dropped at
+        once, not after its lease: a recovery may restore that member here meanwhile, and a source
+        that only lost etcd fences itself and finds the move aborted. Asked outside the lock."""
+        gone: set[str] = set()
+        if dead is not None:
+            with self.table.lock:
+                sources = {i.source_node for i in self.table.waiting_locked()}
+            gone = dead(sources) if sources else set()
         with self.table.lock:
             dropping = [(i, self.table.drop_locked(i, "lease expired")) for i in self.table.expired_locked()]
+            dropping += [
+                (i, self.table.drop_locked(i, f"its source node {i.source_node} has no lease in etcd"))
+                for i in self.table.waiting_locked()
+                if i.source_node in gone
+            ]
         for inc, effects in dropping:
-            log.warning("migration %s: lease expired; dropping its staged image", inc.migration_id)
+            log.warning("migration %s: %s; dropping its staged image", inc.migration_id, inc.note)
             self.effects.finish(inc, effects)
 
     def shutdown(self) -> int:

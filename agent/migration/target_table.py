@@ -247,11 +247,15 @@ class IncomingTable:
             return None
         return self.drop_locked(inc, f"its lease expired before {what} came") or []
 
+    def waiting_locked(self) -> list[Incoming]:
+        """Migrations waiting for their source (its image, its commit): it still owns the job."""
+        waiting = (TargetState.PREPARED, TargetState.STREAMED, TargetState.VERIFIED)
+        return [i for i in self.entries.values() if i.state in waiting]
+
     def expired_locked(self, now: float | None = None) -> list[Incoming]:
         """Leases whose source went silent while the migration waited for it."""
         now = time.time() if now is None else now
-        waiting = (TargetState.PREPARED, TargetState.STREAMED, TargetState.VERIFIED)
-        return [i for i in self.entries.values() if i.state in waiting and now > i.expires_at]
+        return [i for i in self.waiting_locked() if now > i.expires_at]
 
     def _end_locked(self, inc: Incoming, state: TargetState, why: str) -> None:
         inc.state = TARGET_TRANSITIONS.check(inc.state, state, inc.subject)

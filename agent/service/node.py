@@ -174,7 +174,6 @@ class AgentNode:
             snap,
             self._snapshot_call,
             members=(lambda g: list(dict.fromkeys(m.agent for m in live.members(g)))) if live else None,
-            publish=live.put_snapshot if live else None,
             claims=ProtectorClaims(live) if live else None,
             blocked=live.round_blocked if live else lambda group: "",
             record=lambda kind, message: self.events.record(kind, message),
@@ -260,7 +259,7 @@ class AgentNode:
                 raise InvalidArgumentError("FETCH needs the buddy's agent address or a copy here")
             out.members.add(job=job, bytes=r.fetch(group, epoch, job, req.buddy, req.local_dir))
         elif req.action == pb.SNAPSHOT_ACTION_END:
-            for ended in r.end(group, f"rolled back to snapshot round {epoch} of group {group}"):
+            for ended in r.end(group, epoch):
                 out.members.add(job=ended)
         elif req.action == pb.SNAPSHOT_ACTION_RESTORE:
             r.restore(group, epoch, job, req.hold_s or self.config.snapshots.hold_s)
@@ -274,6 +273,7 @@ class AgentNode:
                 )
             for job in r.running(group):
                 out.members.add(job=job)
+            out.ended.extend(r.ended(group, epoch))
         elif req.action == pb.SNAPSHOT_ACTION_RESUME:
             for resumed in r.resume(group, epoch):
                 out.members.add(job=resumed)
@@ -318,7 +318,7 @@ class AgentNode:
                 log.warning("recovered outgoing migration %s", line)
             while not self.stopping.wait(HOUSEKEEPING_S):
                 try:
-                    self.targets.expire()
+                    self.targets.expire(self.liveness.without_lease if self.liveness else None)
                     self.recovery.poll()
                     self.healing.resume_preempted()
                 except Exception:

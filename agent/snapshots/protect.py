@@ -98,7 +98,6 @@ class Protections:
         call: rounds.Call,
         *,
         members: Callable[[str], list[str]] | None = None,  # group → its members' agents (etcd)
-        publish: Callable[[str, str], None] | None = None,  # (group, JSON of the set) → etcd
         claims: ProtectorClaims | None = None,  # with etcd: which protecting agent runs the rounds
         blocked: Callable[[str], str] = lambda group: "",  # why no round may start now (etcd)
         record: Callable[[str, str], None] = lambda kind, message: None,  # the node's events
@@ -106,7 +105,7 @@ class Protections:
     ) -> None:
         self.path = state_dir / FILE
         self.node, self.config, self.call = node, config, call
-        self.members, self.publish, self.record, self.observe = members, publish, record, observe
+        self.members, self.record, self.observe = members, record, observe
         self.blocked, self.claims = blocked, claims
         self._groups: dict[str, Protected] = {}
         self._lock = threading.Lock()
@@ -240,13 +239,16 @@ class Protections:
                 self.claims.tried(group, epoch)  # before the round: no later protector reuses it
             p.rounds += 1
             self._save()
+            go_on = self.claims.holding() if self.claims is not None else lambda: ""
             try:
-                snap, times = rounds.take(group, epoch, agents, self.call, self.config.hold_s)
+                snap, times = rounds.take(group, epoch, agents, self.call, self.config.hold_s, go_on)
+                self._count(group, snap)
             except Exception as e:
                 err = as_ferry_error(e, "snapshot", self.node)
                 p.failed += 1
                 p.last_error = str(err)
-                self._drop(p, p.last.epoch, agents)
+                if self._still_ours(group):  # else the rounds are another agent's, its images too
+                    self._drop(p, p.last.epoch, agents)
                 self.observe(group, None, p.last_error)
                 self.record(
                     "warning",
@@ -255,13 +257,6 @@ class Protections:
                 raise err from e
             p.last, p.last_error = snap, ""
             self._save()  # from here this set is the one that counts
-            if self.publish is not None:
-                try:
-                    self.publish(group, json_format.MessageToJson(snap, indent=None))
-                except FerryError as e:
-                    log.warning(
-                        "snapshots: group %s's round %d could not be written to etcd: %s", group, epoch, e
-                    )
             self._drop(p, epoch, agents)
             self.observe(group, snap, "")
             p.times = times
@@ -333,6 +328,30 @@ class Protections:
         if was:
             self.record("info", f"group {p.group}: this agent runs its snapshot rounds now (after {was})")
             self._save()
+
+    def _count(self, group: str, snap: pb.SnapshotSet) -> None:
+        """With etcd: make a complete round the group's last snapshot there, only while this
+        agent's claim holds (etcd checks, in the same transaction): a round that ended after
+        another agent took the rounds over never replaces theirs, and drops none of their images.
+        A failed write (etcd unreachable) fails the round: in doubt, it does not count."""
+        if self.claims is not None and not self.claims.publish(
+            group, json_format.MessageToJson(snap, indent=None)
+        ):
+            raise StandingBy(
+                f"round {snap.epoch} of group {group} completed after this agent's claim on its rounds "
+                "ended: it does not count",
+                step="snapshot",
+                node=self.node,
+            )
+
+    def _still_ours(self, group: str) -> bool:
+        """Whether this agent may drop the group's images of other rounds (without etcd: yes)."""
+        if self.claims is None:
+            return True
+        try:
+            return self.claims.ours(group)
+        except FerryError:
+            return False  # in doubt, keep every image: the next round's drop removes them
 
     def _drop(self, p: Protected, keep: int, agents: list[str]) -> None:
         """Every node of the round (and of the kept set) drops every other round's images."""

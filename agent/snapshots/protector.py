@@ -16,6 +16,7 @@ larger of that and the last complete snapshot's.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from google.protobuf import json_format
@@ -47,7 +48,7 @@ class ProtectorClaims:
         if live.state is not Liveness.LIVE or lease is None:
             return Claim(f"no agent here: node {live.node} has no live lease in etcd", last, tried)
         key = k("groups", group, "protector")
-        mine = json.dumps({"agent": live.agent, "node": live.node})
+        mine = self._mine()
         if live.client.create_if_absent(key, mine, lease=lease.id):
             return Claim("", last, tried)
         kv = live.client.get(key)
@@ -61,14 +62,49 @@ class ProtectorClaims:
         except (ValueError, KeyError):
             return Claim(f"the holder of {key} (unreadable: {kv.value[:80]!r})", last, tried)
 
+    def holding(self) -> Callable[[], str]:
+        """While a round runs: "" as long as this node keeps the lease it holds now (its claims
+        live on it), else why the round must be given up. Asks nothing of etcd."""
+        live, lease = self.live, self.live.lease
+
+        def why() -> str:
+            if live.state is not Liveness.LIVE or live.lease is None or lease is None:
+                return f"node {live.node} lost its lease in etcd, and with it the claim on the rounds"
+            if live.lease.id != lease.id:
+                return f"node {live.node}'s lease in etcd changed, and the claim on the rounds went with it"
+            return ""
+
+        return why
+
+    def publish(self, group: str, value: str) -> bool:
+        """The group's last complete snapshot, written only while this agent's claim holds: a
+        round that ended after another agent took the rounds over must not replace theirs."""
+        live, lease = self.live, self.live.lease
+        if lease is None:
+            return False
+        key = live.key("groups", group, "protector")
+        mine = self._mine()
+        return live.client.put_if_held(key, mine, lease.id, live.key("groups", group, "snapshot"), value)
+
+    def ours(self, group: str) -> bool:
+        """Whether this agent holds the group's claim on its current lease (etcd asked)."""
+        live, lease = self.live, self.live.lease
+        kv = live.client.get(live.key("groups", group, "protector"))
+        mine = self._mine()
+        return kv is not None and lease is not None and kv.value.decode() == mine and kv.lease == lease.id
+
     def release(self, group: str) -> None:
         """This agent stops protecting `group` (`ferry protect --off`): its claim, if it holds it,
         goes now, so that a standby takes the rounds over at its next interval."""
         live = self.live
         key = live.key("groups", group, "protector")
         kv = live.client.get(key)
-        if kv is not None and kv.value.decode() == json.dumps({"agent": live.agent, "node": live.node}):
+        if kv is not None and kv.value.decode() == self._mine():
             live.client.delete_if(key, kv.mod_revision)
+
+    def _mine(self) -> str:
+        """The claim's value: this agent, on this node."""
+        return json.dumps({"agent": self.live.agent, "node": self.live.node})
 
     def tried(self, group: str, epoch: int) -> None:
         """Round `epoch` begins: no protector after this one numbers a round so again."""

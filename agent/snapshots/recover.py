@@ -15,11 +15,17 @@ recover the group. etcd decides who does (never a home-made consensus):
 3. **A spare per lost member**: the first `[[peers]] spare = true` that answers, hosts no
    member of the group and is not claimed already: `spares/<agent>` is created for it (a
    transaction, no lease: it stays the group's until an operator frees it).
-4. **The takeover**: the lost member's key is swapped to the spare's node (compare-and-swap on
+4. **The takeover**: `groups/<g>/pending` (no lease) names each lost member's spare before
+   anything changes, then the member's key is swapped to the spare's node (compare-and-swap on
    the revision read) *before* anything is restored. A copy on a node that was only cut off
    has fenced itself, and once it reaches etcd again it finds its key naming another node
    and ends without running (docs/recovery.md, "Settling a fenced member").
-5. **Rollback** (agent.snapshots.rollback) with the lost member placed on the spare.
+5. **Rollback** (agent.snapshots.rollback) with the lost member placed on the spare; then
+   `pending` goes. A recovery that died half-way (its claim gone with its lease, `pending`
+   left) leaves members whose key names a live spare that may run nothing, and members a
+   rollback ended: every agent with a record of the group sees `pending` without a claim
+   (agent.coord.liveness) and the next recovery takes it over, the same members on the same
+   spares, from the same snapshot. A failed recovery leaves `pending` too: it is tried again.
 
 With no spare free, the group waits, bounded by nothing but an operator: each check says so
 once in `ferry events` and tries again.
@@ -36,6 +42,7 @@ from dataclasses import dataclass, field
 
 from google.protobuf import json_format
 
+from agent.coord.etcd import KeyValue
 from agent.coord.liveness import Member, NodeLiveness
 from agent.errors import FerryError
 from agent.rpc import pb
@@ -129,37 +136,62 @@ class GroupRecovery:
             self._wait(group, "it has no complete snapshot (`ferry protect`)")
             return None
         snap = json_format.Parse(kv.value, pb.SnapshotSet())
-        nodes = {x.key.decode().rsplit("/", 1)[-1] for x in live.client.get_prefix(k("nodes", ""))}
+        nodes = live.live_nodes()
         members = {m.job: m for m in live.members(group)}
-        lost = [
-            m for m in snap.members if members.get(m.job) is not None and members[m.job].node not in nodes
-        ]
+        pending_kv = live.client.get(k("groups", group, "pending"))
+        pending = placed_by(pending_kv)
+        lost, place = [], {}
+        for m in snap.members:
+            cur = members.get(m.job)
+            spare = pending.get(m.job)
+            if cur is None:
+                continue
+            if spare is not None and spare[1] in nodes and (cur.node == spare[1] or cur.node not in nodes):
+                lost.append(m)  # a recovery half-way placed it there: the same spare again
+                place[m.job] = spare
+            elif cur.node not in nodes:
+                lost.append(m)
         if not lost:
+            if pending_kv is not None:  # its members run where their keys say: nothing is half-way
+                live.client.delete_if(k("groups", group, "pending"), pending_kv.mod_revision)
             return None  # recovered meanwhile, or not lost after all
         if gone := [m for m in lost if m.buddy_node not in nodes]:
             self._wait(
                 group, f"member {gone[0].job}'s snapshot copy was on node {gone[0].buddy_node}, dead too"
             )
             return None
+        others = list(dict.fromkeys(m.agent for m in members.values() if m.node in nodes))
+        if len(place) == len(lost) and self._whole(group, snap, others):
+            # The recovery that left `pending` ended after its RESUME (or its held members went
+            # on by themselves, every one of them): nothing is half-way.
+            live.client.delete_if(k("groups", group, "pending"), pending_kv.mod_revision)  # type: ignore[union-attr]
+            return None
         out = Recovered(group, snap.epoch)
         t1 = time.monotonic()
-        place = self._claim_spares(group, lost, members, nodes)
-        if place is None:
+        fresh = self._claim_spares(group, [m for m in lost if m.job not in place], members, nodes, place)
+        if fresh is None:
             return None
+        place.update(fresh)
+        # Durable before the first key changes: whoever takes this recovery over finds it here.
+        mark = json.dumps(
+            {"epoch": snap.epoch, "by": live.node, "place": {j: list(an) for j, an in place.items()}}
+        )
+        marked = live.client.put(k("groups", group, "pending"), mark)
+        self._take_over_keys(group, place, members)
         out.times["claim"] = time.monotonic() - t1
-        others = list(dict.fromkeys(m.agent for m in members.values() if m.node in nodes))
         self.record(
             "info",
             f"group {group}: recovering from snapshot round {snap.epoch}: "
             + ", ".join(f"{job} onto node {node}" for job, (_, node) in place.items()),
         )
+        # A failure keeps `pending`: the next check (here or on any agent) tries again from it.
+        t = rollback.roll_back(
+            group, snap, self.call, others, self.hold_s, {j: a for j, (a, _) in place.items()}
+        )
         try:
-            t = rollback.roll_back(
-                group, snap, self.call, others, self.hold_s, {j: a for j, (a, _) in place.items()}
-            )
-        except FerryError:
-            self._give_back(group, place, members)
-            raise
+            live.client.delete_if(k("groups", group, "pending"), marked)
+        except FerryError as e:  # the next check finds the group whole and removes it
+            log.warning("recovery of group %s: its pending mark stays until the next check: %s", group, e)
         out.placed = {job: node for job, (_, node) in place.items()}
         out.times.update(fetch=t.fetch_s, end=t.end_s, restore=t.restore_s, paused=t.paused_s)
         out.times["recovery"] = time.monotonic() - t0
@@ -178,29 +210,48 @@ class GroupRecovery:
         self.observe(out, "")
         return out
 
-    def _give_back(self, group: str, place: dict[str, tuple[str, str]], members: dict[str, Member]) -> None:
-        """A recovery that failed: a lost member its spare does not run (a definite answer) is
-        lost again, so that the next check tries again; its spare stays claimed for it."""
-        live, k = self.live, self.live.key
-        for job, (agent, _node) in place.items():
-            req = pb.SnapshotMemberRequest(group=group, action=pb.SNAPSHOT_ACTION_LIST)
+    def _whole(self, group: str, snap: pb.SnapshotSet, agents: list[str]) -> bool:
+        """Every member of the snapshot runs on one of `agents` (each answers LIST)."""
+        req = pb.SnapshotMemberRequest(group=group, action=pb.SNAPSHOT_ACTION_LIST)
+        found: set[str] = set()
+        for a in agents:
             try:
-                if job in {m.job for m in self.call(agent, req, rollback.END_CALL_S).members}:
-                    continue  # it runs on the spare: the key names it rightly
-                key = k("groups", group, "members", job)
-                kv = live.client.get(key)
-                if kv is not None:
-                    live.client.compare_and_swap(key, members[job].value(), kv.mod_revision)
-            except FerryError as e:  # in doubt: the key stays on the spare, and an operator looks
-                self.record("alert", f"group {group}: member {job}'s key stays on the spare {agent}: {e}")
+                found.update(m.job for m in self.call(a, req, rollback.END_CALL_S).members)
+            except FerryError:
+                return False
+        return {m.job for m in snap.members} <= found
+
+    def _take_over_keys(
+        self, group: str, place: dict[str, tuple[str, str]], members: dict[str, Member]
+    ) -> None:
+        """Each lost member's key swapped to its spare's node (compare-and-swap on the revision
+        read); one that names the spare already (a recovery half-way swapped it) stays."""
+        live, k = self.live, self.live.key
+        for job, (agent, node) in place.items():
+            key = k("groups", group, "members", job)
+            kv = live.client.get(key)
+            old = members[job]
+            now = None if kv is None else Member.parse(group, job, kv.value).node
+            if now == node:
+                continue
+            if now != old.node:
+                raise FerryError(f"member {job}'s key changed during the recovery", step="recovery takeover")
+            new = Member(group, job, node, agent, old.address, old.rank)
+            if not live.client.compare_and_swap(key, new.value(), kv.mod_revision):  # type: ignore[union-attr]
+                raise FerryError(f"member {job}'s key changed during the recovery", step="recovery takeover")
 
     def _claim_spares(
-        self, group: str, lost: list[pb.MemberCopy], members: dict[str, Member], nodes: set[str]
+        self,
+        group: str,
+        lost: list[pb.MemberCopy],
+        members: dict[str, Member],
+        nodes: set[str],
+        taken: dict[str, tuple[str, str]],
     ) -> dict[str, tuple[str, str]] | None:
-        """A spare for each lost member, claimed, and the member's key swapped to it; None if
-        there are not enough (the group waits)."""
+        """A spare for each lost member, claimed; None if there are not enough (the group waits).
+        `taken`: spares a recovery half-way placed other members on."""
         live, k = self.live, self.live.key
-        busy = {m.agent for m in members.values()}
+        busy = {m.agent for m in members.values()} | {a for a, _ in taken.values()}
         place: dict[str, tuple[str, str]] = {}
         spares = iter(a for a in self.spares() if a not in busy)
         for m in lost:
@@ -215,15 +266,6 @@ class GroupRecovery:
             else:
                 self._wait(group, f"no spare is free for member {m.job} ([[peers]] spare = true)")
                 return None
-        for job, (agent, node) in place.items():
-            key = k("groups", group, "members", job)
-            kv = live.client.get(key)
-            old = members[job]
-            if kv is None or Member.parse(group, job, kv.value).node != old.node:
-                raise FerryError(f"member {job}'s key changed during the recovery", step="recovery takeover")
-            new = Member(group, job, node, agent, old.address, old.rank)
-            if not live.client.compare_and_swap(key, new.value(), kv.mod_revision):
-                raise FerryError(f"member {job}'s key changed during the recovery", step="recovery takeover")
         return place
 
     def _ours(self, agent: str, group: str, job: str) -> bool:
@@ -233,3 +275,18 @@ class GroupRecovery:
             return False
         d = json.loads(kv.value)
         return bool(d.get("group") == group and d.get("job") == job)
+
+
+def placed_by(kv: KeyValue | None) -> dict[str, tuple[str, str]]:
+    """A recovery's `pending` mark: lost job -> (its spare's agent, node); {} if none."""
+    if kv is None:
+        return {}
+    try:
+        return {j: (str(an[0]), str(an[1])) for j, an in json.loads(kv.value)["place"].items()}
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        # Not taken as none: members its recovery moved to a spare would count as running there.
+        raise FerryError(
+            f"the mark of a recovery half-way, {kv.key.decode()}, is unreadable ({e})",
+            step="recovery",
+            hint="read it with etcdctl and restore each member it names with `ferry rollback`",
+        ) from e

@@ -155,9 +155,20 @@ class MemberRestores:
             return 0
         return m.image_bytes
 
-    def end(self, group: str, why: str) -> list[str]:
+    def ended(self, group: str, epoch: int) -> list[str]:
+        """The group's members whose copy here a rollback to round `epoch` ended, with none
+        restored here since: no copy of theirs runs here (a rollback's next try, or the recovery
+        that takes a dead one over, finds them so)."""
+        return [
+            r.name
+            for r in self.registry.list()
+            if r.group == group and r.state is JobState.STOPPED and epoch and r.rolled_back_to == epoch
+        ]
+
+    def end(self, group: str, epoch: int) -> list[str]:
         """End every running or fenced copy of the group's members here, those a failed try of
         the rollback restored and holds included (they never go on); the jobs ended."""
+        why = f"rolled back to snapshot round {epoch} of group {group}"
         with self._lock:
             held = [r for k, r in self._restoring.items() if k[0] == group and r.state is RestoreState.HELD]
             for r in held:
@@ -169,7 +180,7 @@ class MemberRestores:
                 continue
             if rec.state is JobState.RUNNING:
                 fence.fence(self.registry, rec.name, why)
-            if self.registry.end_fenced(rec.name, why) is not None:
+            if self.registry.end_fenced(rec.name, why, rolled_back_to=epoch) is not None:
                 ended.append(rec.name)
                 _wait_gone(rec)
         for r in held:

@@ -25,6 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from agent import faults
 from agent.errors import FerryError, as_ferry_error
 from agent.rpc import pb
 from agent.snapshots.rounds import RELEASE_CALL_S, Call
@@ -109,6 +110,7 @@ def roll_back(
             t1 = time.monotonic()
             ended = True
             all_of([(a, req(pb.SNAPSHOT_ACTION_END), END_CALL_S) for a in enders], "rollback end")
+            faults.check("rollback-ended")  # a test's window: every copy ended, none restored
             t.end_s = time.monotonic() - t1
             t2 = time.monotonic()
             restores = [
@@ -144,12 +146,16 @@ def _every_copy_found(
     group: str, snap: pb.SnapshotSet, call: Call, agents: list[str], lost: set[str]
 ) -> None:
     """Refuse, before anything ends, when a member runs on no agent that END would reach: its
-    copy would run on beside the restored one."""
+    copy would run on beside the restored one. A member that an earlier try of a rollback to
+    this same round ended (a failed try, or a recovery that died half-way) is found too: no
+    round completed since, so no copy of it has run anywhere but where that rollback restored."""
     req = pb.SnapshotMemberRequest(group=group, epoch=snap.epoch, action=pb.SNAPSHOT_ACTION_LIST)
     found: set[str] = set()
     for a in agents:
         try:
-            found.update(m.job for m in call(a, req, END_CALL_S).members)
+            said = call(a, req, END_CALL_S)
+            found.update(m.job for m in said.members)
+            found.update(said.ended)  # a try of this rollback ended it there: nothing runs
         except FerryError as e:
             raise FerryError(
                 f"agent {a} could not say which members of group {group} it runs: {e}",

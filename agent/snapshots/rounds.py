@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from agent.errors import FerryError, RefusedError, as_ferry_error
@@ -30,6 +30,8 @@ Call = Callable[[str, pb.SnapshotMemberRequest, float], pb.SnapshotMemberRespons
 HOLD_CALL_S = 600.0
 SHIP_CALL_S = 1800.0
 RELEASE_CALL_S = 150.0
+#: How often a round's coordinator asks whether it may go on while it waits for the agents.
+GO_ON_EVERY_S = 0.5
 
 
 @dataclass
@@ -39,11 +41,22 @@ class RoundTimes:
     ship_s: float = 0.0
 
 
+class GivenUp(FerryError):
+    """The round stopped waiting: its coordinator may no longer run it (`go_on` said why)."""
+
+
 def take(
-    group: str, epoch: int, agents: list[str], call: Call, hold_s: float
+    group: str,
+    epoch: int,
+    agents: list[str],
+    call: Call,
+    hold_s: float,
+    go_on: Callable[[], str] = lambda: "",
 ) -> tuple[pb.SnapshotSet, RoundTimes]:
     """Run round `epoch` over `agents` (every agent with a member of the group); raise a
-    FerryError naming the agent and the step that failed."""
+    FerryError naming the agent and the step that failed. `go_on` is asked while the calls run
+    ("" to go on): a coordinator cut off from etcd gives up at once, not after the calls'
+    bounds, and the agents release what they hold by themselves after hold_s."""
     if len(agents) < 2:
         raise RefusedError(
             f"group {group}'s members run on {len(agents)} node(s): a snapshot needs a buddy on another node",
@@ -61,8 +74,12 @@ def take(
             )
             return call(agents[i], req, timeout)
 
-        with ThreadPoolExecutor(len(agents)) as pool:
-            futures = [pool.submit(one, i) for i in range(len(agents))]
+        pool = ThreadPoolExecutor(len(agents))
+        futures = [pool.submit(one, i) for i in range(len(agents))]
+        pool.shutdown(wait=False)  # its threads end with their calls, each bounded
+        while wait(futures, timeout=GO_ON_EVERY_S).not_done:
+            if why := go_on():
+                raise GivenUp(f"round {epoch} of group {group} given up: {why}", step=_STEP[action])
         answers, errors = [], []
         for i, f in enumerate(futures):
             try:
@@ -76,6 +93,8 @@ def take(
     t0 = time.monotonic()
     try:
         held = each(pb.SNAPSHOT_ACTION_HOLD, HOLD_CALL_S + hold_s)
+    except GivenUp:
+        raise  # its releases could not be sent either: each hold ends by itself
     except FerryError:
         _release_all(agents, group, epoch, call)
         raise

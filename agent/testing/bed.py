@@ -1,8 +1,9 @@
 """A multi-node test bed on one machine: nodes that share nothing a cluster's nodes would not.
 
 Each node is a network namespace and a mount namespace of its own: its own /tmp, /dev/shm
-and /run (fresh tmpfs), its own state and staging, its own address, and its agent listening
-there. A bridge in a namespace of its own (the fabric) joins the nodes' `ferry0` bridges into
+and /run (fresh tmpfs when the node comes up, kept across agent restarts as a real node keeps
+them, gone with a power-off), its own state and staging, its own address, and its agent
+listening there. A bridge in a namespace of its own (the fabric) joins the nodes' `ferry0` bridges into
 one layer-2 segment, which carries both the agents' traffic and the job network
 (10.98.0.0/16; node N's agent at 10.98.0.N, its jobs from the pool 10.98.N.0/24). One more
 namespace, `outside`, stands for a host beyond the jobs (a client, a service) on the same
@@ -62,6 +63,13 @@ def _env_paths() -> list[str]:
     return paths + [os.environ.get(v, "") for v in BINARY_VARS]
 
 
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 class BedAgent(LocalAgent):
     """A node's agent: started inside the node's namespaces; its CLI runs there too, as root on
     that node would run it (its socket lives in the node's own /run)."""
@@ -85,16 +93,43 @@ class BedAgent(LocalAgent):
             config=path,
         )
         self.socket = Path("/run/ferry/agent.sock")  # in the node's own /run
+        self.holder: subprocess.Popen[bytes] | None = None  # holds the node's namespaces
         self.cli_cwd = bed.shared
         self.address = f"10.98.0.{index}:7070"
 
     def start(self, prefix: list[str] | None = None, timeout_s: float = 30.0) -> LocalAgent:
-        return super().start(prefix=[*self.bed.node_prefix(self.netns), *(prefix or [])], timeout_s=timeout_s)
+        """The agent, in the node's namespaces: a restarted agent finds the node's /dev/shm, /tmp
+        and /run as the last one left them, as on a real node (only a power-off empties them)."""
+        return super().start(prefix=[*self.enter(), *(prefix or [])], timeout_s=timeout_s)
+
+    def enter(self) -> list[str]:
+        """The command prefix that runs a process on this node (its mount and network namespaces,
+        held by the node's own process since the node came up, or since it was powered on again)."""
+        if self.holder is None or self.holder.poll() is not None:
+            self.holder = subprocess.Popen(
+                [*self.bed.node_prefix(self.netns), "sleep", "infinity"],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            deadline = time.monotonic() + 10  # its mounts are made once it runs `sleep`
+            while _comm(self.holder.pid) != "sleep" and time.monotonic() < deadline:
+                if self.holder.poll() is not None:
+                    raise RuntimeError(f"node {self.node}'s namespaces could not be made")
+                time.sleep(0.01)
+        return ["nsenter", f"--target={self.holder.pid}", "--mount", "--net", "--"]
+
+    def power_off(self) -> None:
+        """What the node's memory held (its /dev/shm, /tmp and /run) goes with it."""
+        if self.holder is not None:
+            self.holder.kill()
+            self.holder.wait()
+            self.holder = None
 
     def cli_prefix(self) -> list[str]:
         """The CLI runs on this node: in its mount and network namespaces, against its socket."""
         assert self.proc is not None, f"agent {self.node} is not running"
-        return ["nsenter", f"--target={self.proc.pid}", "--mount", "--net", "--"]
+        return self.enter()
 
     def cleanup(self) -> None:
         """The node's /run, /tmp and staging vanish with its namespaces."""
@@ -249,9 +284,11 @@ class Bed:
     def power_off(self, agent: BedAgent) -> None:
         """The node dies without warning: its agent and every job SIGKILLed, its link to the
         fabric gone (no FIN, no RST: its peers' packets just stop being answered)."""
+        # The link first: a process killed while it is up would send its peers a FIN or a RST.
+        _ip("-n", agent.netns, "link", "del", "uplink", check=False)
         agent.stop(sig=signal.SIGKILL, timeout_s=10)
         agent.kill_jobs()
-        _ip("-n", agent.netns, "link", "del", "uplink", check=False)
+        agent.power_off()
 
     def partition(self, agent: BedAgent) -> None:
         """The node is cut off from everything (the fabric, etcd, its peers); it lives on."""
@@ -270,6 +307,7 @@ class Bed:
                 agent.kill_jobs()
             with contextlib.suppress(Exception):
                 agent.stop()
+            agent.power_off()
         if self.etcd_server is not None:
             self.etcd_server.close()
             _ip("netns", "del", f"{self.tag}-etcd", check=False)

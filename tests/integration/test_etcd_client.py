@@ -212,3 +212,14 @@ def test_an_unreachable_endpoint_names_itself_and_what_to_do(pki: Path) -> None:
     assert str(down.value).startswith(f"etcd get on {dead.endpoint}: etcd cannot be reached")
     assert f"check that etcd runs and listens on {dead.endpoint}" in str(down.value)
     dead.close()
+
+
+def test_a_put_guarded_by_a_claim_lands_only_while_the_claim_holds_on_its_lease(client: EtcdClient) -> None:
+    lease, other = client.grant(30), client.grant(30)
+    client.put("/ferry/claim", "me", lease=lease.id)
+    assert client.put_if_held("/ferry/claim", "me", lease.id, "/ferry/snap", "1")
+    assert not client.put_if_held("/ferry/claim", "me", other.id, "/ferry/snap", "2")  # a later lease's
+    assert not client.put_if_held("/ferry/claim", "you", lease.id, "/ferry/snap", "3")
+    client.revoke(lease.id)
+    assert not client.put_if_held("/ferry/claim", "me", lease.id, "/ferry/snap", "4")  # it went with it
+    assert client.get("/ferry/snap").value == b"1"  # type: ignore[union-attr]

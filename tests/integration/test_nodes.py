@@ -151,9 +151,8 @@ def test_a_torchrun_ddp_tree_moves_whole_and_finishes_bit_identical(bed: Bed) ->
 def test_a_file_only_the_source_node_has_is_refused_before_freezing(bed: Bed) -> None:
     a, b = bed.node("node-a"), bed.node("node-b")
     # A process of node-a's own (adopted) holding a file in node-a's /run, which node-b lacks.
-    assert a.proc is not None
     holder = subprocess.Popen(
-        ["nsenter", f"--target={a.proc.pid}", "--mount", "--net", "--", "sh", "-c",
+        [*a.enter(), "sh", "-c",
          "echo x > /run/only-here.txt && exec 3</run/only-here.txt && exec setsid sleep 300"],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip

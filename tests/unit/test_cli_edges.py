@@ -122,7 +122,7 @@ def test_an_agent_given_twice_lists_its_members_once(capsys, agent, sleeper) -> 
 
 def test_run_of_a_missing_executable_is_refused_and_leaves_no_job(capsys, agent) -> None:
     code, out, err = run(capsys, "run", "--agent", agent[1], "--name", "x1", "--", "/no/such/exe")
-    assert (code, out) == (2, "")
+    assert (code, out) == (2, ""), err
     assert err.count("\n") == 1 and "cannot run /no/such/exe: no such file" in err
     assert json.loads(run(capsys, "ps", "--agent", agent[1], "--json")[1]) == []
 

@@ -4,7 +4,9 @@ order and failures, and a protection's record (agent.snapshots). The bed's test
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +17,7 @@ import pytest
 from agent.cli.parser import Usage, build_parser, duration
 from agent.errors import FerryError, NotFoundError, RefusedError, TransferError
 from agent.image import JobSpec, Manifest, build_manifest, read_manifest, verify
+from agent.jobs import procs
 from agent.jobs.record import JobKind, JobRecord, JobState
 from agent.jobs.registry import JobRegistry
 from agent.migration.model import MigrationResult
@@ -241,13 +244,13 @@ def test_a_failed_round_keeps_the_last_complete_snapshot_and_never_reuses_its_ep
     cl = Cluster(tmp_path)
     agents = list(cl.stores)
     seen: list[tuple[str, int]] = []
-    published: list[str] = []
+    claims = Claims("", None, 0)
     p = Protections(
         tmp_path / "state",
         "node-1",
         SnapshotConfig(every_s=3600),
         cl.call,
-        publish=lambda g, v: published.append(v),
+        claims=claims,  # type: ignore[arg-type]
         observe=lambda g, s, e: seen.append((g, s.epoch if s else -1)),
     )
     (tmp_path / "state").mkdir()
@@ -255,7 +258,7 @@ def test_a_failed_round_keeps_the_last_complete_snapshot_and_never_reuses_its_ep
     p.protect("g", 3600, agents)
     p.take("g")
     first = p.get("g").last
-    assert first.epoch == 1 and len(published) == 1
+    assert first.epoch == 1 and claims.published == [1]
     cl.fail = {agents[1]: "ship"}
     with pytest.raises(FerryError, match="it broke"):
         p.take("g")
@@ -276,6 +279,8 @@ class Claims:
         self.holder, self.last, self.tried_at = holder, last, tried
         self.put: list[int] = []
         self.released: list[str] = []
+        self.published: list[int] = []
+        self.lost = ""  # why this node's lease (and its claim) went, once it has
 
     def claim(self, group: str) -> Claim:
         return Claim(self.holder, self.last, self.tried_at)
@@ -285,6 +290,18 @@ class Claims:
 
     def release(self, group: str) -> None:
         self.released.append(group)
+
+    def holding(self) -> Callable[[], str]:
+        return lambda: self.lost
+
+    def publish(self, group: str, value: str) -> bool:
+        if self.holder or self.lost:
+            return False
+        self.published.append(int(json.loads(value)["epoch"]))
+        return True
+
+    def ours(self, group: str) -> bool:
+        return not (self.holder or self.lost)
 
 
 def test_with_etcd_one_agent_runs_the_rounds_and_a_standby_takes_over_from_the_last_snapshot(
@@ -316,6 +333,62 @@ def test_with_etcd_one_agent_runs_the_rounds_and_a_standby_takes_over_from_the_l
     assert not p.get("g").rounds_by and any("runs its snapshot rounds now" in m for m in said)
     p.protect("g", -1, [])  # `--off`: the claim goes now, for a standby to take
     assert claims.released == ["g"]
+
+
+def test_a_protector_that_loses_its_lease_mid_round_gives_up_at_once_and_drops_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its calls may hang on a cut link for their bounds (minutes): the round is given up within
+    a poll of the lease going, no image of another protector's rounds is dropped, and a round
+    that completes after the claim ended is not published (etcd's transaction refuses it)."""
+    monkeypatch.setattr(rounds, "GO_ON_EVERY_S", 0.05)
+    cl = Cluster(tmp_path)
+    claims = Claims("", None, 0)
+    p = Protections(
+        tmp_path / "state",
+        "node-1",
+        SnapshotConfig(every_s=3600),
+        cl.call,
+        claims=claims,  # type: ignore[arg-type]
+    )
+    (tmp_path / "state").mkdir()
+    p.stop()
+    p.protect("g", 3600, list(cl.stores))
+    p.take("g")
+    hung = threading.Event()
+    real = cl.call
+
+    def call(agent: str, req: pb.SnapshotMemberRequest, timeout_s: float) -> pb.SnapshotMemberResponse:
+        if req.action == pb.SNAPSHOT_ACTION_HOLD and agent.startswith("10.0.0.2"):
+            hung.wait(10)  # the link to it is cut
+        return real(agent, req, timeout_s)
+
+    p.call = call
+    start = len(cl.log)
+    threading.Timer(0.3, lambda: setattr(claims, "lost", "node node-1 lost its lease in etcd")).start()
+    t0 = time.monotonic()
+    with pytest.raises(FerryError, match="given up: node node-1 lost its lease"):
+        p.take("g")
+    assert time.monotonic() - t0 < 2.0
+    hung.set()
+    assert "drop" not in {a for _, a in cl.log[start:]} and p.get("g").last.epoch == 1
+    two = "10.0.0.2:7070"
+    deadline = time.monotonic() + 5
+    while (two, "hold") not in cl.log[start:] and time.monotonic() < deadline:
+        time.sleep(0.01)  # the hung call goes through once its link is back: that member is held
+    for a in cl.stores:  # round 2's members go on (by themselves after hold_s; here at once)
+        real(a, pb.SnapshotMemberRequest(group="g", epoch=2, action=pb.SNAPSHOT_ACTION_RELEASE), 5)
+    # A round that completes although the claim went meanwhile does not count.
+    claims.lost, p.call = "", real
+    claims.holder = "agent 10.0.0.9:7070 on node node-9"
+    before = len(cl.log)
+    orig = claims.claim
+    claims.claim = lambda g: Claim("", None, 0)  # type: ignore[method-assign]  # it held at the start
+    with pytest.raises(StandingBy, match="completed after this agent's claim"):
+        p.take("g")
+    claims.claim = orig  # type: ignore[method-assign]
+    assert claims.published == [1] and p.get("g").last.epoch == 1
+    assert "drop" not in {a for _, a in cl.log[before:]}
 
 
 def test_protect_needs_the_members_agents_without_etcd(tmp_path: Path) -> None:
@@ -442,7 +515,7 @@ def test_a_restored_member_is_held_until_resumed_or_goes_on_by_itself(tmp_path: 
     # A rollback's next try: its END ends a copy the failed try restored and holds; it never goes on.
     r.fetch("g", 4, "r1", "10.0.0.2:7070")
     ended = r.restore("g", 4, "r1", hold_s=5)
-    r.end("g", "the rollback's next try")
+    r.end("g", 4)
     time.sleep(0.2)
     assert ended.state is RestoreState.ENDED and went_on == ["r1", "r1"]
     assert r.resume("g", 4) == []
@@ -526,3 +599,26 @@ def test_a_rollback_that_fails_every_try_resumes_what_was_restored_and_says_why(
         roll_back("g", SNAP, agents, others=[], hold_s=5)
     steps = agents.steps()
     assert steps.count("end") == 3 * 3 and steps[-3:] == ["resume"] * 3
+
+
+def test_a_copy_a_rollback_ended_is_said_ended_for_that_round_until_one_is_restored(tmp_path: Path) -> None:
+    """END kills the copy (a real process) and its record says which round it was ended for: a
+    later try of that rollback, or a recovery taking it over, finds that nothing of it runs here."""
+    registry = JobRegistry(tmp_path / "state", "node-c")
+    job = subprocess.Popen(["sleep", "60"])
+    try:
+        rec = member_rec("r2", "2")
+        rec.pid, rec.pid_started = job.pid, procs.create_time(job.pid)
+        registry.save(rec)
+        r = MemberRestores("node-c", tmp_path / "restore", registry, lambda b, k: iter(()), lambda *a: rec)
+        assert r.running("g") == ["r2"] and r.ended("g", 4) == []
+        assert r.end("g", 4) == ["r2"]
+        assert job.wait(5) == -9
+        assert r.running("g") == [] and r.ended("g", 4) == ["r2"]
+        assert r.ended("g", 5) == [] and r.ended("other", 4) == []
+        assert "rolled back to snapshot round 4 of group g" in registry.get("r2").note
+        registry.save(member_rec("r2", "2"))  # restored here since: its record is a new one
+        assert r.ended("g", 4) == []
+    finally:
+        job.kill()
+        job.wait()

@@ -340,3 +340,24 @@ def test_an_expired_lease_costs_an_ended_job_of_the_same_name_nothing(target: Ta
     assert state(target) == pb.TARGET_STATE_ABORTED
     assert target.registry.get("train").state is JobState.EXITED
     assert (target.registry.job_dir("train") / "stdout.log").read_text() == "old output\n"
+
+
+def test_a_migration_whose_source_node_lost_its_lease_is_dropped_before_its_commit_only(
+    target: TargetMigrations, tmp_path: Path
+) -> None:
+    """With [coordination]: a source node etcd holds no lease for drops what waits on it at once
+    (it still owns the job; a recovery may restore it here); a committed one is never touched."""
+    delivered(target, tmp_path)  # VERIFIED, from nodea
+    target.prepare(prepare_req("m-2", "job2", source_node="nodec"))
+    asked: list[set[str]] = []
+
+    def dead(nodes: set[str]) -> set[str]:
+        asked.append(nodes)
+        return nodes & {"nodec"}
+
+    target.expire(dead)
+    assert asked == [{"nodea", "nodec"}]
+    assert state(target, "m-2") == pb.TARGET_STATE_ABORTED and state(target) == pb.TARGET_STATE_VERIFIED
+    target.commit(pb.CommitRequest(migration_id=MID))
+    target.expire(lambda nodes: nodes | {"nodea"})
+    assert state(target) == pb.TARGET_STATE_RUNNING  # past its commit: the job is this node's

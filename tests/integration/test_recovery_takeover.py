@@ -1,0 +1,193 @@
+"""A recovery that died half-way is taken over (agent.snapshots.recover, agent.coord.liveness),
+against a real etcd over mutual TLS; the agents a recovery calls are doubles at the gRPC boundary
+(the bed's tests, tests/integration/test_recovery.py, kill a recovering node for real).
+
+The group: r0 on node A, r1 on B, r2 on C, every image kept on C; spares S and T. B died; A's
+agent began the recovery (its pending mark written, r1's key swapped to S, every copy ended)
+and then died too: its claim went with its lease. Nobody's key names a dead node but A's.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from google.protobuf import json_format
+
+from agent import certs, tls
+from agent.coord.config import CoordConfig
+from agent.coord.etcd import EtcdClient
+from agent.coord.liveness import Member, NodeLiveness
+from agent.errors import FerryError
+from agent.jobs.record import JobKind, JobRecord, JobState
+from agent.jobs.registry import JobRegistry
+from agent.rpc import pb
+from agent.snapshots.recover import GroupRecovery
+from agent.testing.etcd import EtcdServer, have_etcd
+
+pytestmark = pytest.mark.skipif(
+    not have_etcd(), reason="no etcd binary: `make etcd` installs Debian's etcd-server"
+)
+
+PREFIX = "/ferry/"
+SNAP = pb.SnapshotSet(
+    epoch=7,
+    members=[
+        pb.MemberCopy(job=f"r{i}", agent=a, node=a.lower(), buddy_agent="C", buddy_node="c")
+        for i, a in enumerate("ABC")
+    ],
+)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _criu_present() -> None:
+    """Overrides the integration suite's CRIU check: these tests need etcd, not CRIU."""
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Path:
+    d = tmp_path / "pki"
+    certs.create_ca(d)
+    certs.issue(d, "node-c", certs.Role.NODE, ["127.0.0.1"])
+    return d
+
+
+@pytest.fixture
+def etcd(pki: Path, tmp_path: Path) -> Iterator[EtcdServer]:
+    with EtcdServer(pki, data_dir=tmp_path / "etcd") as s:
+        yield s
+
+
+class Agents:
+    """The agents a recovery calls, as their RPCs answer: LIST says which members run (and
+    which a rollback to `epoch` ended) there; END ends them; RESTORE starts one."""
+
+    def __init__(self, running: dict[str, list[str]], ended: dict[str, list[str]]) -> None:
+        self.running, self.ended = running, ended
+        self.log: list[tuple[str, str, str]] = []
+        self._lock = threading.Lock()
+
+    def __call__(
+        self, agent: str, req: pb.SnapshotMemberRequest, timeout_s: float
+    ) -> pb.SnapshotMemberResponse:
+        action = pb.SnapshotAction.Name(req.action).removeprefix("SNAPSHOT_ACTION_").lower()
+        out = pb.SnapshotMemberResponse(node_name=agent.lower())
+        with self._lock:
+            self.log.append((agent, action, req.job))
+            if agent in ("A", "B"):
+                raise FerryError("it does not answer", step=f"rollback {action}", node=agent)
+            here = self.running.setdefault(agent, [])
+            if action == "list":
+                out.members.extend(pb.HeldMember(job=j) for j in here)
+                out.ended.extend(self.ended.get(agent, []) if req.epoch else [])
+            elif action == "end":
+                self.ended.setdefault(agent, []).extend(here)
+                here.clear()
+            elif action == "restore":
+                here.append(req.job)
+        return out
+
+    def did(self, action: str) -> list[tuple[str, str]]:
+        return sorted((a, j) for a, x, j in self.log if x == action)
+
+
+def half_way(client: EtcdClient) -> None:
+    """What A's recovery left: the snapshot, live leases for C, S and T, the keys (r0's naming A,
+    dead; r1's swapped to S), the pending mark, S claimed for r1; no recovery claim."""
+    client.put(PREFIX + "groups/g/snapshot", json_format.MessageToJson(SNAP))
+    lease = client.grant(30)
+    for node in ("c", "s", "t"):
+        client.put(PREFIX + f"nodes/{node}", "{}", lease=lease.id)
+    for job, node, agent in (("r0", "a", "A"), ("r1", "s", "S"), ("r2", "c", "C")):
+        client.put(PREFIX + f"groups/g/members/{job}", Member("g", job, node, agent, "", "").value())
+    mark = {"epoch": 7, "by": "a", "place": {"r1": ["S", "s"]}}
+    client.put(PREFIX + "groups/g/pending", json.dumps(mark))
+    client.put(PREFIX + "spares/S", json.dumps({"group": "g", "job": "r1", "by": "a"}))
+
+
+def liveness(etcd: EtcdServer, pki: Path, tmp_path: Path) -> tuple[NodeLiveness, JobRegistry]:
+    """Node C's liveness, its threads not started: the test drives its checks."""
+    config = CoordConfig(endpoints=(etcd.endpoint,), prefix=PREFIX, lease_ttl_s=30, fence_margin_s=1.5)
+    registry = JobRegistry(tmp_path / "state", "c")
+    live = NodeLiveness(config, "c", registry, tls.load(pki, "node-c"), lambda k, m, j: None)
+    live.agent = "C"
+    live.lease = live.client.grant(30)
+    return live, registry
+
+
+def test_a_recovery_that_died_after_ending_every_copy_is_taken_over_from_its_pending_mark(
+    etcd: EtcdServer, pki: Path, tmp_path: Path
+) -> None:
+    live, registry = liveness(etcd, pki, tmp_path)
+    half_way(live.client)
+    # C's copy of r2 was ended by A's rollback to round 7: C has its record, stopped.
+    rec = JobRecord("r2", JobKind.LAUNCHED, JobState.STOPPED, 1, ["x"], "/", group="g", rolled_back_to=7)
+    registry.save(rec)
+    agents = Agents(running={}, ended={"C": ["r2"]})
+    said: list[str] = []
+    rec_ = GroupRecovery(
+        live, lambda: ["S", "T"], lambda a: a.lower(), agents, 5, lambda k, m: said.append(m)
+    )
+    asked: list[str] = []
+    live.on_lost = lambda g, since: asked.append(g)
+    live.check_peers()
+    assert asked == ["g"]  # the mark without a claim: C's agent takes the recovery over
+
+    done = rec_.recover("g")
+    assert done is not None and done.placed == {"r0": "t", "r1": "s"}  # r1 on the spare A chose
+    assert agents.did("fetch") == [("C", "r2"), ("S", "r1"), ("T", "r0")]
+    assert agents.did("restore") == [("C", "r2"), ("S", "r1"), ("T", "r0")]
+    assert not {a for a, _, _ in agents.log} & {"A", "B"}  # dead nodes are not asked
+    assert live.client.get(PREFIX + "groups/g/pending") is None
+    assert live.client.get(PREFIX + "groups/g/recovery") is None
+    key = live.client.get(PREFIX + "groups/g/members/r0")
+    assert key is not None and Member.parse("g", "r0", key.value).node == "t"
+    assert json.loads(live.client.get(PREFIX + "spares/T").value)["job"] == "r0"  # type: ignore[union-attr]
+    assert "recovering from snapshot round 7: r1 onto node s, r0 onto node t" in said[0], said
+    asked.clear()
+    live.check_peers()
+    assert asked == []  # nothing half-way any more
+
+
+def test_without_the_ended_records_the_takeover_refuses_before_anything_ends(
+    etcd: EtcdServer, pki: Path, tmp_path: Path
+) -> None:
+    """r2 runs on no agent and none says a rollback ended it: it may run where no END reaches."""
+    live, _ = liveness(etcd, pki, tmp_path)
+    half_way(live.client)
+    agents = Agents(running={}, ended={})
+    rec = GroupRecovery(live, lambda: ["S", "T"], lambda a: a.lower(), agents, 5, lambda k, m: None)
+    with pytest.raises(FerryError, match=r"member\(s\) r2 of group g run on none of"):
+        rec.recover("g")
+    assert agents.did("end") == [] and agents.did("restore") == []
+    assert live.client.get(PREFIX + "groups/g/pending") is not None  # tried again at the next check
+
+
+def test_a_pending_mark_left_by_a_recovery_that_finished_goes_without_a_rollback(
+    etcd: EtcdServer, pki: Path, tmp_path: Path
+) -> None:
+    live, _ = liveness(etcd, pki, tmp_path)
+    half_way(live.client)
+    live.client.put(PREFIX + "groups/g/members/r0", Member("g", "r0", "t", "T", "", "").value())
+    agents = Agents(running={"C": ["r2"], "S": ["r1"], "T": ["r0"]}, ended={})
+    rec = GroupRecovery(live, lambda: ["S", "T"], lambda a: a.lower(), agents, 5, lambda k, m: None)
+    assert rec.recover("g") is None
+    assert {x for _, x, _ in agents.log} == {"list"}
+    assert live.client.get(PREFIX + "groups/g/pending") is None
+
+
+def test_an_unreadable_pending_mark_stops_the_recovery_and_says_what_to_do(
+    etcd: EtcdServer, pki: Path, tmp_path: Path
+) -> None:
+    live, _ = liveness(etcd, pki, tmp_path)
+    half_way(live.client)
+    live.client.put(PREFIX + "groups/g/pending", "{not json")
+    agents = Agents(running={}, ended={"C": ["r2"]})
+    rec = GroupRecovery(live, lambda: ["S", "T"], lambda a: a.lower(), agents, 5, lambda k, m: None)
+    with pytest.raises(FerryError, match="is unreadable") as e:
+        rec.recover("g")
+    assert "ferry rollback" in (e.value.hint or "")
+    assert agents.log == []
