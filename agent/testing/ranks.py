@@ -1,4 +1,5 @@
-"""A gloo training job across the bed's nodes, one rank per node, each rank a ferry job.
+"""A gloo training job across the bed's nodes, one rank per node, each rank a ferry job; or a
+torchrun c10d job, one torchrun agent (and its worker) per node, each a ferry job.
 
 The ranks are started the plain `env://` way: RANK, WORLD_SIZE, MASTER_ADDR (rank 0's job
 address; rank 0 itself reaches its store on its own loopback), GLOO_SOCKET_IFNAME=eth0 (the
@@ -66,6 +67,29 @@ def start_job(
     names = [one(0, "127.0.0.1")]
     master = nodes[0].job_address(names[0])
     return names + [one(r, master) for r in range(1, world)]
+
+
+def start_torchrun(
+    agent: BedAgent,
+    name: str,
+    group: str,
+    endpoint: str,
+    train_args: list[str],
+    hosts: bool = False,
+    flags: tuple[str, ...] = (),
+) -> str:
+    """`ferry run` a torchrun agent on agent's node (c10d rendezvous at ENDPOINT:29400, 3 nodes,
+    one worker each, every rank printing with stamps). It names its own job address
+    (--local-addr: its hostname means nothing on the job network); the one that hosts the store
+    (is_host) gives "$ME", its own address."""
+    run = f"exec {sys.executable} -m torch.distributed.run --nnodes=3 --nproc_per_node=1 "
+    run += "--rdzv-backend=c10d --rdzv-id=llm --max-restarts=0 --local-addr=$ME "
+    run += f"--rdzv-conf=is_host={int(hosts)} --rdzv-endpoint={endpoint}:29400 "
+    run += f"{TRAIN} {' '.join(train_args)} --every-rank --stamp"
+    env = ["--env", "GLOO_SOCKET_IFNAME=eth0", "--env", "OMP_NUM_THREADS=1"]
+    me = "ME=$(hostname -I | cut -d' ' -f1); "
+    agent.cli("run", "--name", name, "--group", group, *env, *flags, "--", "sh", "-c", me + run)
+    return name
 
 
 def stamps(log: str) -> list[float]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 
 from agent import certs
 from agent.testing.bed import Bed, BedAgent, node_bed
-from agent.testing.ranks import TRAIN, longest_gap, stamps
+from agent.testing.ranks import longest_gap, stamps, start_torchrun
 from agent.testing.ranks import start_job as start_ranks
 from tests.integration.jobtools import final_digest, steps_in
 from tests.integration.test_nodes import migrate, wait_exited, wait_for
@@ -141,21 +140,11 @@ def test_a_torchrun_agent_moves_with_its_worker_and_the_c10d_job_goes_on(bed: Be
     a, b, c, spare = bed.node("node-a"), bed.node("node-b"), bed.node("node-c"), bed.node("node-d")
     ref = start_job([a, b, c], "ref", 29510, step_time=0.0)
 
-    def torchrun(agent: BedAgent, name: str, endpoint: str, hosts: bool = False) -> None:
-        # Each agent names its own job address (--local-addr: its hostname means nothing on the job
-        # network); node-a's agent hosts the store (is_host: its job address is not its hostname's).
-        run = f"exec {sys.executable} -m torch.distributed.run --nnodes=3 --nproc_per_node=1 "
-        run += "--rdzv-backend=c10d --rdzv-id=llm --max-restarts=0 --local-addr=$ME "
-        run += f"--rdzv-conf=is_host={int(hosts)} --rdzv-endpoint={endpoint}:29400 "
-        run += f"{TRAIN} --steps {STEPS} --step-time 0.25 --every-rank --stamp"
-        env = ["--env", "GLOO_SOCKET_IFNAME=eth0", "--env", "OMP_NUM_THREADS=1"]
-        me = "ME=$(hostname -I | cut -d' ' -f1); "
-        agent.cli("run", "--name", name, "--group", "tr", *env, "--", "sh", "-c", me + run)
-
-    torchrun(a, "tr-a", "$ME", hosts=True)  # its own address: it hosts the rendezvous store
+    train = ["--steps", str(STEPS), "--step-time", "0.25"]
+    start_torchrun(a, "tr-a", "tr", "$ME", train, hosts=True)  # it hosts the rendezvous store
     host = a.job_address("tr-a")
-    torchrun(b, "tr-b", host)
-    torchrun(c, "tr-c", host)
+    start_torchrun(b, "tr-b", "tr", host, train)
+    start_torchrun(c, "tr-c", "tr", host, train)
     where = {"tr-a": a, "tr-b": b, "tr-c": c}
     try:
         wait_for(a, "tr-a", r"^step 5 ", timeout_s=60)

@@ -24,7 +24,7 @@ import pytest
 from agent.testing.bed import Bed, BedAgent, coordination_config, node_bed
 from agent.testing.etcd import have_etcd
 from agent.testing.poll import wait_for
-from agent.testing.ranks import stamps
+from agent.testing.ranks import stamps, start_torchrun
 from agent.testing.ranks import start_job as start_ranks
 from tests.integration.jobtools import final_digest, steps_in
 from tests.integration.test_faults import records
@@ -267,15 +267,21 @@ def _tell(where: dict[str, BedAgent], nodes: list[BedAgent]) -> None:
         print("\n".join(n.cli("logs", name).stderr.splitlines()[-10:]))
 
 
-def test_a_node_that_dies_while_its_member_is_moved_is_recovered_on_the_moves_target(bed: Bed) -> None:
-    """node-c's member is being moved to the spare (frozen, dumped, not yet sent) when node-c
-    dies: the move never completes, the spare lets the half-done move go, and the group recovers
-    the member there from its last snapshot. Every rank ends bit-identical to an undisturbed run."""
+def test_a_node_that_dies_while_its_torchrun_member_is_moved_is_recovered_on_the_moves_target(
+    bed: Bed,
+) -> None:
+    """A torchrun c10d job (a torchrun agent and its worker per node, node-a's hosting the
+    rendezvous store), every member protected. node-c's member is being moved to the spare
+    (frozen, dumped, not yet sent) when node-c dies: the move never completes, the spare lets
+    the half-done move go, and the group recovers the member there from its last snapshot; no
+    rendezvous round follows. Every rank ends bit-identical to an undisturbed run."""
     (a, b, c), (spare,) = _cluster(bed, env={"node-c": {"FERRY_PAUSE": f"source-dumped={HALF_WAY_S * 8}"}})
     nodes = [a, b, c]
     ref = start_ranks(nodes, "ref", 29510, ["--steps", str(STEPS), "--step-time", "0"])
-    protect = {rank: ("--protect", "3s") for rank in range(3)}
-    job = start_ranks(nodes, "llm", 29500, ["--steps", str(STEPS), "--step-time", "0.25"], flags=protect)
+    train, protect = ["--steps", str(STEPS), "--step-time", "0.25"], ("--protect", "3s")
+    job = [start_torchrun(a, "llm-a", "llm", "$ME", train, hosts=True, flags=protect)]
+    host = a.job_address(job[0])
+    job += [start_torchrun(n, f"llm-{n.node[-1]}", "llm", host, train, flags=protect) for n in (b, c)]
     ref_digests = {
         final_digest(n.cli("logs", r).stdout) for r, n in zip(ref, nodes, strict=True) if _ended(n, r)
     }
@@ -306,8 +312,12 @@ def test_a_node_that_dies_while_its_member_is_moved_is_recovered_on_the_moves_ta
     bed.power_off(c)
     move.join(150)
     assert moved and moved[0].returncode != 0, moved  # the move never completed
-    wait_for("node-c's member to run on the spare", lambda: _runs(spare, job[2]), 90)
     where = {job[0]: a, job[1]: b, job[2]: spare}
+    try:
+        wait_for("node-c's member to run on the spare", lambda: _runs(spare, job[2]), 90)
+    except BaseException:
+        _tell(where, [a, b, spare])
+        raise
     back = _stepping_again(where, killed)
     print(f"node-c died mid-move; every rank stepped again {back - killed:.1f} s after the kill")
     # The spare let the half-done move go, before its lease, for etcd had no lease for node-c.
@@ -320,5 +330,7 @@ def test_a_node_that_dies_while_its_member_is_moved_is_recovered_on_the_moves_ta
         _tell(where, [a, b, spare])
         raise
     for name, node in where.items():
-        assert sorted(set(steps_in(node.cli("logs", name).stdout))) == list(range(STEPS))
+        log = node.cli("logs", name).stdout
+        assert sorted(set(steps_in(log))) == list(range(STEPS)), f"{name}: {steps_in(log)}"
+        assert len(re.findall(r"^rank \d+ pid \d+ of 3$", log, re.M)) == 1, f"{name} restarted"
     assert {final_digest(n.cli("logs", j).stdout) for j, n in where.items()} == ref_digests

@@ -97,7 +97,11 @@ def test_degrading_gpu_moves_its_job_to_the_idle_spare(node):
 
     moved = wait_state(a, "train", "moved", timeout_s=120)
     assert moved["moved_to"] == spare.address
-    assert "by ferry" in moved["note"] and "corrected ECC" in moved["note"]
+    deadline = time.monotonic() + 10  # the policy writes its reason once the move has returned
+    while "by ferry" not in moved["note"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+        moved = job(a, "train")
+    assert "by ferry" in moved["note"] and "corrected ECC" in moved["note"], moved["note"]
     arrived = job(spare, "train")  # 100 steps of 0.1 s: still running there
     assert (
         arrived["gpus"] == ["GPU-s0"] and "moved here from node-a (automatic: GPU GPU-a0" in arrived["note"]

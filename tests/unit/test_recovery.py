@@ -136,6 +136,9 @@ def test_a_source_after_commit_ends_its_copy_when_the_target_runs_the_job(frozen
     journal = Journal(tmp_path / "state")
     journal.save(source_record("restoring", proc, tmp_path))
     recovery(registry, journal, ScriptedTarget(pb.TARGET_STATE_RUNNING)).recover()
+    deadline = time.monotonic() + 5  # SIGKILLed: gone (or a zombie) once the kernel has run it
+    while not is_dead(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert is_dead(proc.pid)
     job = registry.get("train")
     assert job.state is JobState.MOVED and job.moved_to == "127.0.0.1:1"
