@@ -212,14 +212,11 @@ class GroupRecovery:
 
     def _whole(self, group: str, snap: pb.SnapshotSet, agents: list[str]) -> bool:
         """Every member of the snapshot runs on one of `agents` (each answers LIST)."""
-        req = pb.SnapshotMemberRequest(group=group, action=pb.SNAPSHOT_ACTION_LIST)
-        found: set[str] = set()
-        for a in agents:
-            try:
-                found.update(m.job for m in self.call(a, req, rollback.END_CALL_S).members)
-            except FerryError:
-                return False
-        return {m.job for m in snap.members} <= found
+        try:
+            running, _ = rollback.members_on(group, snap.epoch, self.call, agents)
+        except FerryError:
+            return False
+        return {m.job for m in snap.members} <= running
 
     def _take_over_keys(
         self, group: str, place: dict[str, tuple[str, str]], members: dict[str, Member]

@@ -149,26 +149,35 @@ def _every_copy_found(
     copy would run on beside the restored one. A member that an earlier try of a rollback to
     this same round ended (a failed try, or a recovery that died half-way) is found too: no
     round completed since, so no copy of it has run anywhere but where that rollback restored."""
-    req = pb.SnapshotMemberRequest(group=group, epoch=snap.epoch, action=pb.SNAPSHOT_ACTION_LIST)
-    found: set[str] = set()
-    for a in agents:
-        try:
-            said = call(a, req, END_CALL_S)
-            found.update(m.job for m in said.members)
-            found.update(said.ended)  # a try of this rollback ended it there: nothing runs
-        except FerryError as e:
-            raise FerryError(
-                f"agent {a} could not say which members of group {group} it runs: {e}",
-                step="rollback",
-                hint="nothing was changed; try again once it answers",
-            ) from e
-    if missing := sorted({m.job for m in snap.members} - found - lost):
+    running, ended = members_on(group, snap.epoch, call, agents)
+    if missing := sorted({m.job for m in snap.members} - running - ended - lost):
         raise FerryError(
             f"member(s) {', '.join(missing)} of group {group} run on none of {', '.join(agents)}",
             step="rollback",
             hint="nothing was changed: find where they run (`ferry ps --group`) and name that agent "
             "with `ferry protect --members-on`",
         )
+
+
+def members_on(group: str, epoch: int, call: Call, agents: list[str]) -> tuple[set[str], set[str]]:
+    """LIST on each of `agents`: the group's members they run, and those whose copy there a
+    rollback to round `epoch` ended (nothing of them runs there). Raises naming the agent that
+    could not say."""
+    req = pb.SnapshotMemberRequest(group=group, epoch=epoch, action=pb.SNAPSHOT_ACTION_LIST)
+    running: set[str] = set()
+    ended: set[str] = set()
+    for a in agents:
+        try:
+            said = call(a, req, END_CALL_S)
+        except FerryError as e:
+            raise FerryError(
+                f"agent {a} could not say which members of group {group} it runs: {e}",
+                step="rollback",
+                hint="nothing was changed; try again once it answers",
+            ) from e
+        running.update(m.job for m in said.members)
+        ended.update(said.ended)
+    return running, ended
 
 
 def _resume_all(call: Call, where: dict[str, str], resume: pb.SnapshotMemberRequest) -> None:
