@@ -48,6 +48,8 @@ class MigrationRecord:
     image: str = ""  # a local operation's image directory (never removed by recovery)
     criu_pid: int = 0  # the CRIU process of the dump or restore in progress
     criu_started: float = 0.0
+    #: source, post-copy: the lazy dump is done and its CRIU only serves pages (killing it harms nothing)
+    criu_serving: bool = False
     job_pid: int = 0  # target: the job's PID 1 here once restored (StopMoved checks it is still that job)
     job_started: float = 0.0
     expires_at: float = 0.0

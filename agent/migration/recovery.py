@@ -144,7 +144,8 @@ class SourceRecovery:
             answer = image_answer(rec) if rec.image else self._ask_target(rec)
         verdict = decide(state, answer)
         if verdict is not Verdict.HOLD:
-            self._wait_for_criu(rec)  # a dump that outlived us, or a lazy one still serving, goes first
+            # A dump that outlived us, or a lazy one still serving, goes first.
+            self._wait_for_criu(rec, pages_needed=verdict is Verdict.FINISH)
         if verdict is Verdict.RESUME:
             if rec.image:
                 said = f"{why} while {rec.state}, before its image in {rec.image} was complete"
@@ -254,9 +255,21 @@ class SourceRecovery:
             # Commit was never sent: the target cannot restore, and its lease runs out.
             log.info("migration %s: could not tell target %s to abort: %s", rec.migration_id, rec.peer, e)
 
-    def _wait_for_criu(self, rec: MigrationRecord) -> None:
-        """A CRIU dump that outlived its agent finishes (leaving the tree stopped) before we resume."""
+    def _wait_for_criu(self, rec: MigrationRecord, pages_needed: bool) -> None:
+        """A CRIU dump that outlived its agent finishes (leaving the tree stopped) before we resume.
+
+        A lazy dump past its dump only serves pages: its parasite is gone and the tree stays
+        stopped by SIGSTOP, so when no target will ever ask for a page it ends at once rather
+        than waiting out CRIU_WAIT_S for a page server nobody connects to."""
         if not (rec.criu_pid and procs.alive(rec.criu_pid, rec.criu_started)):
+            return
+        if rec.criu_serving and not pages_needed:
+            log.warning(
+                "migration %s: ending its lazy page server (CRIU pid %d): no target will ask for a page",
+                rec.migration_id,
+                rec.criu_pid,
+            )
+            procs.end_within(rec.criu_pid, rec.criu_started, 0.0)
             return
         log.warning(
             "migration %s: waiting for CRIU (pid %d) to finish its dump", rec.migration_id, rec.criu_pid
