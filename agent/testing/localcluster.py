@@ -25,6 +25,8 @@ import time
 from itertools import count
 from pathlib import Path
 
+import psutil
+
 from agent.jobs import procs
 
 _LISTENING = re.compile(r"listening on ([0-9.]+:\d+|\[[0-9a-fA-F:.]+\]:\d+)")
@@ -108,6 +110,9 @@ class LocalAgent:
             return None
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
+            if (agent := self._under_wrapper()) is not None:  # `unshare --fork` ignores SIGTERM
+                with contextlib.suppress(psutil.Error):
+                    agent.send_signal(sig)
             try:
                 self.proc.wait(timeout_s)
             except (
@@ -119,6 +124,17 @@ class LocalAgent:
         code = self.proc.returncode
         self.proc = None
         return code
+
+    def _under_wrapper(self) -> psutil.Process | None:
+        """The agent itself where a wrapper forked it: the child whose arguments hold ours."""
+        assert self.proc is not None
+        found = None
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(self.proc.pid)
+            ours = p.cmdline()[-8:]  # --node-name … --socket …: no job's arguments end like this
+            while child := next((c for c in p.children() if c.cmdline()[-8:] == ours), None):
+                p = found = child
+        return found
 
     def cleanup(self) -> None:
         """After the last stop: staging and the socket's directory."""
