@@ -14,7 +14,10 @@ window to kill an agent or cut a link at a known step. Pause-only points:
 source-dumped (tree frozen, image on disk), source-transferring,
 target-receiving (after the first chunk), target-stop-stream (a dropped
 migration's page server or lazy-pages daemon about to be killed: slow to die) and
-rollback-ended (a rollback's coordinator, every old copy ended and none restored yet).
+rollback-ended (a rollback's coordinator, every old copy ended and none restored yet),
+snapshot-held (a round's HOLD: every member on the node frozen and dumped, the answer
+not yet sent) and snapshot-shipping (a round's SHIP: the members went on, an image
+about to be sent to its buddy).
 """
 
 from __future__ import annotations

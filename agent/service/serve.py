@@ -4,6 +4,7 @@ preemptions in flight finish."""
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -210,6 +211,8 @@ def serve(
         log.info("coordination: etcd at %s", ", ".join(service.config.coordination.endpoints))
     service.protections.start()  # the groups it protected before a restart go on being protected
     print(f"ferry agent: node {node} listening on {where}", flush=True)
+    # An agent that seems stuck tells where each thread is, without stopping (docs/operations.md).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

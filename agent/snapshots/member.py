@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent import faults
 from agent.compat import StrEnum
 from agent.coord.liveness import rank_of
 from agent.errors import FerryError, NotFoundError, RefusedError, as_ferry_error
@@ -197,6 +198,7 @@ class MemberSnapshots:
             ).start()
         for h in helds:
             h.dumped.wait()
+        faults.check("snapshot-held", self.node)  # a test's window: every member here frozen
         if failed := [h for h in helds if h.state is HeldState.FAILED]:
             self._release(helds)
             raise FerryError(
@@ -301,6 +303,7 @@ class MemberSnapshots:
                     step="snapshot ship",
                     node=self.node,
                 )
+            faults.check("snapshot-shipping", self.node)  # a test's window: released, not yet shipped
             try:
                 with in_background():
                     stored = self.push(buddy, self._chunks(h))

@@ -125,6 +125,17 @@ class LocalAgent:
         self.proc = None
         return code
 
+    def stacks(self) -> str:
+        """Every thread's stack, which the agent writes to its log on SIGUSR1 (a hung test's
+        evidence)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return f"agent {self.node} is not running"
+        seen = self.log_path.stat().st_size
+        with contextlib.suppress(psutil.Error):
+            (self._under_wrapper() or psutil.Process(self.proc.pid)).send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        return self.log_path.read_bytes()[seen:].decode(errors="replace")
+
     def _under_wrapper(self) -> psutil.Process | None:
         """The agent itself where a wrapper forked it: the child whose arguments hold ours."""
         assert self.proc is not None

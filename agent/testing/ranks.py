@@ -10,7 +10,9 @@ bench (scripts/bench_ranks.py), so both measure the same job.
 from __future__ import annotations
 
 import itertools
+import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -102,3 +104,30 @@ def longest_gap(log: str, since: float, until: float) -> float:
     t = stamps(log)
     gaps = [b - a for a, b in itertools.pairwise(t) if b >= since and a <= until]
     return max(gaps, default=0.0)
+
+
+def tell(where: dict[str, BedAgent], nodes: list[BedAgent]) -> None:
+    """Each node's events and warnings and each member's last lines: a failure's evidence in the
+    test's output. An agent that does not answer in 10 s prints its threads' stacks instead."""
+
+    def ask(n: BedAgent, *args: str) -> str | None:
+        try:
+            return n.cli(*args, check=False, timeout_s=10).stdout
+        except subprocess.TimeoutExpired:
+            print(f"-- {n.node}'s agent did not answer `ferry {' '.join(args)}` in 10 s; its threads:")
+            print(n.stacks())
+            return None
+
+    for n in nodes:
+        said = ask(n, "events", "--json")
+        for e in json.loads(said) if said else []:
+            print(f"{n.node} {e['time']:.2f} {e['kind']} {e['job']}: {e['message']}")
+        lines = n.log_path.read_text(errors="replace").splitlines()
+        print(f"-- {n.node}'s agent log, its warnings and errors:")
+        print("\n".join([x for x in lines if " WARNING " in x or " ERROR " in x][-40:]))
+    for name, n in where.items():
+        ps = ask(n, "ps", "--json")
+        j = next((j for j in json.loads(ps) if j["name"] == name), None) if ps else None
+        print(f"{name} on {n.node}: " + (f"{j['state']} ({j['note']})" if j else "no answer"))
+        print("\n".join((ask(n, "logs", name) or "").splitlines()[-5:]))
+        print("\n".join(Path(j["stderr_path"]).read_text(errors="replace").splitlines()[-10:] if j else []))

@@ -17,12 +17,14 @@ import pytest
 
 from agent import certs
 from agent.testing.bed import Bed, BedAgent, node_bed
-from agent.testing.ranks import longest_gap, stamps, start_torchrun
+from agent.testing.ranks import longest_gap, stamps, start_torchrun, tell
 from agent.testing.ranks import start_job as start_ranks
 from tests.integration.jobtools import final_digest, steps_in
 from tests.integration.test_nodes import migrate, wait_exited, wait_for
 
 STEPS = 120
+#: From the last move to every rank's end: well within the test's own timeout, so a hang is told.
+FINISH_S = 100.0
 
 
 @pytest.fixture
@@ -47,8 +49,13 @@ def finish_bit_identical(
     """Every rank ends well, with every step once and in order, never restarted, and the same
     parameters as the uninterrupted run."""
     digests = set()
+    deadline = time.monotonic() + FINISH_S
     for name in job:
-        j = wait_exited(where[name], name, timeout_s=300)
+        try:
+            j = wait_exited(where[name], name, timeout_s=max(1.0, deadline - time.monotonic()))
+        except BaseException:  # a hung job: what each rank and agent said, for the report
+            tell(where, sorted(set(where.values()), key=lambda n: n.node))
+            raise
         log = where[name].cli("logs", name).stdout
         assert j["exit_code"] == 0, where[name].cli("logs", name).stderr[-2000:]
         assert steps_in(log) == list(range(STEPS)), f"{name}: steps {steps_in(log)}"

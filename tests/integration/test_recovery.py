@@ -24,7 +24,7 @@ import pytest
 from agent.testing.bed import Bed, BedAgent, coordination_config, node_bed
 from agent.testing.etcd import have_etcd
 from agent.testing.poll import wait_for
-from agent.testing.ranks import stamps, start_torchrun
+from agent.testing.ranks import stamps, start_torchrun, tell
 from agent.testing.ranks import start_job as start_ranks
 from tests.integration.jobtools import final_digest, steps_in
 from tests.integration.test_faults import records
@@ -36,8 +36,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 STEPS = 120  # the cut-off test's job: still running once another agent has taken the rounds over
-LONG = 320  # the job two nodes die under: still running after both recoveries
+LONG = 200  # the job two nodes die under: still running after both recoveries (the 2nd near step 80)
 HALF_WAY_S = 5  # a recovering agent waits this long with every copy ended: the test kills it then
+ROUND_PAUSE_S = 2  # a node's agent waits this long in each round's HOLD or SHIP: a node dies then
 #: Short timings (a test): a 3 s lease; a held member goes on by itself after 10 s.
 CONFIG = coordination_config(ttl_s=3, margin_s=1.0) + "[snapshots]\nhold_s = 10\n"
 
@@ -56,15 +57,23 @@ def events(agent: BedAgent) -> list[dict]:
 def test_a_recovery_whose_agent_dies_half_way_is_taken_over_and_two_dead_nodes_are_recovered(
     bed: Bed,
 ) -> None:
-    """etcd restarts during the rounds (nothing lost, nothing recovered); then node-b dies, and
-    the agent that recovers it is SIGKILLed half-way (every copy ended, none restored) and
-    restarted, as its service manager would: another agent takes the recovery over from etcd and
-    node-b's member comes back on a spare. The rounds go on over the new members (node-b held a
-    copy for another member: the next round keeps it elsewhere); then node-c dies too, and its
-    member comes back on the second spare. Every rank replays the steps since each snapshot with
-    the same losses, nothing restarts, and the job ends bit-identical to an undisturbed run."""
-    pause = {"FERRY_PAUSE": f"rollback-ended={HALF_WAY_S}"}  # the recoverer's window to die in
-    (a, b, c), (d, e) = _cluster(bed, spares=2, env={"node-a": pause, "node-c": pause})
+    """etcd restarts during the rounds (nothing lost, nothing recovered); then node-b dies in the
+    middle of a round's SHIP (its image of that round not yet on its buddy), and the agent that
+    recovers it is SIGKILLed half-way (every copy ended, none restored) and restarted, as its
+    service manager would: another agent takes the recovery over from etcd and node-b's member
+    comes back on a spare from the last complete round. The rounds go on over the new members
+    (node-b held a copy for another member: the next round keeps it elsewhere); then node-c dies
+    in the middle of a round's HOLD (every member frozen), and its member comes back on the
+    second spare. Every rank replays the steps since each snapshot with the same losses, nothing
+    restarts, and the job ends bit-identical to an undisturbed run."""
+    # Windows to die in: the recoverer's (a and c), node-b's SHIP, node-c's HOLD.
+    ended = f"rollback-ended={HALF_WAY_S}"
+    env = {
+        "node-a": {"FERRY_PAUSE": ended},
+        "node-b": {"FERRY_PAUSE": f"snapshot-shipping={ROUND_PAUSE_S}"},
+        "node-c": {"FERRY_PAUSE": f"{ended},snapshot-held={ROUND_PAUSE_S}"},
+    }
+    (a, b, c), (d, e) = _cluster(bed, spares=2, env=env)
     nodes = [a, b, c]
     ref = start_ranks(nodes, "ref", 29510, ["--steps", str(LONG), "--step-time", "0"])
     ref_digests = {
@@ -82,8 +91,8 @@ def test_a_recovery_whose_agent_dies_half_way_is_taken_over_and_two_dead_nodes_a
     said = [m["message"] for n in nodes for m in events(n)]
     assert not [m for m in said if " is lost" in m or "recovered" in m], said
 
-    killed = time.time()
-    bed.power_off(b)
+    killed = _power_off_in(bed, b, "snapshot-shipping")
+    committed = max(_epoch(n) for n in (a, c))  # node-b's round in flight can no longer complete
     paused = f"FERRY_PAUSE: pausing {float(HALF_WAY_S):.1f} s at 'rollback-ended'"
     wait_for(
         "a recovery to end every copy", lambda: any(paused in n.log_path.read_text() for n in (a, c)), 60
@@ -95,19 +104,20 @@ def test_a_recovery_whose_agent_dies_half_way_is_taken_over_and_two_dead_nodes_a
     try:
         wait_for("node-b's member to run on a spare", lambda: _runs(d, job[1]), 90)
     except BaseException:
-        _tell({job[0]: a, job[2]: c}, [a, c, d])
+        tell({job[0]: a, job[2]: c}, [a, c, d])
         raise
     first = time.time()
     where = {job[0]: a, job[1]: d, job[2]: c}
     back = _stepping_again(where, killed)
     print(
-        f"{r.node}'s agent died half-way through the recovery; node-b's member ran on node-d "
+        f"node-b died in a round's SHIP, {r.node}'s agent half-way through its recovery; "
+        f"node-b's member ran on node-d "
         f"{first - killed:.1f} s after the kill; every rank stepped again {back - killed:.1f} s after it"
     )
     taken = [
         m["message"] for n in (a, c) for m in events(n) if "recovered from snapshot round" in m["message"]
     ]
-    assert len(taken) == 1, taken
+    assert len(taken) == 1 and f"recovered from snapshot round {committed} " in taken[0], taken
     # The next complete round is over the new members: node-b's copy of node-a's member is gone.
     after = max(_epoch(n) for n in (a, c))
     wait_for(
@@ -116,16 +126,18 @@ def test_a_recovery_whose_agent_dies_half_way_is_taken_over_and_two_dead_nodes_a
         60,
     )
 
-    killed = time.time()
-    bed.power_off(c)
+    killed = _power_off_in(bed, c, "snapshot-held")
     try:
         wait_for("node-c's member to run on the other spare", lambda: _runs(e, job[2]), 90)
     except BaseException:
-        _tell({job[0]: a, job[1]: d}, [a, d, e])
+        tell({job[0]: a, job[1]: d}, [a, d, e])
         raise
     where = {job[0]: a, job[1]: d, job[2]: e}
     back = _stepping_again(where, killed)
-    print(f"node-c's member ran on node-e; every rank stepped again {back - killed:.1f} s after the kill")
+    print(
+        f"node-c died in a round's HOLD; its member ran on node-e; "
+        f"every rank stepped again {back - killed:.1f} s after the kill"
+    )
 
     losses = re.compile(r"^step (\d+) loss (\S+)", re.M)
     try:
@@ -133,7 +145,7 @@ def test_a_recovery_whose_agent_dies_half_way_is_taken_over_and_two_dead_nodes_a
             j = wait_exited(node, name, timeout_s=240)
             assert j["exit_code"] == 0, node.cli("logs", name).stderr[-2000:]
     except BaseException:  # a timeout included: what each node did and said, for the report
-        _tell(where, [a, d, e])
+        tell(where, [a, d, e])
         raise
     for name, node in where.items():
         log = node.cli("logs", name).stdout
@@ -146,6 +158,19 @@ def test_a_recovery_whose_agent_dies_half_way_is_taken_over_and_two_dead_nodes_a
     assert {final_digest(n.cli("logs", j).stdout) for j, n in where.items()} == ref_digests
     # One recovery per failure: each spare runs exactly the member it was claimed for.
     assert [j["name"] for j in _group(d)] == [job[1]] and [j["name"] for j in _group(e)] == [job[2]]
+
+
+def _power_off_in(bed: Bed, node: BedAgent, point: str) -> float:
+    """Power `node` off while its agent pauses at `point` (FERRY_PAUSE) in a round to come;
+    returns when."""
+    said = f"FERRY_PAUSE: pausing {float(ROUND_PAUSE_S):.1f} s at '{point}'"
+    before = node.log_path.read_text().count(said)
+    wait_for(
+        f"{node.node}'s agent to pause at {point}", lambda: node.log_path.read_text().count(said) > before, 60
+    )
+    killed = time.time()
+    bed.power_off(node)
+    return killed
 
 
 def _epoch(a: BedAgent) -> int:
@@ -235,7 +260,7 @@ def test_the_protectors_node_cut_off_is_fenced_recovered_and_another_agent_runs_
         for name, node in where.items():
             assert wait_exited(node, name, timeout_s=100)["exit_code"] == 0
     except BaseException:  # a timeout included: what each node did and said, for the report
-        _tell(where, [*nodes, spare])
+        tell(where, [*nodes, spare])
         raise
     for name, node in where.items():
         assert sorted(set(steps_in(node.cli("logs", name).stdout))) == list(range(STEPS))
@@ -250,21 +275,6 @@ def _runs_rounds(agent: BedAgent) -> bool:
     """This agent protects the group and holds etcd's claim on its rounds."""
     got = agent.cli("snapshot", "llm", "--last", "--json", check=False)
     return got.returncode == 0 and not json.loads(got.stdout)["rounds_by"]
-
-
-def _tell(where: dict[str, BedAgent], nodes: list[BedAgent]) -> None:
-    """Each node's events and each member's last lines: a failure's evidence in the test's output."""
-    for n in nodes:
-        for e in events(n):
-            print(f"{n.node} {e['time']:.2f} {e['kind']} {e['job']}: {e['message']}")
-        said = n.log_path.read_text(errors="replace").splitlines()
-        print(f"-- {n.node}'s agent log, its warnings and errors:")
-        print("\n".join([x for x in said if " WARNING " in x or " ERROR " in x][-40:]))
-    for name, n in where.items():
-        j = n.job(name)
-        print(f"{name} on {n.node}: {j['state']} ({j['note']})")
-        print("\n".join(n.cli("logs", name).stdout.splitlines()[-5:]))
-        print("\n".join(n.cli("logs", name).stderr.splitlines()[-10:]))
 
 
 def test_a_node_that_dies_while_its_torchrun_member_is_moved_is_recovered_on_the_moves_target(
@@ -316,7 +326,7 @@ def test_a_node_that_dies_while_its_torchrun_member_is_moved_is_recovered_on_the
     try:
         wait_for("node-c's member to run on the spare", lambda: _runs(spare, job[2]), 90)
     except BaseException:
-        _tell(where, [a, b, spare])
+        tell(where, [a, b, spare])
         raise
     back = _stepping_again(where, killed)
     print(f"node-c died mid-move; every rank stepped again {back - killed:.1f} s after the kill")
@@ -327,7 +337,7 @@ def test_a_node_that_dies_while_its_torchrun_member_is_moved_is_recovered_on_the
         for name, node in where.items():
             assert wait_exited(node, name, timeout_s=150)["exit_code"] == 0
     except BaseException:
-        _tell(where, [a, b, spare])
+        tell(where, [a, b, spare])
         raise
     for name, node in where.items():
         log = node.cli("logs", name).stdout
