@@ -146,39 +146,31 @@ def test_a_source_after_commit_ends_its_copy_when_the_target_runs_the_job(frozen
     assert journal.get(SOURCE, "m1").state == "committed"
 
 
-def test_a_lazy_page_server_that_outlived_its_agent_ends_at_once_when_no_target_will_page(
-    frozen, registry, tmp_path, monkeypatch
+@pytest.mark.parametrize(
+    ("state", "target", "serves_s", "ended", "then"),
+    [
+        # Commit was never sent: no target will connect, so it ends at once, not after CRIU_WAIT_S.
+        ("dumping", pb.TARGET_STATE_ABORTED, 600, -signal.SIGKILL, JobState.RUNNING),
+        # The target pages the restored job's memory in: the page server is what the job now
+        # runs on, so it is left to finish by itself, never killed.
+        ("paging", pb.TARGET_STATE_RUNNING, 1, 0, JobState.MOVED),
+    ],
+)
+def test_a_lazy_page_server_that_outlived_its_agent_ends_at_once_only_when_no_target_will_page(
+    state, target, serves_s, ended, then, frozen, registry, tmp_path, monkeypatch
 ) -> None:
-    """Post-copy: after the lazy dump its CRIU only serves pages. Commit was never sent, so no
-    target will connect: it is ended at once, not waited on for CRIU_WAIT_S."""
+    """Post-copy: after the lazy dump its CRIU only serves pages (the journal says so)."""
     monkeypatch.setattr("agent.migration.recovery.CRIU_WAIT_S", 600.0)  # a wait would time out the test
     proc = frozen()
-    server = subprocess.Popen([SLEEP, "600"])
-    journal = Journal(tmp_path / "state")
+    server = subprocess.Popen([SLEEP, str(serves_s)])
     started = psutil.Process(server.pid).create_time()
-    journal.save(
-        source_record("dumping", proc, tmp_path, criu_pid=server.pid, criu_started=started, criu_serving=True)
-    )
-    recovery(registry, journal, ScriptedTarget(pb.TARGET_STATE_ABORTED)).recover()
-    assert server.wait(10) == -signal.SIGKILL
-    assert registry.get("train").state is JobState.RUNNING and not is_stopped(proc.pid)
-
-
-def test_a_lazy_page_server_whose_target_runs_the_job_serves_on_until_it_ends(
-    frozen, registry, tmp_path
-) -> None:
-    """The target restored the job and pages its memory in: the page server is what the job
-    now runs on, so it is left to finish, never killed."""
-    proc = frozen()
-    server = subprocess.Popen([SLEEP, "1"])
     journal = Journal(tmp_path / "state")
-    started = psutil.Process(server.pid).create_time()
     journal.save(
-        source_record("paging", proc, tmp_path, criu_pid=server.pid, criu_started=started, criu_serving=True)
+        source_record(state, proc, tmp_path, criu_pid=server.pid, criu_started=started, criu_serving=True)
     )
-    recovery(registry, journal, ScriptedTarget(pb.TARGET_STATE_RUNNING)).recover()
-    assert server.wait(10) == 0  # it ended by itself
-    assert registry.get("train").state is JobState.MOVED
+    recovery(registry, journal, ScriptedTarget(target)).recover()
+    assert server.wait(10) == ended
+    assert registry.get("train").state is then
 
 
 def test_a_rebooted_source_whose_copy_is_gone_records_the_move(frozen, registry, tmp_path) -> None:
