@@ -8,7 +8,12 @@ those digests cover. Digests detect an edit, not a forger who writes them anew.
 
 Beside the image, never travelling and covered by no digest: CRIU's logs, and
 the restores that reached their commit point (`RESTORES`), so that an image is
-not restored twice by accident.
+not restored twice by accident. An incremental snapshot image also has CRIU's
+`parent` link to the image its clean pages live in, which its manifest names.
+
+Why one module: the manifest's fields, the digests that cover them and `verify`
+that reads both are one format; split, a field could be added where no check
+sees it.
 """
 
 from __future__ import annotations
@@ -46,6 +51,12 @@ LOCAL_ONLY = frozenset(
         RESTORES + ".tmp",
     }
 )
+#: An incremental image's link to the image it was dumped against (CRIU's name for it): always
+#: `../../<round>/<job>`, beside it in a snapshot store; it never travels, each side makes its own.
+PARENT_LINK = "parent"
+_PARENT_TARGET = re.compile(r"^\.\./\.\./([1-9][0-9]{0,17})/([A-Za-z0-9_][A-Za-z0-9_.+-]{0,127})$")
+#: The longest chain of incremental images verify follows (a snapshot's is far shorter).
+MAX_CHAIN = 64
 #: Manifest keys no section digest covers: the files have digests of their own, image_bytes is
 #: their sum, and `sections` holds the digests.
 _UNSECTIONED = frozenset({"files", "image_bytes", "sections"})
@@ -170,6 +181,9 @@ class Manifest:
     version: int = MANIFEST_VERSION
     #: Which save this is: the checkpoint's (or suspend's) id; "" for a migration's image.
     image_id: str = ""
+    #: An incremental image: the image_id of the image it was dumped against (its PARENT_LINK),
+    #: whose files hold the pages this one does not.
+    parent: str = ""
     #: Read from a manifest without `sections` (an earlier ferry's): no digest covers its job.
     legacy: bool = field(default=False, compare=False, repr=False)
 
@@ -210,6 +224,7 @@ class Manifest:
                 cuda=CudaSection.from_dict(d["cuda"]) if d.get("cuda") else None,
                 page_stream=StreamDigest.from_dict(d["page_stream"]) if d.get("page_stream") else None,
                 image_id=str(d.get("image_id", "")),
+                parent=str(d.get("parent", "")),
                 legacy="sections" not in d,
             )
             if "sections" in d:
@@ -279,7 +294,7 @@ def image_files(image_dir: Path) -> list[Path]:
     """The files of an image that travel, in a stable order (largest last)."""
     out = []
     for p in sorted(image_dir.iterdir()):
-        if p.name == MANIFEST or p.name in LOCAL_ONLY:
+        if p.name == MANIFEST or p.name in LOCAL_ONLY or (p.name == PARENT_LINK and p.is_symlink()):
             continue
         if not p.is_file() or p.is_symlink():
             raise ImageError(f"{p} is not a regular file", step="image")
@@ -316,10 +331,13 @@ def read_manifest(image_dir: Path) -> Manifest:
     return Manifest.from_json(raw, where=str(path))
 
 
-def verify(image_dir: Path, manifest: Manifest | None = None, *, allow_legacy: bool = False) -> Manifest:
+def verify(
+    image_dir: Path, manifest: Manifest | None = None, *, allow_legacy: bool = False, depth: int = 0
+) -> Manifest:
     """Check that the directory holds exactly the manifest's files, each with its digest, and that
     digests cover the rest of the manifest (allow_legacy: an earlier ferry's manifest, whose job
-    no digest covers, is accepted: for an image this agent wrote into its own state directory)."""
+    no digest covers, is accepted: for an image this agent wrote into its own state directory).
+    An incremental image's parent is verified too, and its parent's, to a whole image."""
     m = manifest or read_manifest(image_dir)
     listed = {check_name(f.name): f for f in m.files}
     if m.legacy and not allow_legacy:
@@ -341,7 +359,56 @@ def verify(image_dir: Path, manifest: Manifest | None = None, *, allow_legacy: b
             raise ImageError(f"{path}: size {path.stat().st_size} does not match the manifest's {entry.size}")
         if sha256_file(path) != entry.sha256:
             raise ImageError(f"{path}: digest does not match the manifest (corrupt or altered image)")
+    if (parent := parent_dir(image_dir, m)) is not None:
+        if depth >= MAX_CHAIN:
+            raise ImageError(
+                f"{image_dir}: a chain of more than {MAX_CHAIN} incremental images", step="image"
+            )
+        verify(parent, depth=depth + 1)
     return m
+
+
+def parent_epoch(image_dir: Path, job: str = "") -> int:
+    """The round an incremental image in a snapshot store (job's, by default its name) was
+    dumped against (its PARENT_LINK); 0 for a whole image. A link of any other shape is refused:
+    it could lead anywhere."""
+    link = image_dir / PARENT_LINK
+    if not link.is_symlink():
+        return 0
+    m = _PARENT_TARGET.fullmatch(os.readlink(link))
+    if m is None or m[2] != (job or image_dir.name):
+        raise ImageError(
+            f"{link} leads to {os.readlink(link)!r}, not to an image of its job beside it", step="image"
+        )
+    return int(m[1])
+
+
+def link_parent(image_dir: Path, epoch: int, job: str = "") -> None:
+    """Make `image_dir` (job's, by default its name) an increment over round `epoch`'s image of
+    the job beside it."""
+    os.symlink(f"../../{epoch}/{job or image_dir.name}", image_dir / PARENT_LINK)
+
+
+def parent_dir(image_dir: Path, m: Manifest, job: str = "") -> Path | None:
+    """The image an incremental image's pages partly live in, checked to be the one its manifest
+    names; None for a whole image."""
+    epoch = parent_epoch(image_dir, job)
+    if not m.parent:
+        if epoch:
+            raise ImageError(
+                f"{image_dir}: a {PARENT_LINK} link, but its manifest names no parent", step="image"
+            )
+        return None
+    if not epoch:
+        raise ImageError(
+            f"{image_dir}: an increment over image {m.parent}, which is not linked beside it",
+            step="image",
+            hint="the image it was dumped against must come with it (a snapshot store keeps the chain)",
+        )
+    parent = image_dir.parent.parent / str(epoch) / (job or image_dir.name)
+    if (got := read_manifest(parent).image_id) != m.parent:
+        raise ImageError(f"{image_dir}: its {PARENT_LINK} is image {got!r}, not {m.parent!r}", step="image")
+    return parent
 
 
 @dataclass(frozen=True)

@@ -196,10 +196,10 @@ def _criu_checks() -> list[Check]:
             required=False,
         ),
         Check(
-            "soft-dirty (pre-copy)",
+            "soft-dirty (incremental snapshots)",
             criu.feature("mem_dirty_track"),
-            "iterative pre-copy",
-            "a kernel with CONFIG_MEM_SOFT_DIRTY",
+            "a group snapshot's dumps after the first carry only the pages written since",
+            "a kernel with CONFIG_MEM_SOFT_DIRTY (else every snapshot dump is whole)",
             required=False,
         ),
     ]

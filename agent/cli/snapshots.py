@@ -89,6 +89,7 @@ def snapshot_lines(p: Any, now: float | None = None) -> list[str]:
             lines.append(
                 f"  {m.job} (rank {m.rank or '?'}, on {m.node}): frozen {m.frozen_s:.2f} s, "
                 f"{human_bytes(m.bytes)} kept on {m.buddy_node}"
+                + (f" (an increment over round {m.parent_epoch})" if m.parent_epoch else "")
             )
     if p.last_error:
         lines.append(

@@ -78,6 +78,8 @@ class CriuOptions:
     root: str = ""
     restore_sibling: bool = False
     lazy_pages: bool = False
+    #: Soft-dirty tracking: the dump clears the bits, so that the next one knows what changed.
+    track_mem: bool = False
     inherit_fd: tuple[InheritFd, ...] = ()
     #: A connected stream socket of ours speaking CRIU's page protocol (pass it to the child).
     page_server_fd: int = -1
@@ -88,6 +90,9 @@ class CriuOptions:
     #: TLS on that connection (CRIU's own, GnuTLS): the peer's pinned certificate, ours, our key.
     tls: TlsFiles | None = None
     status_fd: int = -1
+    #: An incremental dump: where the previous dump's images are, relative to images_dir (CRIU
+    #: links it as `parent`); pages the job has not written since stay there. Needs track_mem.
+    parent_img: str = ""
 
     def __post_init__(self) -> None:
         if self.leave_running and self.leave_stopped:
@@ -125,6 +130,8 @@ class CriuOptions:
         msg.external.extend(self.external)
         if self.root:
             msg.root = self.root
+        if self.parent_img:
+            msg.parent_img = self.parent_img
         for item in self.inherit_fd:
             msg.inherit_fd.add(key=item.key, fd=item.fd)
         if self.page_server_fd >= 0:
@@ -157,6 +164,8 @@ class CriuOptions:
             argv += ["--external", item]
         if self.root:
             argv += ["--root", self.root]
+        if self.parent_img:
+            argv += ["--prev-images-dir", self.parent_img]
         for fd in self.inherit_fd:
             argv += ["--inherit-fd", f"fd[{fd.fd}]:{fd.key}"]
         if self.page_server_fd >= 0:
@@ -201,6 +210,7 @@ _ARGV_FLAG = {
     "file_locks": "--file-locks",
     "restore_sibling": "--restore-sibling",
     "lazy_pages": "--lazy-pages",
+    "track_mem": "--track-mem",
 }
 _FLAGS = tuple(_ARGV_FLAG)
 _RPC_NAME = {"restore_sibling": "rst_sibling"}
@@ -220,9 +230,12 @@ def dump_options(
     page_server: tuple[str, int] | None = None,
     tls: TlsFiles | None = None,
     lazy_pages: bool = False,
+    track_mem: bool = False,
+    parent_img: str = "",
 ) -> CriuOptions:
     """A dump of a ferry job, over RPC or (lazy) from the command line. page_server: where its
-    page server listens (a lazy dump: where it listens itself), reached with tls.
+    page server listens (a lazy dump: where it listens itself), reached with tls. track_mem and
+    parent_img: a group snapshot's dump, incremental against `parent_img` where given.
 
     Established TCP connections, external unix sockets and file locks travel with the
     job. CRIU never locks the network: ferry does, by cutting the job's link.
@@ -246,6 +259,8 @@ def dump_options(
         ps_port=page_server[1] if page_server else 0,
         tls=tls,
         lazy_pages=lazy_pages,
+        track_mem=track_mem,
+        parent_img=parent_img,
     )
 
 

@@ -156,6 +156,8 @@ class Criu:
         log_dir: Path | None = None,
         external: list[str] | None = None,
         deadline_s: float | None = None,
+        track_mem: bool = False,
+        parent_img: str = "",
     ) -> DumpResult:
         """Dump the tree rooted at `pid` into `images_dir` (log: criu-dump.log in log_dir, by
         default images_dir; CRIU's stats go there too).
@@ -166,7 +168,9 @@ class Criu:
         `external`: CRIU's --external items (the job's link, `veth[eth0]:NAME`). CRIU never
         locks the network: ferry does, by cutting the job's link (agent.jobs.network).
         timeout_s is CRIU's own limit on freezing the tree; deadline_s (SWRK_TIMEOUT_S by
-        default) bounds the whole dump, after which CRIU is killed.
+        default) bounds the whole dump, after which CRIU is killed. track_mem clears the tree's
+        soft-dirty bits; parent_img (relative to images_dir, with track_mem) makes the dump
+        incremental: the pages not written since that dump stay in its images.
         """
         opts = dump_options(
             pid,
@@ -180,6 +184,8 @@ class Criu:
             freeze_timeout_s=timeout_s,
             page_server=page_server,
             tls=tls,
+            track_mem=track_mem,
+            parent_img=parent_img,
         )
         self._call("dump", rpc_pb2.DUMP, opts, pass_fds=[], on_start=on_start, deadline_s=deadline_s)
         return DumpResult(stats=read_stats((log_dir or images_dir) / STATS_DUMP, "dump"))

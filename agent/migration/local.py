@@ -9,6 +9,7 @@ states that recovery reads back would be defined apart from the code that writes
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 import uuid
@@ -70,6 +71,8 @@ def checkpoint(
     suspend: bool = False,
     hold: Callable[[Dumped], None] | None = None,
     went_on: Callable[[float], None] = lambda frozen_s: None,
+    track_mem: bool = False,
+    parent: Path | None = None,
 ) -> MigrationResult:
     """Save a job to `out_dir`; unless leave_running, it then ends here (state CHECKPOINTED, or
     PREEMPTED for a preemption's `suspend`).
@@ -78,7 +81,9 @@ def checkpoint(
     while the job is still frozen and cut off; it returns when the job may go on
     (agent.snapshots.member). The job then goes on before the image's digests are computed: its
     files no longer change, and hashing them is no part of the pause; `went_on` hears how long
-    it was frozen as soon as it goes on.
+    it was frozen as soon as it goes on. track_mem (a snapshot, where the kernel tracks dirty
+    memory) lets the next dump be an increment; `parent` (an earlier image of this job that was
+    dumped with track_mem, beside out_dir's in a snapshot store) makes this one that increment.
 
     A CUDA job's device memory is saved too; ending it frees its GPUs. Every step is journaled
     as a move's is (kind "checkpoint" or "suspend", no peer): after a crash, recovery resumes
@@ -90,6 +95,7 @@ def checkpoint(
     checkpoint wrote in `out_dir` (OutDir), naming a full filesystem as such.
     """
     cj = cuda_jobs
+    over = read_manifest(parent).image_id if parent is not None else ""  # unreadable: refused now
     if out_dir.exists() and any(out_dir.iterdir()):
         raise InvalidArgumentError(f"{out_dir} is not empty; choose a new directory for the image", node=node)
     kind = KIND_SUSPEND if suspend else KIND_SNAPSHOT if hold is not None else KIND_CHECKPOINT
@@ -162,6 +168,8 @@ def checkpoint(
                 external=dump_externals(rec, link),
                 log_dir=criu_logs.dir_for(mid),
                 on_start=lambda pid: op.save(criu_pid=pid, criu_started=procs.create_time(pid)),
+                track_mem=track_mem,
+                parent_img=os.path.relpath(parent, out_dir) if parent is not None else "",
             ),
         )
         pids = procs.tree_pids(rec.pid)
@@ -188,6 +196,7 @@ def checkpoint(
                 gpu_bytes=fp.gpu_bytes,
                 cuda=fp.section(),
                 image_id=mid,
+                parent=over,
             ),
         )
     except Exception as exc:

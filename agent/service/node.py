@@ -100,6 +100,7 @@ class AgentNode:
         self.staging_root = staging_root
         self.criu = criu or Criu(node=node)
         self._can_post_copy: bool | None = None
+        self._dirty_tracking: bool | None = None
         self.config = config or AgentConfig()
         self.registry = JobRegistry(state_dir, node, network=JobNetwork(self.config.network, node))
         self.journal = Journal(state_dir)
@@ -162,7 +163,13 @@ class AgentNode:
         snap = self.config.snapshots
         self.snapshot_store = SnapshotStore(Path(snap.dir), node)
         self.snapshot_members = MemberSnapshots(
-            node, Path(snap.dir) / ".taken", self._group_members, self._snapshot_save, self._push_snapshot
+            node,
+            Path(snap.dir) / ".taken",
+            self._group_members,
+            self._snapshot_save,
+            self._push_snapshot,
+            tracks=self._tracks_dirty,
+            full_every=snap.full_every,
         )
         self.snapshot_restores = MemberRestores(
             node, Path(snap.dir) / ".restore", self.registry, self._fetch_snapshot, self._restore_snapshot
@@ -205,11 +212,37 @@ class AgentNode:
         return [r for r in self.registry.list() if r.group == group and r.state is JobState.RUNNING]
 
     def _snapshot_save(
-        self, job: str, out: Path, hold: Callable[[Dumped], None], went_on: Callable[[float], None]
+        self,
+        job: str,
+        out: Path,
+        hold: Callable[[Dumped], None],
+        went_on: Callable[[float], None],
+        track_mem: bool,
+        parent: Path | None,
     ) -> MigrationResult:
         with self.counted():  # a graceful stop waits for a held member to go on
             args = (self.registry, self.criu, job, out, self.node, True)
-            return checkpoint(*args, journal=self.journal, cuda_jobs=self.cuda, hold=hold, went_on=went_on)
+            return checkpoint(
+                *args,
+                journal=self.journal,
+                cuda_jobs=self.cuda,
+                hold=hold,
+                went_on=went_on,
+                track_mem=track_mem,
+                parent=parent,
+            )
+
+    def _tracks_dirty(self) -> bool:
+        """Snapshot dumps track dirty memory here: [snapshots] incremental, and the kernel can
+        (asked of CRIU once)."""
+        if self._dirty_tracking is None:
+            try:
+                self._dirty_tracking = self.config.snapshots.incremental and self.criu.feature(
+                    "mem_dirty_track"
+                )
+            except FerryError:
+                return False  # no usable CRIU now: asked again next time
+        return self._dirty_tracking
 
     def _push_snapshot(self, buddy: str, chunks: Iterator[pb.ImageChunk]) -> pb.StoredSnapshot:
         return client.PeerClient(buddy, self.dial).store_snapshot(chunks)

@@ -5,6 +5,9 @@ of `ferry protect`.
     dir = "/dev/shm/ferry-snapshots"   # memory: a tmpfs; a local disk where memory is short
     every_s = 300                      # `ferry protect GROUP` without --every
     hold_s = 60                        # a held member goes on by itself this long after its dump
+    incremental = true                 # dumps after the first carry only what changed, where the
+                                       # kernel tracks dirty memory (soft-dirty)
+    full_every = 8                     # ... and every 8th is whole again (a chain's length)
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agent.errors import InvalidArgumentError
+from agent.image import MAX_CHAIN
 
 #: A round shorter than this would leave the job frozen more than it runs.
 MIN_EVERY_S = 1.0
@@ -24,6 +28,11 @@ class SnapshotConfig:
     #: A member held for a round goes on by itself if no release comes this long after its dump
     #: ended: its coordinator is gone, and a job must never stay frozen for a snapshot.
     hold_s: float = 60.0
+    #: Where the kernel tracks dirty memory, a member's next dump carries only the pages written
+    #: since its last (CRIU's --track-mem, --prev-images-dir); elsewhere every dump is whole.
+    incremental: bool = True
+    #: A chain of increments is this long at most: a buddy keeps it, a restore reads all of it.
+    full_every: int = 8
 
     def check(self) -> SnapshotConfig:
         if not self.dir.startswith("/"):
@@ -32,4 +41,8 @@ class SnapshotConfig:
             raise InvalidArgumentError(f"[snapshots] every_s = {self.every_s:g} is below {MIN_EVERY_S:g} s")
         if self.hold_s <= 0:
             raise InvalidArgumentError("[snapshots] hold_s must be above 0")
+        if not 1 <= self.full_every <= MAX_CHAIN:
+            raise InvalidArgumentError(
+                f"[snapshots] full_every = {self.full_every} is not within 1 to {MAX_CHAIN}"
+            )
         return self

@@ -13,7 +13,15 @@ A round's coordinator (agent.snapshots.rounds) asks each member's agent, in orde
 - SHIP: each released member's image goes to its buddy (agent.snapshots.store). The copy here
   stays: a node's death takes its member and the copy it kept for another member, and that
   other member's rollback then reads its own node's copy.
-- DROP: the images of every round but the committed one are forgotten.
+- DROP: the images of every round but the committed one are forgotten (and those it is an
+  increment over).
+
+Where the kernel tracks dirty memory (soft-dirty; `criu check --feature mem_dirty_track`) and
+`[snapshots] incremental` is on, every dump clears the bits, and a member's next dump is an
+increment over its last one: only the pages written since (CRIU's --prev-images-dir). It is
+whole when that dump is gone, was of another process (the job was restored or moved since), or
+ended a chain of `full_every` images. A buddy keeps each image's chain; SHIP sends the links it
+lacks, oldest first.
 
 Each member's part is a Held, whose HeldState only moves as HELD_TRANSITIONS allows:
 
@@ -27,9 +35,7 @@ Each member's part is a Held, whose HeldState only moves as HELD_TRANSITIONS all
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import shutil
 import threading
 import time
@@ -41,12 +47,14 @@ from agent import faults
 from agent.compat import StrEnum
 from agent.coord.liveness import rank_of
 from agent.errors import FerryError, NotFoundError, RefusedError, as_ferry_error
-from agent.image import Manifest, read_manifest
+from agent.image import MANIFEST, Manifest, parent_epoch, read_manifest
 from agent.jobs.record import JobRecord, env_of
 from agent.migration.local import Dumped
 from agent.migration.model import MigrationResult
 from agent.migration.transfer import SendStats, send_image
 from agent.rpc import pb
+from agent.snapshots.background import in_background, lower_priority, restore_priority
+from agent.snapshots.chain import Chain, chain_epochs, links, unshipped
 from agent.statemachine import Transitions
 
 log = logging.getLogger(__name__)
@@ -75,42 +83,12 @@ HELD_TRANSITIONS = Transitions(
 
 #: How long a release waits for a held member to be going again (CUDA restore included).
 RESUME_WAIT_S = 120.0
-#: Once its members go on, a round's work (digests, shipping, a buddy's intake) runs this much
-#: nicer than the agent: the job comes first on a node whose cores it uses.
-BACKGROUND_NICE = 10
-
-
-def lower_priority() -> int | None:
-    """Run the calling thread BACKGROUND_NICE nicer (Linux keeps a nice value per thread); its
-    old value, or None if it could not be changed."""
-    tid = threading.get_native_id()
-    try:
-        old = os.getpriority(os.PRIO_PROCESS, tid)
-        os.setpriority(os.PRIO_PROCESS, tid, min(old + BACKGROUND_NICE, 19))
-    except OSError:
-        return None
-    return old
-
-
-def restore_priority(old: int | None) -> None:
-    if old is not None:
-        with contextlib.suppress(OSError):  # raising it back needs CAP_SYS_NICE, which root has
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), old)
-
-
-@contextlib.contextmanager
-def in_background() -> Iterator[None]:
-    """The calling thread runs at a lower CPU priority until the block ends."""
-    old = lower_priority()
-    try:
-        yield
-    finally:
-        restore_priority(old)
-
-
-#: save(job, out_dir, hold, went_on) → the checkpoint's result: `ferry checkpoint --leave-running`
-#: with a hold, and word of the job going on (agent.migration.local.checkpoint).
-Save = Callable[[str, Path, Callable[[Dumped], None], Callable[[float], None]], MigrationResult]
+#: save(job, out_dir, hold, went_on, track_mem, parent) → the checkpoint's result: `ferry
+#: checkpoint --leave-running` with a hold, and word of the job going on; an increment over
+#: `parent` (agent.migration.local.checkpoint).
+Save = Callable[
+    [str, Path, Callable[[Dumped], None], Callable[[float], None], bool, "Path | None"], MigrationResult
+]
 #: push(buddy's HOST:PORT, chunks) → what the buddy stored.
 Push = Callable[[str, Iterator[pb.ImageChunk]], pb.StoredSnapshot]
 
@@ -123,6 +101,8 @@ class Held:
     rank: str
     out_dir: Path
     world: int = 0  # its WORLD_SIZE (0: its environment does not say)
+    incarnation: tuple[int, float] = (0, 0.0)  # its process (pid, start): an increment's must match
+    parent: int = 0  # the round its dump is an increment over (0: whole)
     state: HeldState = HeldState.FREEZING
     bytes: int = 0
     frozen_s: float = 0.0
@@ -152,6 +132,7 @@ class Held:
             cuda_checkpoint_s=self.cuda_checkpoint_s,
             resume_s=self.resume_s,
             local_dir=str(self.out_dir) if self.state is HeldState.SHIPPED else "",
+            parent_epoch=self.parent,
         )
 
 
@@ -160,18 +141,32 @@ class MemberSnapshots:
     `root`, memory: a tmpfs)."""
 
     def __init__(
-        self, node: str, root: Path, members: Callable[[str], list[JobRecord]], save: Save, push: Push
+        self,
+        node: str,
+        root: Path,
+        members: Callable[[str], list[JobRecord]],
+        save: Save,
+        push: Push,
+        tracks: Callable[[], bool] = lambda: False,
+        full_every: int = 8,
     ) -> None:
         self.node, self.root = node, root
         self.members, self.save, self.push = members, save, push
+        #: Whether dumps track dirty memory here (the kernel can, and [snapshots] incremental).
+        self.tracks, self.full_every = tracks, full_every
         self._lock = threading.Lock()
         self._held: dict[tuple[str, int], list[Held]] = {}
+        #: (group, job) → its last tracked dump; gone while a dump runs, and after one that failed.
+        self._chains: dict[tuple[str, str], Chain] = {}
+        #: (group, job) → (buddy, round): the newest image of its chain that buddy verified.
+        self._shipped: dict[tuple[str, str], tuple[str, int]] = {}
 
     def _to(self, h: Held, state: HeldState) -> None:
         h.state = HELD_TRANSITIONS.check(h.state, state, f"{h.job} (round {h.epoch} of group {h.group})")
 
     def hold(self, group: str, epoch: int, hold_s: float) -> list[Held]:
         """Save and hold every running member of `group` here; answer once each is dumped."""
+        track = self.tracks()  # asked of CRIU the first time: not under the lock
         with self._lock:
             # Still frozen (its digests may come after it went on: they hold nothing).
             busy = [
@@ -190,11 +185,21 @@ class MemberSnapshots:
                     f"no member of group {group} runs on this node", step="snapshot hold", node=self.node
                 )
             out = self.root / group / str(epoch)
-            helds = [Held(group, epoch, r.name, rank_of(r), out / r.name, world_of(r)) for r in recs]
+            helds = [
+                Held(group, epoch, r.name, rank_of(r), out / r.name, world_of(r), (r.pid, r.pid_started))
+                for r in recs
+            ]
+            # Chosen with the round registered, so that a DROP meanwhile keeps what it reads.
+            chains = {h.job: self._parent(h) if track else (None, 0) for h in helds}
+            for h in helds:
+                h.parent = int(p.parent.name) if (p := chains[h.job][0]) is not None else 0
             self._held[(group, epoch)] = helds
         for h in helds:
             threading.Thread(
-                target=self._save, args=(h, hold_s), name=f"snapshot-{h.job}", daemon=True
+                target=self._save,
+                args=(h, hold_s, track, *chains[h.job]),
+                name=f"snapshot-{h.job}",
+                daemon=True,
             ).start()
         for h in helds:
             h.dumped.wait()
@@ -208,7 +213,7 @@ class MemberSnapshots:
             )
         return helds
 
-    def _save(self, h: Held, hold_s: float) -> None:
+    def _save(self, h: Held, hold_s: float, track: bool, over: Path | None, length: int) -> None:
         def hold(m: Dumped) -> None:
             h.bytes, h.gpu_bytes = m.image_bytes, m.gpu_bytes
             with self._lock:
@@ -238,11 +243,14 @@ class MemberSnapshots:
                 old.append(lower_priority())  # the digests that follow yield to the job
 
             try:
-                res = self.save(h.job, h.out_dir, hold, went_on)
+                res = self.save(h.job, h.out_dir, hold, went_on, track, over)
             finally:
                 for o in old:
                     restore_priority(o)
             h.cuda_checkpoint_s = res.phases.get("cuda checkpoint", 0.0)
+            if track:  # its dirty bits are clear from this dump on: the next may be an increment
+                with self._lock:
+                    self._chains[(h.group, h.job)] = Chain(h.incarnation, h.epoch, length + 1)
         except Exception as e:  # the save resumed the job; the error says what it met
             err = as_ferry_error(e, "snapshot", self.node)
             h.error = err.cause
@@ -259,6 +267,15 @@ class MemberSnapshots:
             with self._lock:
                 if h.dropped:
                     shutil.rmtree(h.out_dir, ignore_errors=True)
+
+    def _parent(self, h: Held) -> tuple[Path | None, int]:
+        """The image h's dump may be an increment over, and its chain's length; (None, 0): whole.
+        Taken, not read: should this dump fail, the next is whole. Called under the lock."""
+        c = self._chains.pop((h.group, h.job), None)
+        if c is None or c.incarnation != h.incarnation or c.length >= self.full_every:
+            return None, 0
+        d = self.root / h.group / str(c.epoch) / h.job
+        return (d, c.length) if (d / MANIFEST).is_file() else (None, 0)
 
     def release(self, group: str, epoch: int) -> list[Held]:
         """Let the round's members go on; answer once they do (their digests come after).
@@ -306,31 +323,52 @@ class MemberSnapshots:
             faults.check("snapshot-shipping", self.node)  # a test's window: released, not yet shipped
             try:
                 with in_background():
-                    stored = self.push(buddy, self._chunks(h))
+                    try:
+                        stored = self._push_chain(h, buddy, self._unshipped(h, buddy))
+                    except NotFoundError:  # the buddy lacks a link it had: the whole chain
+                        stored = self._push_chain(h, buddy, links(h.out_dir))
             except Exception as e:
                 with self._lock:
                     self._to(h, HeldState.FAILED)
+                    self._shipped.pop((h.group, h.job), None)
                 raise as_ferry_error(e, "snapshot ship", self.node) from e
+            with self._lock:
+                self._shipped[(h.group, h.job)] = (buddy, h.epoch)
             h.buddy_node, h.dir = stored.node_name, stored.dir
             with self._lock:
                 self._to(h, HeldState.SHIPPED)
         return helds
 
-    def _chunks(self, h: Held) -> Iterator[pb.ImageChunk]:
-        m = read_manifest(h.out_dir)
+    def _unshipped(self, h: Held, buddy: str) -> list[Path]:
+        """The links of h's chain that `buddy` has not verified yet, oldest first."""
+        with self._lock:
+            to, epoch = self._shipped.get((h.group, h.job), ("", 0))
+        return unshipped(links(h.out_dir), epoch if to == buddy else 0)
+
+    def _push_chain(self, h: Held, buddy: str, chain: list[Path]) -> pb.StoredSnapshot:
+        stored = pb.StoredSnapshot()
+        for d in chain:
+            stored = self.push(buddy, self._chunks(h, d))
+        return stored
+
+    def _chunks(self, h: Held, image: Path) -> Iterator[pb.ImageChunk]:
+        m = read_manifest(image)
         digests = {f.name: f.sha256 for f in m.files}
 
         def same(entries: list) -> Manifest:
             if {e.name: e.sha256 for e in entries} != digests:
                 raise FerryError(
-                    f"job {h.job}'s image changed on this node after its dump", step="snapshot ship"
+                    f"job {h.job}'s image {image} changed on this node after its dump", step="snapshot ship"
                 )
             return m
 
+        key = pb.SnapshotKey(
+            group=h.group, epoch=int(image.parent.name), job=h.job, parent_epoch=parent_epoch(image)
+        )
         first = True
-        for chunk in send_image("", h.out_dir, same, SendStats(), digests=digests):
+        for chunk in send_image("", image, same, SendStats(), digests=digests):
             if first:
-                chunk.snapshot.CopyFrom(pb.SnapshotKey(group=h.group, epoch=h.epoch, job=h.job))
+                chunk.snapshot.CopyFrom(key)
                 first = False
             yield chunk
 
@@ -339,7 +377,11 @@ class MemberSnapshots:
         agent left too); a round whose digests are still being computed goes once they are."""
         with self._lock:
             pending = set()
-            for key in [k for k in self._held if k[0] == group and k[1] != keep]:
+            gdir = self.root / group
+            kept = chain_epochs(gdir, keep)  # the round kept, and those its increments read
+            for (g, _), hs in self._held.items():  # and those a dump in progress reads
+                kept.update(*(chain_epochs(gdir, h.parent) for h in hs if g == group and not h.done.is_set()))
+            for key in [k for k in self._held if k[0] == group and k[1] not in kept]:
                 for h in self._held.pop(key):
                     h.dropped = True
                     if h.done.is_set():
@@ -347,7 +389,7 @@ class MemberSnapshots:
                     else:
                         pending.add(h.epoch)
             busy = pending | {k[1] for k in self._held if k[0] == group}
-            gdir = self.root / group
+            busy |= kept
             for d in gdir.iterdir() if gdir.is_dir() else []:
                 if d.name.isdigit() and int(d.name) not in busy:
                     shutil.rmtree(d, ignore_errors=True)

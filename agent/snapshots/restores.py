@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.compat import StrEnum
-from agent.errors import FerryError, NotFoundError, RefusedError, as_ferry_error
-from agent.image import read_manifest, verify
+from agent.errors import FerryError, ImageError, NotFoundError, RefusedError, as_ferry_error
+from agent.image import MAX_CHAIN, PARENT_LINK, link_parent, parent_dir, parent_epoch, read_manifest, verify
 from agent.jobs import fence, procs
 from agent.jobs.record import JobRecord, JobState
 from agent.jobs.registry import JobRegistry
@@ -101,33 +101,51 @@ class MemberRestores:
         r.state = RESTORE_TRANSITIONS.check(r.state, state, f"{r.job} (round {r.epoch} of group {r.group})")
 
     def fetch(self, group: str, epoch: int, job: str, buddy: str, local: str = "") -> int:
-        """Bring the image here and verify it; its size in bytes. `local`: this node's own copy,
-        linked (the same memory, no copy) when it is whole; else the buddy's."""
+        """Bring the image here and verify it; its size in bytes (with the chain an increment
+        reads). `local`: this node's own copy, linked (the same memory, no copy) when it is
+        whole; else the buddy's."""
+        n = self._bring(group, epoch, job, buddy, Path(local) if local else None)
+        with self._lock:
+            self._restoring[(group, epoch, job)] = Restoring(
+                group, epoch, job, self.root / group / str(epoch) / job
+            )
+        return n
+
+    def _bring(self, group: str, epoch: int, job: str, buddy: str, local: Path | None, depth: int = 0) -> int:
+        """Round `epoch`'s image of `job` here, after the images it is an increment over."""
         d = self.root / group / str(epoch) / job
         shutil.rmtree(d, ignore_errors=True)  # an earlier try's, never restored from
         d.mkdir(parents=True, mode=0o700)
-        if local and (n := self._link(Path(local), d)):
-            with self._lock:
-                self._restoring[(group, epoch, job)] = Restoring(group, epoch, job, d)
+        if local is not None and (n := self._link(local, d)):
             return n
         if not buddy:
             raise NotFoundError(
                 f"job {job}'s image of round {epoch} is neither here nor on a live buddy", node=self.node
             )
+        if depth >= MAX_CHAIN:
+            raise ImageError(
+                f"job {job}'s image of round {epoch} ends a chain of over {MAX_CHAIN} increments"
+            )
         room = shutil.disk_usage(self.root).free - RESERVE_BYTES
         intake = Intake(d, max(room, 0), node=self.node)
+        over = 0
         try:
             for chunk in self.fetch_from(buddy, pb.SnapshotKey(group=group, epoch=epoch, job=job)):
+                if chunk.HasField("snapshot"):
+                    over = chunk.snapshot.parent_epoch
                 intake.feed(chunk)
-            intake.finish()
+            m = intake.finish()
+            n = intake.bytes
+            if over:  # an increment: what it reads comes first
+                n += self._bring(group, over, job, buddy, None, depth + 1)
+                link_parent(d, over)
+            parent_dir(d, m)
         except BaseException:
             intake.close()
             shutil.rmtree(d, ignore_errors=True)
             raise
-        with self._lock:
-            self._restoring[(group, epoch, job)] = Restoring(group, epoch, job, d)
         log.info("rollback: job %s's image of round %d is here (%d bytes)", job, epoch, intake.bytes)
-        return intake.bytes
+        return n
 
     def running(self, group: str) -> list[str]:
         """The group's members that run (or are fenced) here."""
@@ -142,18 +160,17 @@ class MemberRestores:
         return [r.name for r in mine if r.state in (JobState.RUNNING, JobState.FENCED)]
 
     def _link(self, src: Path, d: Path) -> int:
-        """Hard links to the snapshot's own copy (restore marks and logs land beside, never in
-        it), verified; 0 if that copy is not whole."""
+        """Hard links to the snapshot's own copy, and to the chain an increment reads (restore
+        marks and logs land beside, never in it), verified; 0 if that copy is not whole."""
         try:
-            for f in src.iterdir():
-                os.link(f, d / f.name)
-            m = verify(d)
+            n = _link_chain(src, d)
+            verify(d)
         except (OSError, FerryError) as e:
             log.warning("rollback: this node's copy %s is not usable (%s); the buddy's is fetched", src, e)
-            for f in d.iterdir():
-                f.unlink()
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir(parents=True, mode=0o700)
             return 0
-        return m.image_bytes
+        return n
 
     def ended(self, group: str, epoch: int) -> list[str]:
         """The group's members whose copy here a rollback to round `epoch` ended, with none
@@ -256,11 +273,29 @@ def _wait_gone(rec: JobRecord) -> None:
         time.sleep(0.02)
 
 
+def _link_chain(src: Path, d: Path, depth: int = 0) -> int:
+    for f in src.iterdir():
+        if f.name != PARENT_LINK:
+            os.link(f, d / f.name)
+    n = read_manifest(d).image_bytes
+    if over := parent_epoch(src):
+        if depth >= MAX_CHAIN:
+            raise ImageError(f"{src} ends a chain of over {MAX_CHAIN} increments")
+        p = d.parent.parent / str(over) / d.name
+        shutil.rmtree(p, ignore_errors=True)
+        p.mkdir(parents=True, mode=0o700)
+        n += _link_chain(src.parent.parent / str(over) / src.name, p, depth + 1)
+        link_parent(d, over)
+    return n
+
+
 def image_chunks(image_dir: Path, key: pb.SnapshotKey) -> Iterator[pb.ImageChunk]:
-    """A stored image as a stream, its manifest last (the buddy's side of FETCH)."""
+    """A stored image as a stream, its manifest last (the buddy's side of FETCH); the key says
+    which round's image it is an increment over."""
     from agent.migration.transfer import SendStats, send_image
 
     m = read_manifest(image_dir)
+    key = pb.SnapshotKey(group=key.group, epoch=key.epoch, job=key.job, parent_epoch=parent_epoch(image_dir))
     first = True
     digests = {f.name: f.sha256 for f in m.files}
     for chunk in send_image("", image_dir, lambda entries: m, SendStats(), digests=digests):

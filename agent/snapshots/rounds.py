@@ -130,6 +130,7 @@ def take(
                     gpu_bytes=frozen[m.job].gpu_bytes if m.job in frozen else 0,
                     cuda_checkpoint_s=frozen[m.job].cuda_checkpoint_s if m.job in frozen else 0.0,
                     resume_s=frozen[m.job].resume_s if m.job in frozen else 0.0,
+                    parent_epoch=m.parent_epoch,
                 )
             )
     return out, times

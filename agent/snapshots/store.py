@@ -2,11 +2,14 @@
 
     <dir>/<group>/<epoch>/<job>/        an image, complete and verified
     <dir>/<group>/<epoch>/.<job>.part/  one arriving (never restored from)
+    <dir>/<group>/<epoch>/<job>/parent  an increment's link to the image of its job it was
+                                        dumped against, ../../<round>/<job> (agent.image)
 
 An image arrives over StoreSnapshot as a move's does (agent.migration.transfer.Intake: listed
 files, each digest checked, the manifest last) and is renamed into place only once the manifest
-matches every file: a directory without the `.part` is always whole. The coordinator of the
-group says which epoch is committed; `keep_only` drops every other.
+matches every file (and an increment's link leads to the image its manifest names): a
+directory without the `.part` is always whole. The coordinator of the group says which epoch is
+committed; `keep_only` drops every other but those the committed one's increments read.
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from agent.errors import InvalidArgumentError, TransferError
+from agent.errors import InvalidArgumentError, NotFoundError, TransferError
+from agent.image import MANIFEST, link_parent, parent_dir, read_manifest
 from agent.jobs.record import check_group_name, check_job_name
 from agent.migration.transfer import Intake
 from agent.rpc import pb
-from agent.snapshots.member import in_background
+from agent.snapshots.background import in_background
+from agent.snapshots.chain import chain_epochs
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +56,15 @@ class SnapshotStore:
             raise InvalidArgumentError(f"snapshot epoch {key.epoch} is not a round", node=self.node)
         final = self.image_dir(key.group, key.epoch, key.job)
         part = final.parent / f".{key.job}.part"
+        parent = self.image_dir(key.group, key.parent_epoch, key.job) if key.parent_epoch else None
         with self._lock:
-            if final.exists():
-                raise InvalidArgumentError(
-                    f"this node already holds job {key.job}'s image of round {key.epoch} "
-                    f"of group {key.group}",
+            if parent is not None and not (parent / MANIFEST).is_file():
+                raise NotFoundError(
+                    f"this node holds no image of round {key.parent_epoch} of job {key.job}, which "
+                    f"its image of round {key.epoch} is an increment over",
+                    step="snapshot store",
                     node=self.node,
+                    hint="send the chain, oldest first",
                 )
             shutil.rmtree(part, ignore_errors=True)  # a stream cut before: never restored from
             part.mkdir(parents=True, mode=0o700)
@@ -66,8 +74,21 @@ class SnapshotStore:
                 intake.feed(first)
                 for chunk in chunks:
                     intake.feed(chunk)
-                intake.finish()
-            os.rename(part, final)
+                m = intake.finish()
+                if parent is not None:
+                    link_parent(part, key.parent_epoch, key.job)
+                parent_dir(part, m, job=key.job)  # its link leads to the image its manifest names
+            with self._lock:
+                if final.exists():  # a chain sent again: the same image is no error
+                    if read_manifest(final).image_id != m.image_id:
+                        raise InvalidArgumentError(
+                            f"this node already holds another image of job {key.job} for round "
+                            f"{key.epoch} of group {key.group}",
+                            node=self.node,
+                        )
+                    shutil.rmtree(part, ignore_errors=True)
+                else:
+                    os.rename(part, final)
         except BaseException:
             intake.close()
             shutil.rmtree(part, ignore_errors=True)
@@ -91,12 +112,14 @@ class SnapshotStore:
         return room
 
     def keep_only(self, group: str, epoch: int) -> list[int]:
-        """Drop every image of `group` but round `epoch`'s (0: drop them all); the rounds dropped."""
+        """Drop every image of `group` but round `epoch`'s and those its increments read (0: drop
+        them all); the rounds dropped."""
         gdir = self.root / check_group_name(group)
         dropped = []
         with self._lock:
+            keep = chain_epochs(gdir, epoch) if epoch else set()
             for d in sorted(gdir.iterdir()) if gdir.is_dir() else []:
-                if d.name.isdigit() and int(d.name) != epoch:
+                if d.name.isdigit() and int(d.name) not in keep:
                     shutil.rmtree(d, ignore_errors=True)
                     dropped.append(int(d.name))
         return dropped

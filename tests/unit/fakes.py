@@ -176,6 +176,8 @@ class FakeCriu:
         tls: Any = None,
         log_dir: Path | None = None,
         external: list[str] | None = None,
+        track_mem: bool = False,
+        parent_img: str = "",
     ) -> DumpResult:
         self.dumps.append(
             {
@@ -185,14 +187,26 @@ class FakeCriu:
                 "streamed": page_server is not None,
                 "tls": tls,
                 "log_dir": log_dir,
+                "track_mem": track_mem,
+                "parent_img": parent_img,
             }
         )
         if self.dump_error is not None:
             raise self.dump_error
+        # As CRIU documents: tracking needs the kernel's soft-dirty bits, an increment needs
+        # tracking and its parent's inventory, and links the parent as `parent`.
+        if track_mem and "mem_dirty_track" not in self.features:
+            raise CriuError("dump", "Tracking memory is not available. Consider omitting --track-mem option.")
+        if parent_img:
+            if not track_mem:
+                raise CriuError("dump", "an incremental dump needs --track-mem")
+            if not (images_dir / parent_img / "inventory.img").is_file():
+                raise CriuError("dump", "Pid-reuse detection failed: no parent inventory")
+            os.symlink(parent_img, images_dir / "parent")
         (images_dir / "inventory.img").write_bytes(b"inventory")
         (images_dir / f"core-{pid}.img").write_bytes(b"core" * 100)
         (images_dir / "pstree.img").write_bytes(b"pstree")
-        pages = os.urandom(PAGES_BYTES)
+        pages = os.urandom(PAGES_BYTES // 8 if parent_img else PAGES_BYTES)  # an increment: what was written
         if page_server is not None:  # the memory goes to the page server instead
             assert tls is not None, "the job's memory never crosses a network without TLS"
             try:
@@ -248,6 +262,11 @@ class FakeCriu:
             self.during_restore()
         if self.restore_error is not None:
             raise self.restore_error
+        link = images_dir / "parent"  # CRIU reads an increment's clean pages from its chain
+        while link.is_symlink():
+            if not (link / "pages-1.img").is_file():
+                raise CriuError("restore", f"can't open the parent images of {link.parent}")
+            link = link / "parent"
         # The "restored job": prints once a little later (its first progress), then sleeps.
         actions = [(os.POSIX_SPAWN_DUP2, inherit[0].fd, 1)] if inherit else []
         pid = os.posix_spawn(

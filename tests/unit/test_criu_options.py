@@ -30,7 +30,7 @@ NODE = "nodetest"
 
 VALUE_FLAGS = {"--images-dir", "--work-dir", "--log-file", "--tree", "--network-lock", "--ghost-limit"}
 VALUE_FLAGS |= {"--timeout", "--root", "--ps-socket", "--status-fd", "--address", "--port"}
-VALUE_FLAGS |= {"--tls-cacert", "--tls-cert", "--tls-key"}
+VALUE_FLAGS |= {"--tls-cacert", "--tls-cert", "--tls-key", "--prev-images-dir"}
 REPEATED_FLAGS = {"--external", "--inherit-fd"}
 
 
@@ -116,6 +116,12 @@ RENDERINGS: dict[str, tuple[Callable[..., Any], Callable[..., Any], Callable[...
     "file_locks": _bool("--file-locks", "file_locks"),
     "restore_sibling": _bool("--restore-sibling", "rst_sibling"),
     "lazy_pages": _bool("--lazy-pages", "lazy_pages"),
+    "track_mem": _bool("--track-mem", "track_mem"),
+    "parent_img": (
+        lambda o: o.parent_img,
+        lambda a, o: a.get("--prev-images-dir", ""),
+        lambda m: m.parent_img,
+    ),
     "network_lock": (
         lambda o: o.network_lock,
         lambda a, o: a.get("--network-lock", ""),
@@ -206,6 +212,8 @@ def full_sets(images: Path, work: Path) -> list[CriuOptions]:
         inherit_fd=(InheritFd("/var/log/job.out", 11), InheritFd("/var/log/job.err", 12)),
         page_server_fd=9,
         status_fd=10,
+        track_mem=True,
+        parent_img="../../6/r0",
     )
     # Lazy pages and a page-server socket only meet on the command line (to_rpc refuses them).
     lazy_running = dataclasses.replace(

@@ -438,3 +438,32 @@ def test_criu_logs_a_checkpoint_in_the_state_directory_and_drops_it_once_saved(h
     assert log_dir.parent == here.tmp / "state" / "criu-logs" and log_dir.name.startswith("checkpoint-")
     assert not log_dir.exists()  # saved: its logs are not needed
     assert read_manifest(image).image_id == log_dir.name  # which save this image is
+
+
+def test_an_incremental_save_links_its_parent_and_names_it_where_the_kernel_tracks(here: Here) -> None:
+    """A snapshot's save with --track-mem, then one over it (CRIU's --prev-images-dir, relative
+    to the image): the second image is linked to the first and its manifest names it."""
+    here.criu.features.add("mem_dirty_track")
+    one, two = here.tmp / "g" / "1" / "train", here.tmp / "g" / "2" / "train"
+    one.parent.mkdir(parents=True)
+    two.parent.mkdir(parents=True)
+    args = (here.registry, here.criu, "train", one, "nodea", True)
+    checkpoint(*args, journal=here.journal, cuda_jobs=here.cj, track_mem=True)
+    args = (here.registry, here.criu, "train", two, "nodea", True)
+    checkpoint(*args, journal=here.journal, cuda_jobs=here.cj, track_mem=True, parent=one)
+    assert [(d["track_mem"], d["parent_img"]) for d in here.criu.dumps] == [
+        (True, ""),
+        (True, "../../1/train"),
+    ]
+    assert read_manifest(two).parent == read_manifest(one).image_id != ""
+    assert os.readlink(two / "parent") == "../../1/train"
+    assert not is_stopped(here.pid)
+
+
+def test_tracking_dirty_memory_where_the_kernel_cannot_fails_the_save_and_the_job_goes_on(here: Here) -> None:
+    out = here.tmp / "g" / "1" / "train"
+    out.parent.mkdir(parents=True)
+    args = (here.registry, here.criu, "train", out, "nodea", True)
+    with pytest.raises(CriuError, match="Tracking memory is not available"):
+        checkpoint(*args, journal=here.journal, cuda_jobs=here.cj, track_mem=True)
+    assert here.registry.get("train").state is JobState.RUNNING and not is_stopped(here.pid)

@@ -159,6 +159,8 @@ def test_config_file_peers_and_policy():
         ({"peers": [{"address": "nohost"}]}, "invalid agent address 'nohost'"),
         ({"peers": [{"address": "h:1", "spare": "yes"}]}, "spare true or false"),
         ({"peers": {"address": "h:1"}}, "array of tables"),
+        ({"snapshots": {"full_every": 0}}, "full_every = 0 is not within 1 to 64"),
+        ({"snapshots": {"incremental": "yes"}}, "incremental"),
     ],
 )
 def test_config_file_errors_name_the_key(raw, match):

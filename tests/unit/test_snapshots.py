@@ -32,12 +32,16 @@ from agent.snapshots.rollback import roll_back
 from agent.snapshots.store import SnapshotStore
 
 
-def image(d: Path, job: str = "r0") -> Manifest:
+def image(d: Path, job: str = "r0", parent: Path | None = None) -> Manifest:
+    """An image as a snapshot's dump writes it; over `parent`, an increment (CRIU links it)."""
     d.mkdir(parents=True)
-    (d / "pages-1.img").write_bytes(b"p" * 8192)
+    (d / "pages-1.img").write_bytes(b"p" * (1024 if parent else 8192))
     (d / "core-1.img").write_bytes(b"c" * 10)
+    if parent is not None:
+        os.symlink(os.path.relpath(parent, d), d / "parent")
     spec = JobSpec(job, "launched", ["python", "train.py"], "/", [], "/o", "/e", 1)
-    return build_manifest(d, spec, "node-a")
+    over = read_manifest(parent).image_id if parent else ""
+    return build_manifest(d, spec, "node-a", image_id=f"snapshot-{os.urandom(6).hex()}", parent=over)
 
 
 def member_rec(name: str, rank: str) -> JobRecord:
@@ -53,14 +57,22 @@ class FakeSave:
     def __init__(self, fail: set[str] | None = None) -> None:
         self.fail = fail or set()
         self.resumed: list[str] = []
+        self.dumps: list[tuple[str, bool, Path | None]] = []  # job, track_mem, parent
 
     def __call__(
-        self, job: str, out: Path, hold: Callable[[Manifest], None], went_on: Callable[[float], None]
+        self,
+        job: str,
+        out: Path,
+        hold: Callable[[Manifest], None],
+        went_on: Callable[[float], None],
+        track_mem: bool = False,
+        parent: Path | None = None,
     ) -> MigrationResult:
+        self.dumps.append((job, track_mem, parent))
         if job in self.fail:
             raise FerryError("injected fault at 'checkpoint'", step="checkpoint", node="node-a")
         t0 = time.monotonic()
-        hold(image(out, job))
+        hold(image(out, job, parent))
         self.resumed.append(job)
         went_on(time.monotonic() - t0)
         return MigrationResult("", job, "node-a", frozen_s=time.monotonic() - t0)
@@ -545,7 +557,7 @@ def test_a_rollback_abandons_a_round_that_holds_members(tmp_path: Path) -> None:
 
 
 def test_a_rounds_background_work_yields_to_the_job_and_the_thread_gets_its_priority_back() -> None:
-    from agent.snapshots.member import BACKGROUND_NICE, in_background
+    from agent.snapshots.background import BACKGROUND_NICE, in_background
 
     def nice() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

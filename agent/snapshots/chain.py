@@ -1,0 +1,53 @@
+"""Incremental snapshot images: a member's dump over its last one of the same process, and the
+chain of images an increment's pages live in (docs/recovery.md, "Incremental dumps").
+
+Each image of a chain lies at <root>/<group>/<round>/<job>, an increment linked to the one it
+was dumped against by CRIU's `parent` link (agent.image.PARENT_LINK). The member's node, its
+buddy and a rollback's node keep the same layout, so a chain reads the same everywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.errors import FerryError
+from agent.image import MAX_CHAIN, parent_epoch
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A member's last dump with its dirty bits cleared: what its next dump may be an increment over."""
+
+    incarnation: tuple[int, float]
+    epoch: int
+    length: int  # images in its chain, itself included
+
+
+def links(image: Path) -> list[Path]:
+    """`image` and the images it is an increment over, oldest first."""
+    out = [image]
+    while (epoch := parent_epoch(out[0])) and len(out) <= MAX_CHAIN:
+        out.insert(0, image.parent.parent / str(epoch) / image.name)
+    return out
+
+
+def unshipped(chain: list[Path], verified: int) -> list[Path]:
+    """The links of `chain` newer than round `verified`, which a buddy holds; all of them if it
+    holds none of the chain."""
+    names = [d.parent.name for d in chain]
+    return chain[names.index(str(verified)) + 1 :] if str(verified) in names else chain
+
+
+def chain_epochs(group_dir: Path, epoch: int) -> set[int]:
+    """Round `epoch` and every round an image of it is an increment over (their chains)."""
+    out = {epoch}
+    for job in (group_dir / str(epoch)).iterdir() if (group_dir / str(epoch)).is_dir() else []:
+        d, seen = job, {epoch}
+        with contextlib.suppress(FerryError, OSError):  # a broken link keeps nothing more
+            while (e := parent_epoch(d)) and e not in seen:
+                seen.add(e)
+                d = group_dir / str(e) / job.name
+        out |= seen
+    return out

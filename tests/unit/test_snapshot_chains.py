@@ -1,0 +1,213 @@
+"""Incremental snapshots without CRIU (agent.snapshots.member, .store, .restores; agent.image's
+chain checks). The save is a fake that writes an increment where asked, with CRIU's `parent`
+link, as `criu dump --track-mem --prev-images-dir` is documented to: this VM's kernel has no
+soft-dirty bits, so real CRIU refuses --track-mem here (tests/unit/fakes.FakeCriu says so too).
+The bed's test_snapshots.py runs the real path where `criu check --feature mem_dirty_track` passes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_snapshots import FakeSave, image, member_rec
+
+from agent.errors import FerryError, ImageError, NotFoundError
+from agent.image import link_parent, read_manifest, verify
+from agent.jobs.record import JobRecord
+from agent.rpc import pb
+from agent.snapshots.member import MemberSnapshots
+from agent.snapshots.restores import MemberRestores, image_chunks
+from agent.snapshots.store import SnapshotStore
+
+B1, B2 = "10.0.0.2:7070", "10.0.0.3:7070"
+
+
+class Node:
+    """One member (r0) on its node, its dumps tracked, shipping to the buddies' stores."""
+
+    def __init__(self, tmp_path: Path, tracks: bool = True, full_every: int = 8) -> None:
+        self.stores = {b: SnapshotStore(tmp_path / f"store-{i}", f"node-{i}") for i, b in enumerate((B1, B2))}
+        self.pushed: list[tuple[str, int, int]] = []  # buddy, epoch, parent epoch
+        self.save = FakeSave()
+        self.rec: JobRecord = member_rec("r0", "0")
+        self.root = tmp_path / "taken"
+        self.m = MemberSnapshots(
+            "node-a",
+            self.root,
+            lambda g: [self.rec],
+            self.save,
+            self.push,
+            tracks=lambda: tracks,
+            full_every=full_every,
+        )
+
+    def push(self, buddy: str, chunks: Iterator[pb.ImageChunk]) -> pb.StoredSnapshot:
+        first = next(chunks)
+        self.pushed.append((buddy, first.snapshot.epoch, first.snapshot.parent_epoch))
+        return self.stores[buddy].receive(iter([first, *chunks]))
+
+    def round(self, epoch: int, buddy: str = B1) -> int:
+        """Hold, release and ship one round; the round its image is an increment over."""
+        self.m.hold("g", epoch, 5)
+        self.m.release("g", epoch)
+        (h,) = self.m.ship("g", epoch, buddy)
+        return h.parent
+
+
+def test_each_dump_after_the_first_is_an_increment_shipped_alone_and_kept_with_its_chain(
+    tmp_path: Path,
+) -> None:
+    n = Node(tmp_path)
+    assert [n.round(e) for e in (1, 2, 3)] == [0, 1, 2]
+    assert [(t, p) for _, t, p in n.save.dumps] == [
+        (True, None),
+        (True, n.root / "g" / "1" / "r0"),
+        (True, n.root / "g" / "2" / "r0"),
+    ]
+    assert n.pushed == [(B1, 1, 0), (B1, 2, 1), (B1, 3, 2)], "the buddy gets only what it lacks"
+    store = n.stores[B1]
+    assert verify(store.image_dir("g", 3, "r0")).parent == read_manifest(n.root / "g" / "2" / "r0").image_id
+    assert store.keep_only("g", 3) == [] and sorted(store.held("g")) == [1, 2, 3], "the chain stays"
+    n.m.drop("g", 3)
+    assert sorted(int(d.name) for d in (n.root / "g").iterdir()) == [1, 2, 3]
+
+
+def test_a_chain_ends_at_full_every_and_the_rounds_it_no_longer_needs_go(tmp_path: Path) -> None:
+    n = Node(tmp_path, full_every=2)
+    assert [n.round(e) for e in (1, 2, 3, 4)] == [0, 1, 0, 3]
+    assert n.stores[B1].keep_only("g", 4) == [1, 2]
+    n.m.drop("g", 4)
+    assert sorted(int(d.name) for d in (n.root / "g").iterdir()) == [3, 4]
+
+
+def test_a_dump_of_another_process_a_failed_dump_or_no_tracking_starts_whole(tmp_path: Path) -> None:
+    n = Node(tmp_path)
+    assert [n.round(e) for e in (1, 2)] == [0, 1]
+    n.rec.pid_started += 1  # restored or moved since: its dirty bits say nothing of round 2
+    assert n.round(3) == 0
+    n.save.fail.add("r0")
+    with pytest.raises(FerryError, match="could not be saved"):
+        n.m.hold("g", 4, 5)
+    n.save.fail.clear()
+    assert n.round(5) == 0, "the failed dump may have cleared the bits: the next is whole"
+    untracked = Node(tmp_path / "untracked", tracks=False)
+    assert [untracked.round(e) for e in (1, 2)] == [0, 0]
+    assert [(t, p) for _, t, p in untracked.save.dumps] == [(False, None), (False, None)]
+
+
+def test_a_new_buddy_gets_the_whole_chain_oldest_first(tmp_path: Path) -> None:
+    n = Node(tmp_path)
+    n.round(1)
+    n.round(2)
+    n.round(3, buddy=B2)
+    assert n.pushed[2:] == [(B2, 1, 0), (B2, 2, 1), (B2, 3, 2)]
+    verify(n.stores[B2].image_dir("g", 3, "r0"))
+
+
+def test_a_buddy_that_lost_a_link_gets_the_chain_again(tmp_path: Path) -> None:
+    n = Node(tmp_path)
+    n.round(1)
+    n.round(2)
+    shutil.rmtree(n.stores[B1].image_dir("g", 2, "r0"))  # say, its tmpfs went with a reboot
+    assert n.round(3) == 2
+    assert n.pushed[2:] == [(B1, 3, 2), (B1, 1, 0), (B1, 2, 1), (B1, 3, 2)], "refused, then the chain"
+    verify(n.stores[B1].image_dir("g", 3, "r0"))
+
+
+def test_the_store_refuses_an_increment_over_an_image_it_lacks_or_another_one(tmp_path: Path) -> None:
+    n = Node(tmp_path)
+    n.round(1)
+    n.round(2)
+    mine = n.root / "g" / "2" / "r0"
+    store = SnapshotStore(tmp_path / "elsewhere", "node-c")
+    with pytest.raises(NotFoundError, match="holds no image of round 1 of job r0"):
+        store.receive(image_chunks(mine, pb.SnapshotKey(group="g", epoch=2, job="r0")))
+    image(store.image_dir("g", 1, "r0"))  # an image of round 1, but not the one round 2 was dumped over
+    with pytest.raises(ImageError, match="its parent is image"):
+        store.receive(image_chunks(mine, pb.SnapshotKey(group="g", epoch=2, job="r0")))
+    assert store.held("g") == {1: ["r0"], 2: []}
+
+
+def test_an_increment_is_verified_with_its_chain(tmp_path: Path) -> None:
+    n = Node(tmp_path)
+    n.round(1)
+    n.round(2)
+    two = n.root / "g" / "2" / "r0"
+    (two / "parent").unlink()
+    with pytest.raises(ImageError, match="not linked beside it"):
+        verify(two)
+    os.symlink("/etc", two / "parent")
+    with pytest.raises(ImageError, match="not to an image of its job beside it"):
+        verify(two)
+    (two / "parent").unlink()
+    link_parent(two, 1)
+    (n.root / "g" / "1" / "r0" / "pages-1.img").write_bytes(b"altered")
+    with pytest.raises(ImageError, match=r"pages-1\.img"):
+        verify(two)
+
+
+@pytest.mark.parametrize("from_local", [True, False])
+def test_a_rollback_brings_an_increment_with_its_chain(tmp_path: Path, registry, from_local: bool) -> None:
+    n = Node(tmp_path)
+    for e in (1, 2, 3):
+        n.round(e)
+    store = n.stores[B1]
+
+    def fetch(buddy: str, key: pb.SnapshotKey) -> Iterator[pb.ImageChunk]:
+        assert buddy == B1
+        return image_chunks(store.image_dir(key.group, key.epoch, key.job), key)
+
+    r = MemberRestores("node-d", tmp_path / "restore", registry, fetch, lambda *a: None)  # type: ignore[arg-type]
+    local = str(n.root / "g" / "3" / "r0") if from_local else ""
+    n_bytes = r.fetch("g", 3, "r0", B1, local)
+    here = tmp_path / "restore" / "g" / "3" / "r0"
+    assert verify(here).parent and (here / "parent").is_symlink()
+    # The chain's bytes (a fetch counts its manifests too): round 1 alone holds most of them.
+    assert n_bytes >= sum(read_manifest(store.image_dir("g", e, "r0")).image_bytes for e in (1, 2, 3))
+    if from_local:  # the same memory as the node's own copy: links, no copy
+        assert os.path.samefile(
+            here.parent.parent / "1" / "r0" / "pages-1.img", n.root / "g" / "1" / "r0" / "pages-1.img"
+        )
+
+
+def test_ps_group_says_which_copies_are_increments() -> None:
+    from agent.cli.snapshots import snapshot_lines
+
+    copies = [
+        pb.MemberCopy(job="r0", rank="0", node="node-a", buddy_node="node-b", bytes=1 << 20, parent_epoch=6),
+        pb.MemberCopy(job="r1", rank="1", node="node-b", buddy_node="node-a", bytes=300 << 20),
+    ]
+    p = pb.Protection(group="g", active=True, last=pb.SnapshotSet(epoch=7, taken_at=100.0, members=copies))
+    lines = snapshot_lines(p, now=110.0)
+    assert lines[1].endswith("kept on node-b (an increment over round 6)"), lines
+    assert lines[2].endswith("kept on node-a"), lines
+
+
+def test_a_drop_while_a_dump_reads_its_parent_keeps_the_chain(tmp_path: Path) -> None:
+    import threading
+
+    n = Node(tmp_path)
+    n.round(1)
+    reading, go = threading.Event(), threading.Event()
+    plain = n.save
+
+    def slow(job, out, hold, went_on, track_mem=False, parent=None):
+        reading.set()  # CRIU reads the parent's images while it dumps
+        go.wait(10)
+        return plain(job, out, hold, went_on, track_mem, parent)
+
+    n.m.save = slow
+    holding = threading.Thread(target=n.m.hold, args=("g", 2, 5))
+    holding.start()
+    assert reading.wait(10)
+    n.m.drop("g", 2)  # whatever DROP comes, what a dump in progress reads stays
+    assert (n.root / "g" / "1" / "r0" / "pages-1.img").is_file()
+    go.set()
+    holding.join(10)
+    n.m.release("g", 2)
+    (h,) = n.m.ship("g", 2, B1)
+    assert h.parent == 1 and verify(n.stores[B1].image_dir("g", 2, "r0")).parent
