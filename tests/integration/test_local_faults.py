@@ -80,7 +80,7 @@ def test_agent_killed_during_a_preemptions_suspend_keeps_the_job_preempted_and_r
     (tmp_path / "a.toml").write_text(health + f'[[peers]]\naddress = "{spare.address}"\nspare = true\n')
     a = agents("node-a", env={"FERRY_HOUSEKEEPING_S": "1"}, config=tmp_path / "a.toml",
                nvml_replay=telemetry["node-a"])  # fmt: skip
-    run_on_gpu(spare, "scavenger", "GPU-s0", 300, "--priority", "low")  # 30 s: still running when asked
+    run_on_gpu(spare, "scavenger", "GPU-s0", 150, "--priority", "low")  # 15 s: still running when asked
     run_on_gpu(a, "train", "GPU-a0", steps=40)
     wait_steps(spare, "scavenger", 5)
     wait_steps(a, "train", 5)
@@ -94,7 +94,7 @@ def test_agent_killed_during_a_preemptions_suspend_keeps_the_job_preempted_and_r
     assert wait_record(spare, "source", ("committed",))
     wait_event(spare, "resume", "resumed preempted job scavenger on GPU-s0", timeout_s=180)
     assert_nothing_frozen("scavenger", spare)
-    assert_completed_exactly_once(spare, "scavenger", steps=300)
+    assert_completed_exactly_once(spare, "scavenger", steps=150)
 
 
 def test_agent_killed_during_a_restore_leaves_no_copy_and_the_image_restores_again(agents, tmp_path):
