@@ -54,6 +54,7 @@ def events(agent: BedAgent) -> list[dict]:
     return json.loads(agent.cli("events", "--json").stdout)
 
 
+@pytest.mark.timeout(240)  # two recoveries, one taken over, on a 200-step job: 140-170 s here
 def test_a_recovery_whose_agent_dies_half_way_is_taken_over_and_two_dead_nodes_are_recovered(
     bed: Bed,
 ) -> None:
