@@ -58,6 +58,16 @@ from agent.jobs.record import (
 
 log = logging.getLogger(__name__)
 
+#: What a job MIGRATING under a local operation's id is doing, and when to ask again.
+_BUSY = {
+    "snapshot": (
+        "held for a group snapshot round",
+        "ask again in a few seconds: a round holds it at most [snapshots] hold_s",
+    ),
+    "checkpoint": ("being checkpointed", "wait for the checkpoint to finish"),
+    "suspend": ("being suspended for a preemption", "wait for the suspend to finish"),
+}
+
 #: How long ferry-init may take to set up the job's namespaces.
 START_TIMEOUT_S = 10.0
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -413,11 +423,13 @@ class JobRegistry:
         with self._lock:
             rec = self.get(name)
             if rec.state is JobState.MIGRATING:
+                kind = rec.migration_id.partition("-")[0]  # a local operation's id names its kind
+                doing, hint = _BUSY.get(kind, ("already being moved", "wait for it to finish"))
                 raise RefusedError(
-                    f"job {name!r} is already being moved (migration {rec.migration_id})",
+                    f"job {name!r} is {doing} (migration {rec.migration_id})",
                     step=what,
                     node=self.node,
-                    hint="wait for it to finish",
+                    hint=hint,
                 )
             if rec.state is not JobState.RUNNING:
                 raise RefusedError(

@@ -316,7 +316,8 @@ def test_a_node_that_dies_while_its_torchrun_member_is_moved_is_recovered_on_the
         )
         if not moved:
             break
-        assert "is migrating, not running" in moved[0].stderr, moved[0].stderr
+        said = moved[0].stderr  # refused at the CLI's look, or by the agent's own
+        assert "is migrating, not running" in said or "held for a group snapshot round" in said, said
         moved.clear()
     assert paused in c.log_path.read_text()
     killed = time.time()

@@ -353,6 +353,14 @@ def test_migration_to_itself_is_refused(h: Harness) -> None:
     h.assert_untouched()
 
 
+def test_a_move_of_a_job_held_for_a_snapshot_round_says_so_and_when_to_ask_again(h: Harness) -> None:
+    h.registry.begin_move("train", "snapshot-0123456789ab", "snapshot")
+    with pytest.raises(RefusedError, match="held for a group snapshot round") as exc:
+        h.migration().run()
+    assert "ask again in a few seconds" in str(exc.value.hint)
+    assert h.criu.dumps == [] and h.job.state is JobState.MIGRATING
+
+
 def test_second_migration_of_a_moving_job_is_refused(h: Harness) -> None:
     h.registry.begin_move("train", "other-migration", "migration")
     with pytest.raises(RefusedError, match="already being moved") as exc:
