@@ -1,22 +1,19 @@
-"""Saving and resuming on this node: `ferry checkpoint` (and a group snapshot's hold), `ferry
-restore`, and the resume of a job that a preemption suspended.
-
-Why one module: the three are one journaled protocol with the image standing in for the
-target (docs/architecture.md, "Local operations are journaled moves"); split, the kinds and
-states that recovery reads back would be defined apart from the code that writes them.
+"""Saving on this node: `ferry checkpoint` (and a group snapshot's hold) and a preemption's
+suspend, journaled as a move's source is, with the image standing in for the target
+(docs/architecture.md, "Local operations are journaled moves"). The kinds and states recovery
+reads back are defined here, beside the code that writes them; the restore side (`ferry
+restore`, resuming a preempted job) is agent.migration.local_restore.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
 from agent import faults
 from agent.criu.dumpable import refuse_undumpable
@@ -24,14 +21,13 @@ from agent.criu.logs import CriuLogs
 from agent.criu.runner import Criu
 from agent.cuda import driver as cuda
 from agent.cuda.jobs import CudaJobs, Footprint
-from agent.errors import FerryError, InvalidArgumentError, NotFoundError, as_ferry_error
-from agent.gpus.inventory import GpuNeed
-from agent.image import JobSpec, Manifest, build_manifest, image_files, read_manifest, verify
+from agent.errors import FerryError, InvalidArgumentError, as_ferry_error
+from agent.image import JobSpec, Manifest, build_manifest, image_files, read_manifest
 from agent.jobs import procs
 from agent.jobs.network import LinkLock
-from agent.jobs.record import JobRecord, JobState
+from agent.jobs.record import JobState
 from agent.jobs.registry import JobRegistry
-from agent.migration import copies, peerwait, rollback
+from agent.migration import peerwait, rollback
 from agent.migration.capture import (
     Phases,
     copy_logs,
@@ -42,16 +38,13 @@ from agent.migration.capture import (
     require_host_memory,
     warm_memory,
 )
-from agent.migration.journal import SOURCE, TARGET, Journal, JournaledRecord, MigrationRecord
+from agent.migration.journal import SOURCE, Journal, JournaledRecord, MigrationRecord
 from agent.migration.model import Emit, MigrationResult, Progress
 from agent.migration.outdir import OutDir
-from agent.migration.restore import restore_tree
 from agent.migration.states import (
     SOURCE_TRANSITIONS,
-    TARGET_TRANSITIONS,
     CudaLeft,
     MigrationState,
-    TargetState,
 )
 
 log = logging.getLogger(__name__)
@@ -287,206 +280,3 @@ def end_saved(
     if suspend:
         note = f"preempted; resumes here by itself once a GPU is free (image {image_dir})"
         registry.update(copy.rec.name, state=JobState.PREEMPTED, note=note)
-
-
-def restore_image(
-    registry: JobRegistry,
-    criu: Criu,
-    image_dir: Path,
-    name: str,
-    node: str,
-    cuda_jobs: CudaJobs,
-    journal: Journal,
-    *,
-    as_copy: bool = False,
-    hold: Callable[[JobRecord], None] | None = None,
-    keep_logs: bool = False,
-) -> JobRecord:
-    """Resume a saved image on this node, after checking every digest; a CUDA job onto suitable
-    GPUs, claimed in the node's GPU ledger until the restored job holds them. Journaled as a
-    target's restore is (LocalRestore): a crash before its commit point leaves nothing running.
-    `hold` (a rollback's member) returns when the recorded, still stopped copy may go on.
-
-    Refused while the image's job runs here, or once the image was restored (agent.migration.copies),
-    unless `as_copy`: a second copy, under its own `name` and, on a job network, its own address.
-    """
-    if not image_dir.is_dir():
-        raise NotFoundError(f"no image directory {image_dir} on this node", node=node)
-    with copies.one_restore(image_dir, node):
-        # An earlier ferry's image (no section digests) still restores: a launched job's restored
-        # PID 1 is checked against its command, cwd and env all the same (copies.CheckedRestore).
-        m = verify(image_dir, allow_legacy=True)
-        if m.legacy:
-            log.warning("image %s is an earlier ferry's: no digest covers its job section", image_dir)
-        if as_copy:
-            here, old = copies.copy_of(registry, m, name, node)
-        else:
-            copies.refuse_duplicate(registry, journal, image_dir, m, node)
-            here, old = m, ""
-        job = name or m.job.name
-        owner = f"the restore of job {job}"
-        checked = copies.CheckedRestore(criu, here.job, image_dir, registry.network, old)
-        copy = f"; a second copy of job {m.job.name!r}" if as_copy else ""
-        at = f", at its own address {here.job.address}" if old else ""
-        try:
-            gpu_map = claim_gpus(cuda_jobs, m, owner, job)
-            onto = f" onto {', '.join(gpu_map.values())}" if gpu_map else ""
-            local = LocalRestore(
-                journal, job, node, image=copies.image_key(image_dir), mark=image_dir, copy=as_copy
-            )
-            rec = local.restore(
-                registry,
-                cast(Criu, checked),
-                image_dir,
-                here,
-                note=f"restored from {image_dir}{onto}{copy}{at}",
-                cuda_jobs=cuda_jobs,
-                gpu_map=gpu_map,
-                hold=hold,
-                keep_logs=keep_logs,
-            )
-        finally:
-            cuda_jobs.ledger.release(owner)
-    log.info("job %s: restored from %s as pid %d", rec.name, image_dir, rec.pid)
-    return rec
-
-
-class LocalRestore:
-    """`ferry restore` (kind restore) and a preempted job's resume (kind resume, with its image)
-    journaled as a target's restore is: RESTORING before CRIU starts (with
-    CRIU's pid once it runs), RUNNING at the commit point, before the restored job is released.
-    After a crash, target recovery kills a restore that did not reach RUNNING
-    (agent.migration.target_recovery), so no copy runs that its node has not recorded.
-    A restore's record names its image; once RUNNING is journaled, the restore is also added to
-    the image's own record of restores (`mark`: the image directory), which a later restore reads."""
-
-    def __init__(
-        self,
-        journal: Journal,
-        job: str,
-        node: str,
-        kind: str = copies.KIND_RESTORE,
-        image: str = "",
-        mark: Path | None = None,
-        copy: bool = False,
-    ) -> None:
-        self.node = node
-        self.mark, self.copy = mark, copy
-        mid = f"{kind}-{uuid.uuid4().hex[:12]}"
-        record = MigrationRecord(mid, TARGET, job, TargetState.VERIFIED.value, kind=kind, image=image)
-        self.op = JournaledRecord(journal, record, TARGET_TRANSITIONS, TargetState)
-        self.op.to(TargetState.RESTORING)
-
-    def restore(
-        self,
-        registry: JobRegistry,
-        criu: Criu,
-        image_dir: Path,
-        manifest: Manifest,
-        *,
-        note: str,
-        cuda_jobs: CudaJobs,
-        gpu_map: dict[str, str],
-        resuming: bool = False,
-        hold: Callable[[JobRecord], None] | None = None,
-        keep_logs: bool = False,
-    ) -> JobRecord:
-        """restore_tree, journaled: RUNNING at its commit point, ABORTED if it failed before."""
-        job = self.op.record.job
-
-        def commit_then_hold(rec: JobRecord) -> None:
-            self.commit_point(rec)
-            if hold is not None:
-                hold(rec)
-
-        try:
-            return restore_tree(
-                registry,
-                criu,
-                image_dir,
-                manifest,
-                job,
-                note=note,
-                cuda_jobs=cuda_jobs,
-                gpu_map=gpu_map,
-                resuming=resuming,
-                on_criu_start=self.criu_started,
-                before_release=commit_then_hold,
-                keep_logs=keep_logs,
-            )
-        except BaseException as e:
-            self.failed(f"{self.op.record.kind} failed: {e}")
-            raise
-
-    def criu_started(self, pid: int) -> None:
-        self.op.save(criu_pid=pid, criu_started=procs.create_time(pid))
-
-    def commit_point(self, rec: JobRecord) -> None:
-        faults.check("restore-held", self.node)
-        self.op.to(TargetState.RUNNING)
-        if self.mark is not None:
-            copies.mark(self.mark, rec.name, self.node, self.op.record.migration_id, self.copy)
-
-    def failed(self, why: str) -> None:
-        if self.op.record.state == TargetState.RESTORING.value:  # past RUNNING the job runs on
-            self.op.to(TargetState.ABORTED, note=why)
-
-
-def claim_gpus(cj: CudaJobs, m: Manifest, owner: str, job: str) -> dict[str, str]:
-    """GPUs here for a saved job (its CUDA state's and those `ferry run --gpu` gave it), held in
-    the ledger for `owner` until released. NVML and the driver are asked before the ledger's lock."""
-    needs = list(m.cuda.gpus) if m.cuda else []
-    seen = {n.uuid for n in needs}
-    needs += [GpuNeed(u, m.job.gpu_chip, 0) for u in m.job.gpus if u not in seen]
-    if not needs:
-        return {}
-    inv = cj.nvml.inventory()
-    cj.check_restorable(inv, m.cuda.driver_version if m.cuda else "", m.cuda is not None)
-
-    def pick(taken: dict[str, str], frozen: dict[str, int]) -> tuple[dict[str, str], Iterable[str]]:
-        gpu_map = cj.pick_gpus(needs, inv, reserved=taken, frozen=frozen, cuda_state=m.cuda is not None)
-        return gpu_map, gpu_map.values()
-
-    return cj.ledger.decide(owner, job, pick)
-
-
-def resume_preempted(
-    registry: JobRegistry,
-    criu: Criu,
-    rec: JobRecord,
-    node: str,
-    cuda_jobs: CudaJobs,
-    journal: Journal,
-) -> JobRecord:
-    """Resume a job suspended by a preemption; NoFreeGpuError while no GPU here can take it.
-
-    Its GPUs are claimed in the ledger until the restore is over. The record stays PREEMPTED
-    until the restored job replaces it: a failure on the way leaves it waiting, never lost. The
-    restore is journaled (LocalRestore, kind resume): a crash before its commit point leaves
-    target recovery to kill the restored copy and make the job PREEMPTED again.
-    """
-    image_dir = Path(rec.checkpoint_dir)
-    m = read_manifest(image_dir)  # cheap; the digests are checked once a GPU is free
-    owner = f"the resume of job {rec.name}"
-    try:
-        gpu_map = claim_gpus(cuda_jobs, m, owner, rec.name)
-        try:
-            verify(image_dir, m, allow_legacy=True)  # written by this agent, into its state directory
-            new = LocalRestore(journal, rec.name, node, kind="resume", image=str(image_dir)).restore(
-                registry,
-                criu,
-                image_dir,
-                m,
-                note=f"resumed after preemption from {image_dir}",
-                cuda_jobs=cuda_jobs,
-                gpu_map=gpu_map,
-                resuming=True,
-            )
-        except FerryError as e:
-            registry.update(rec.name, note=f"{rec.note}; the last resume failed: {e}")
-            raise
-    finally:
-        cuda_jobs.ledger.release(owner)
-    shutil.rmtree(image_dir, ignore_errors=True)
-    log.info("job %s: resumed after preemption as pid %d", rec.name, new.pid)
-    return new

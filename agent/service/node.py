@@ -39,7 +39,8 @@ from agent.jobs.record import JobRecord, JobState, OnDegraded, Priority, check_j
 from agent.jobs.registry import JobRegistry
 from agent.migration.datatls import sweep_keys
 from agent.migration.journal import SOURCE, Journal
-from agent.migration.local import Dumped, checkpoint, restore_image, resume_preempted
+from agent.migration.local import Dumped, checkpoint
+from agent.migration.local_restore import restore_image, resume_preempted
 from agent.migration.model import Emit, Method, MigrationResult, MigrationSpec, Progress, Resolution
 from agent.migration.recovery import SourceRecovery
 from agent.migration.source import SourceMigration

@@ -71,7 +71,7 @@ RESERVE_BYTES = 256 << 20
 
 #: fetch(buddy's HOST:PORT, key) → the image's chunks, as the buddy's store sends them.
 Fetch = Callable[[str, pb.SnapshotKey], Iterator[pb.ImageChunk]]
-#: restore(image dir, job, hold, keep_logs) → the restored job's record (local.restore_image).
+#: restore(image dir, job, hold, keep_logs) → the restored job's record (local_restore.restore_image).
 Restore = Callable[[Path, str, Callable[[JobRecord], None], bool], JobRecord]
 
 

@@ -21,7 +21,7 @@ JOB = 5000
 
 def decide(jobs: CudaJobs, needs: list[GpuNeed], driver_version: str = "") -> dict[str, str]:
     """What a GPU decision does with this CUDA side: read NVML, check the driver, then choose with
-    the frozen jobs' memory counted (agent.migration.local.claim_gpus)."""
+    the frozen jobs' memory counted (agent.migration.local_restore.claim_gpus)."""
     inv = jobs.nvml.inventory()
     jobs.check_restorable(inv, driver_version, True)
     return jobs.pick_gpus(needs, inv, frozen=jobs.ledger.frozen_bytes())

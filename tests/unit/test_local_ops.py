@@ -37,7 +37,8 @@ from agent.jobs.record import JobState
 from agent.jobs.registry import JobRegistry
 from agent.migration import copies, local, outdir
 from agent.migration.journal import SOURCE, TARGET, Journal
-from agent.migration.local import checkpoint, restore_image
+from agent.migration.local import checkpoint
+from agent.migration.local_restore import restore_image
 from agent.migration.model import MigrationResult
 
 

@@ -43,7 +43,8 @@ from agent.jobs.registry import JobRegistry
 from agent.migration import capture
 from agent.migration import target as incoming
 from agent.migration.journal import SOURCE, Journal
-from agent.migration.local import checkpoint, restore_image
+from agent.migration.local import checkpoint
+from agent.migration.local_restore import restore_image
 from agent.migration.model import Method, MigrationResult, MigrationSpec
 from agent.migration.source import SourceMigration
 from agent.migration.target import TargetMigrations
