@@ -100,8 +100,8 @@ class AgentNode:
         self.agent_id = uuid.uuid4().hex
         self.staging_root = staging_root
         self.criu = criu or Criu(node=node)
-        self._can_post_copy: bool | None = None
-        self._dirty_tracking: bool | None = None
+        #: Kernel features CRIU confirmed or denied (`criu check --feature`), asked once each.
+        self._criu_features: dict[str, bool] = {}
         self.config = config or AgentConfig()
         self.registry = JobRegistry(state_dir, node, network=JobNetwork(self.config.network, node))
         self.journal = Journal(state_dir)
@@ -234,16 +234,17 @@ class AgentNode:
             )
 
     def _tracks_dirty(self) -> bool:
-        """Snapshot dumps track dirty memory here: [snapshots] incremental, and the kernel can
-        (asked of CRIU once)."""
-        if self._dirty_tracking is None:
+        """Snapshot dumps track dirty memory here: [snapshots] incremental, and the kernel can."""
+        return self.config.snapshots.incremental and self._criu_feature("mem_dirty_track")
+
+    def _criu_feature(self, name: str) -> bool:
+        """A kernel feature, asked of CRIU once."""
+        if name not in self._criu_features:
             try:
-                self._dirty_tracking = self.config.snapshots.incremental and self.criu.feature(
-                    "mem_dirty_track"
-                )
+                self._criu_features[name] = self.criu.feature(name)
             except FerryError:
                 return False  # no usable CRIU now: asked again next time
-        return self._dirty_tracking
+        return self._criu_features[name]
 
     def _push_snapshot(self, buddy: str, chunks: Iterator[pb.ImageChunk]) -> pb.StoredSnapshot:
         return client.PeerClient(buddy, self.dial).store_snapshot(chunks)
@@ -485,13 +486,8 @@ class AgentNode:
         )
 
     def _post_copy(self) -> bool:
-        """Whether this node can restore a post-copy move: asked of CRIU once (a kernel feature)."""
-        if self._can_post_copy is None:
-            try:
-                self._can_post_copy = self.criu.feature("uffd-noncoop")
-            except FerryError:
-                return False  # no usable CRIU now: asked again next time
-        return self._can_post_copy
+        """Whether this node can restore a post-copy move (a kernel feature)."""
+        return self._criu_feature("uffd-noncoop")
 
     def run_job(
         self,
