@@ -46,6 +46,11 @@ class RefusedError(FerryError):
     kind = "failed_precondition"
 
 
+class JobBusyError(RefusedError):
+    """The job is in another operation (a snapshot round, a checkpoint, a move): nothing was
+    changed, and the same request may succeed once that ends."""
+
+
 class NoFreeGpuError(RefusedError):
     """No GPU here can take the job now (all taken, held, quarantined or unhealthy): it may later."""
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Protocol
 
 from agent.agent_config import AgentConfig, PeerSpec
-from agent.errors import FerryError, NoFreeGpuError, RefusedError
+from agent.errors import FerryError, JobBusyError, NoFreeGpuError, RefusedError
 from agent.gpus.inventory import GpuNeed, Inventory
 from agent.gpus.ledger import GpuLedger
 from agent.health.events import EventLog
@@ -192,6 +192,7 @@ class SelfHealing:
                 return
             last = self._last_move.get(rec.name)
             cooling = last is not None and now - last < pol.cooldown_s
+            started = (last, now)  # undone if the move finds the job busy (nothing was tried)
             self._starts = [t for t in self._starts if now - t < pol.window_s]
             storm = len(self._starts) >= pol.max_moves
             if not cooling and not storm:
@@ -218,13 +219,13 @@ class SelfHealing:
             self.events.record(
                 "decision", f"moving job {rec.name} off GPU {g.uuid}: {why}", gpu=g.uuid, job=rec.name
             )
-            self.hooks.spawn(lambda: self._move(rec.name, g, why))
+            self.hooks.spawn(lambda: self._move(rec.name, g, why, started))
         except Exception:  # no thread, no move: the job must not stay marked as being moved
             log.exception("could not start moving job %s", rec.name)
             with self._lock:
                 self._acting.discard(rec.name)
 
-    def _move(self, name: str, g: GpuHealth, why: str) -> None:
+    def _move(self, name: str, g: GpuHealth, why: str, started: tuple[float | None, float]) -> None:
         failing = g.state is State.FAILING
         tried = False  # a migration was started: on a failing GPU, that was the one try
         try:
@@ -260,6 +261,14 @@ class SelfHealing:
                 gpu=g.uuid,
                 job=name,
             )
+        except JobBusyError as exc:
+            # A snapshot round (or a checkpoint) holds the job: no move was tried, so no cooldown
+            # and, on a failing GPU, not its one try. The next poll after it ends moves it.
+            self._not_started(name, started)
+            self._say_once(
+                self.registry.get(name), g, "busy", "decision",
+                f"job {name} is busy ({exc.cause}): moving it off GPU {g.uuid} as soon as that ends",
+            )  # fmt: skip
         except Exception as exc:
             err = (
                 exc
@@ -286,6 +295,16 @@ class SelfHealing:
         finally:
             with self._lock:
                 self._acting.discard(name)
+
+    def _not_started(self, name: str, started: tuple[float | None, float]) -> None:
+        last, now = started
+        with self._lock:
+            if last is None:
+                self._last_move.pop(name, None)
+            else:
+                self._last_move[name] = last
+            if now in self._starts:
+                self._starts.remove(now)
 
     def _note(self, name: str, note: str) -> None:
         try:

@@ -30,7 +30,14 @@ import psutil
 
 from agent import config
 from agent.durable import replace_file
-from agent.errors import AlreadyExistsError, FerryError, InvalidArgumentError, NotFoundError, RefusedError
+from agent.errors import (
+    AlreadyExistsError,
+    FerryError,
+    InvalidArgumentError,
+    JobBusyError,
+    NotFoundError,
+    RefusedError,
+)
 from agent.image import JobSpec
 from agent.jobs import procs
 from agent.jobs.launch import (
@@ -425,7 +432,7 @@ class JobRegistry:
             if rec.state is JobState.MIGRATING:
                 kind = rec.migration_id.partition("-")[0]  # a local operation's id names its kind
                 doing, hint = _BUSY.get(kind, ("already being moved", "wait for it to finish"))
-                raise RefusedError(
+                raise JobBusyError(
                     f"job {name!r} is {doing} (migration {rec.migration_id})",
                     step=what,
                     node=self.node,

@@ -80,7 +80,9 @@ scancel 2
 for i in $(seq 150); do ferry ps --json | grep -q '"state": "stopped"' && break; sleep 0.2; done
 ferry ps | sed 's/^/ps: /'
 # Slurm says COMPLETING until the batch script's processes are gone: wait for its final state.
-for i in $(seq 150); do scontrol show job 2 | grep -q 'JobState=\(RUNNING\|COMPLETING\)' || break; sleep 0.2; done
+for i in $(seq 150); do
+    scontrol show job 2 | grep -q 'JobState=\(RUNNING\|COMPLETING\)' || break; sleep 0.2
+done
 sed 's/^/long: /' $W/long.out
 scontrol show job 2 | grep -o 'JobState=[A-Z]*' | sed 's/^/slurm: /'
 scontrol shutdown >/dev/null; kill %1; wait

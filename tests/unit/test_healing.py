@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from agent.agent_config import AgentConfig, PeerSpec, PolicyConfig
-from agent.errors import NoFreeGpuError, RefusedError, TransferError
+from agent.errors import JobBusyError, NoFreeGpuError, RefusedError, TransferError
 from agent.gpus.inventory import Nvml
 from agent.gpus.ledger import GpuLedger
 from agent.gpus.quarantine import Quarantine
@@ -198,6 +198,27 @@ def test_a_failed_move_off_a_degraded_gpu_waits_out_the_cooldown(tmp_path):
     assert len(held) == 1  # said once, not every poll
     rig.run(10)
     assert len(rig.moves) == 2
+
+
+@pytest.mark.parametrize(
+    "change", [{"remapped": {"pending": True}}, {"xid": 79}], ids=["degraded", "failing"]
+)
+def test_a_move_that_finds_the_job_busy_is_tried_again_once_it_ends_with_no_cooldown_or_lost_try(
+    tmp_path, change
+):
+    """A snapshot round held the job when the move began: nothing was tried, so neither the
+    cooldown nor a failing GPU's one try is spent; the next poll moves it."""
+    rig = Rig(tmp_path, [(1.0, "GPU-a0", change)], PolicyConfig(cooldown_s=600))
+    rig.job("train")
+    rig.fail_with = JobBusyError("job 'train' is held for a group snapshot round (migration snapshot-1)")
+    rig.run(3)
+    busy = [m for m in rig.kinds("decision") if "is busy" in m]
+    assert len(busy) == 1 and "held for a group snapshot round" in busy[0]
+    assert rig.kinds("alert") == []
+    rig.fail_with = None
+    rig.run(2)
+    assert len(rig.moves) >= 2 and rig.registry.get("train").state is JobState.MOVED
+    assert rig.kinds("migration")[-1].startswith("moved job train to node node-s")
 
 
 def test_a_job_is_never_moved_twice_at_once(tmp_path):
