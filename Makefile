@@ -13,7 +13,7 @@ INIT := $(BUILD)/bin/ferry-init
 STUBS := ferry/v1/agent_pb2.py agent/criu_pb/rpc_pb2.py
 PYTEST_ARGS ?= --durations=25
 
-.PHONY: all deps proto native criu slurm test unit integration gpu demo bench lint doctor install clean
+.PHONY: all deps proto native criu slurm test unit integration gpu demo bench bench-faults lint doctor install clean
 
 all: deps criu proto native
 
@@ -106,11 +106,16 @@ install: all
 demo: all
 	$(PY) scripts/demo.py
 
-bench: all
+bench: all etcd
 	$(PY) scripts/bench_migrate.py
 	$(PY) scripts/bench_link.py
 	$(PY) scripts/bench_ranks.py
 	$(PY) scripts/bench_snapshots.py
+	$(PY) scripts/bench_faults.py
+
+# The same training run under the same failures with ferry, TorchFT and checkpoint-restart.
+bench-faults: all etcd
+	$(PY) scripts/bench_faults.py
 
 lint: deps
 	$(VENV)/bin/ruff check agent tests scripts

@@ -288,7 +288,16 @@ class Bed:
         _ip("-n", agent.netns, "link", "del", "uplink", check=False)
         agent.stop(sig=signal.SIGKILL, timeout_s=10)
         agent.kill_jobs()
+        self.kill_all(agent)
         agent.power_off()
+
+    def kill_all(self, agent: BedAgent) -> None:
+        """SIGKILL every process in the node's network namespace: what runs there outside ferry
+        (a torchrun, a plain job) dies with the node too."""
+        pids = _ip("netns", "pids", agent.netns, check=False).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
 
     def partition(self, agent: BedAgent) -> None:
         """The node is cut off from everything (the fabric, etcd, its peers); it lives on."""
