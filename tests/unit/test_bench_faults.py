@@ -1,0 +1,126 @@
+"""The pure parts of scripts/bench_faults.py: the failure schedule, Young/Daly, what a failure
+cost a run (from its step lines), the steady step, the targets and the report."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from scriptload import load
+
+bench = load("bench_faults")
+
+
+def test_a_seed_gives_one_schedule_within_the_bounds_and_the_spacing() -> None:
+    a = bench.schedule(7, 300.0, 4, 6, 20.0, 0.5, 10.0)
+    assert a == bench.schedule(7, 300.0, 4, 6, 20.0, 0.5, 10.0)
+    assert 4 <= len(a) <= 6
+    times = [f.at_s for f in a]
+    assert times == sorted(times) and times[0] >= 20.0 and times[-1] < 300.0
+    assert all(b - x >= 20.0 - 0.1 for x, b in itertools.pairwise(times))  # rounded to 0.1 s
+    assert {f.kind for f in a} <= {"warned", "hard"} and all(0 <= f.replica < bench.WORLD for f in a)
+    others = {tuple(bench.schedule(s, 300.0, 4, 6, 20.0, 0.5, 10.0)) for s in range(1, 6)}
+    assert len(others) > 1  # the seed matters
+
+
+def test_a_schedule_that_cannot_fit_is_refused_with_what_to_change() -> None:
+    with pytest.raises(bench.BenchError, match="more steps or fewer failures"):
+        bench.schedule(1, 100.0, 4, 6, 20.0, 0.5, 10.0)
+
+
+def test_young_daly_interval_in_steps() -> None:
+    # sqrt(2 x 0.5 s x 36 s) = 6 s, at 0.25 s a step: 24 steps; never below one step.
+    assert bench.young_daly_steps(0.5, 36.0, 0.25) == 24
+    assert bench.young_daly_steps(0.0001, 1.0, 10.0) == 1
+
+
+def lines(*pairs: tuple[int, float]) -> str:
+    return "".join(f"step {s} loss 0.5 at {t:.3f}\n" for s, t in pairs)
+
+
+def test_steps_are_read_from_every_log_in_time_order_and_the_wall_time_spans_them() -> None:
+    pts = bench.steps_of([lines((0, 10.0), (1, 11.0)), lines((0, 10.1), (1, 11.2), (2, 12.0))])
+    assert pts == [(10.0, 0), (10.1, 0), (11.0, 1), (11.2, 1), (12.0, 2)]
+    assert bench.wall(pts, 3) == pytest.approx(2.0)
+    assert bench.frontier(pts, 11.1) == 1 and bench.frontier(pts, 9.0) == -1
+    with pytest.raises(bench.BenchError, match="did not log both step 0 and step 3"):
+        bench.wall(pts, 4)
+
+
+def test_a_hard_failure_costs_the_time_to_pass_the_reached_step_and_counts_the_steps_done_again() -> None:
+    # Steps every 1 s to step 10 at t=10; killed at 10.5; back from step 7 at t=20, step 11 at 24.
+    pts = bench.steps_of(
+        [lines(*[(s, float(s)) for s in range(11)], (7, 20.0), (8, 21.0), (9, 22.0), (10, 23.0), (11, 24.0))]
+    )
+    f = bench.Failure(10.0, "hard", 1)
+    s = bench.Struck(f, "node-b", None, 10.5)
+    bench.judge(pts, s, 1.0)
+    assert s.recomputed == 4  # steps 7-10 again
+    assert s.back_at == 24.0
+    assert s.lost_s == pytest.approx(24.0 - 10.5 - 1 * 1.0)  # one new step (11) made in the window
+
+
+def test_a_warned_failure_is_counted_from_its_warning_and_a_move_recomputes_nothing() -> None:
+    # Warned at 5.5, a 3 s pause (step 6 at 9.0), killed at 10.5 (no effect), steps go on.
+    pts = bench.steps_of([lines(*[(s, float(s)) for s in range(6)], *[(s, s + 3.0) for s in range(6, 15)])])
+    s = bench.Struck(bench.Failure(10.0, "warned", 0), "node-a", 5.5, 10.5)
+    bench.judge(pts, s, 1.0)
+    assert s.recomputed == 0
+    assert s.back_at == 11.0  # step 8 (reached 7 at 10.0)
+    # From 5.5 to 11.0, steps 6..8 made: 5.5 s - 3 steps = 2.5 s lost (the pause less its step).
+    assert s.lost_s == pytest.approx(2.5)
+
+
+def test_a_failure_the_run_never_got_past_has_no_cost_to_report() -> None:
+    pts = bench.steps_of([lines((0, 0.0), (1, 1.0))])
+    s = bench.Struck(bench.Failure(1.0, "hard", 0), "node-a", None, 1.5)
+    bench.judge(pts, s, 1.0)
+    assert math.isnan(s.lost_s) and s.back_at is None
+
+
+def test_the_steady_step_leaves_out_failure_windows_and_repeated_steps() -> None:
+    pts = bench.steps_of([lines((0, 0.0), (1, 1.0), (2, 2.0), (3, 10.0), (4, 11.0), (2, 11.5), (5, 12.0))])
+    assert bench.steady_step(pts, []) == pytest.approx((1 + 1 + 8 + 1 + 1) / 5)
+    assert bench.steady_step(pts, [(2.5, 10.5)]) == pytest.approx(1.0)
+
+
+def run(wall: float, failures: list[dict] | None = None, exact: bool | None = True) -> dict:
+    return {"wall_s": wall, "step_s": 0.3, "failures": failures or [], "bit_identical": exact}
+
+
+def test_the_targets_are_judged_on_the_runs_of_one_bench() -> None:
+    warned = {"kind": "warned", "recomputed": 0, "lost_s": 2.0, "at_s": 30.0, "replica": 0}
+    runs = {
+        "undisturbed": run(100.0, exact=None),
+        "checkpoint-restart": run(200.0),
+        "torchft": run(160.0, exact=False),
+        "ferry": run(140.0, [warned]),
+    }
+    got = {t["what"].split(" ")[1]: t["met"] for t in bench.targets(runs)}
+    assert got == {"excess": True, "wall": True, "run": True, "recomputed": True}
+    runs["ferry"] = run(170.0, [{**warned, "recomputed": 3}], exact=False)
+    assert not any(t["met"] for t in bench.targets(runs))
+
+
+def test_the_report_prints_every_run_and_every_target() -> None:
+    hard = {"kind": "hard", "recomputed": 12, "lost_s": 20.0, "at_s": 30.0, "replica": 1}
+    r = {
+        "seed": 3,
+        "mtbf_s": 25.0,
+        "schedule": [{"at_s": 30.0, "kind": "hard", "replica": 1}],
+        "runs": {"undisturbed": run(100.0, exact=None), "checkpoint-restart": run(150.0, [hard])},
+        "targets": [{"what": "something", "met": False}],
+    }
+    text = bench.format_report(r)
+    assert "30.0 s hard (replica 1)" in text
+    assert "checkpoint-restart" in text and "1.50x" in text and "12.0" in text
+    assert "NOT met  something" in text
+
+
+def test_a_fixed_schedule_spreads_its_failures_evenly_and_refuses_what_is_not_kind_replica() -> None:
+    got = bench.fixed_schedule("warned:0, hard:2", 90.0)
+    assert got == [bench.Failure(30.0, "warned", 0), bench.Failure(60.0, "hard", 2)]
+    for bad in ("soft:0", "hard:3", "hard", "warned:x"):
+        with pytest.raises(bench.BenchError, match="is not KIND:REPLICA"):
+            bench.fixed_schedule(bad, 90.0)
