@@ -112,7 +112,10 @@ def plain(args: argparse.Namespace) -> int:
     rank = dist.get_rank()
     print(f"rank {rank} pid {os.getpid()} of {dist.get_world_size()}", flush=True)
     net = build()
-    model = DistributedDataParallel(net)
+    # find_unused_parameters: DDP then keeps its first gradient buckets instead of rebuilding
+    # them after a process's first step, so a rank restarted from a checkpoint sums its
+    # gradients in the same order as one that never stopped (bit for bit, as ferry's are).
+    model = DistributedDataParallel(net, find_unused_parameters=True)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ballast = ballast_of(args.ballast_mb)
     first = 0
