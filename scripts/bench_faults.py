@@ -606,6 +606,11 @@ class Ferry(Method):
 
     def done(self) -> bool:
         ended = [r for n, r in self._records() if n.node in self.alive and r.get("state") == "exited"]
+        if bad := [r for r in ended if r.get("exit_code") != 0]:
+            raise BenchError(
+                f"ferry: member {bad[0].get('name')} exited {bad[0].get('exit_code')} "
+                f"(its stderr is in {bad[0].get('stderr_path', 'its job directory')}; --keep keeps it)"
+            )
         return len(ended) >= WORLD
 
     def warn(self, node: Any) -> None:
