@@ -22,6 +22,7 @@ once a GPU is free again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -265,10 +266,11 @@ class SelfHealing:
             # A snapshot round (or a checkpoint) holds the job: no move was tried, so no cooldown
             # and, on a failing GPU, not its one try. The next poll after it ends moves it.
             self._not_started(name, started)
-            self._say_once(
-                self.registry.get(name), g, "busy", "decision",
-                f"job {name} is busy ({exc.cause}): moving it off GPU {g.uuid} as soon as that ends",
-            )  # fmt: skip
+            with contextlib.suppress(FerryError):  # the job may have ended meanwhile
+                self._say_once(
+                    self.registry.get(name), g, "busy", "decision",
+                    f"job {name} is busy ({exc.cause}): moving it off GPU {g.uuid} as soon as that ends",
+                )  # fmt: skip
         except Exception as exc:
             err = (
                 exc
