@@ -208,6 +208,19 @@ def ramp(uuid: str, key: str, start: float, stop: float, t0: float, t1: float, s
     return out
 
 
+def one_gpu(uuid: str, name: str = "NVIDIA H200", **gpu: object) -> dict[str, Any]:
+    """A node's world with one GPU, its other keys as given (the world format above)."""
+    return {"driver_version": "580.65.06", "gpus": [{"uuid": uuid, "name": name, **gpu}]}
+
+
+def write_world(path: Path, world: Mapping[str, Any]) -> None:
+    """Replace a replay file whole (os.replace), as a running agent's ReplayNvml.from_file
+    expects: it never reads half a world."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(world))
+    os.replace(tmp, path)
+
+
 class _FileWorld:
     """The world in a JSON file, re-read when the file changes; a bad read keeps the last good world."""
 

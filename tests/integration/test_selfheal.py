@@ -10,13 +10,12 @@ with `ferry run --gpu`; injecting telemetry is rewriting a file.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
+from agent.testing.nvml_replay import one_gpu, write_world
 from tests.integration.jobtools import (
     WORKLOAD,
     assert_completed_exactly_once,
@@ -32,13 +31,7 @@ HEALTH = "[health]\ninterval_s = 0.3\necc_window_s = 600\n"
 
 
 def world(uuid: str, **gpu: object) -> dict:
-    return {"driver_version": "580.65.06", "gpus": [{"uuid": uuid, "name": CHIP, **gpu}]}
-
-
-def write_world(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    return one_gpu(uuid, CHIP, **gpu)
 
 
 @pytest.fixture
