@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from agent.compat import StrEnum
 from agent.coord.config import CoordConfig
@@ -46,6 +47,9 @@ from agent.jobs.record import JobRecord, JobState, env_of
 from agent.jobs.registry import JobRegistry
 from agent.statemachine import Transitions
 from agent.tls import Identity
+
+if TYPE_CHECKING:
+    from agent.rpc import pb
 
 log = logging.getLogger(__name__)
 
@@ -408,6 +412,20 @@ class NodeLiveness:
         live = self.live_nodes()
         if gone := sorted({m.node for m in self.members(group)} - live - {self.node}):
             return f"node {gone[0]}, where a member runs, has no lease in etcd"
+        return ""
+
+    def snapshot_stale(self, group: str, snap: pb.SnapshotSet) -> str:
+        """Why `snap` no longer covers the group as etcd holds it ("" if it does): a member runs
+        on another node than the set says (a move; its old node is likely to die next), or the
+        node that keeps a member's copy has no lease (a second failure would find no copy)."""
+        where = {m.job: m.node for m in self.members(group)}
+        for c in snap.members:
+            if (now := where.get(c.job)) and now != c.node:
+                return f"member {c.job} runs on node {now}, not on node {c.node} where it was taken"
+        live = self.live_nodes() | {self.node}
+        for c in snap.members:
+            if c.buddy_node and c.buddy_node not in live:
+                return f"node {c.buddy_node}, which keeps member {c.job}'s copy, has no lease in etcd"
         return ""
 
     def live_nodes(self) -> set[str]:

@@ -184,6 +184,7 @@ class AgentNode:
             members=(lambda g: list(dict.fromkeys(m.agent for m in live.members(g)))) if live else None,
             claims=ProtectorClaims(live) if live else None,
             blocked=live.round_blocked if live else lambda group: "",
+            stale=live.snapshot_stale if live else lambda group, snap: "",
             record=lambda kind, message: self.events.record(kind, message),
             observe=self.metrics.snapshot_round,
         )

@@ -42,6 +42,11 @@ log = logging.getLogger(__name__)
 FILE = "protections.json"
 #: A DROP removes directories: an agent that does not answer within this keeps them a round longer.
 DROP_CALL_S = 10.0
+#: How often a round thread asks whether its group's last snapshot still covers it (etcd).
+CHECK_EVERY_S = 1.0
+#: A failed round is tried again this soon, then twice as late each time, up to the interval: a
+#: round that met a move or a node's death must not leave the group a whole interval without one.
+RETRY_FIRST_S = 1.0
 
 
 @dataclass
@@ -57,6 +62,8 @@ class Protected:
     last_error: str = ""
     times: rounds.RoundTimes | None = None  # the last complete round's steps (this agent's run only)
     rounds_by: str = ""  # with etcd: who runs the rounds while this agent stands by ("": this one)
+    due_at: float = 0.0  # (monotonic) when the next round is due; 0: now
+    failing: int = 0  # rounds failed in a row since the last complete one
     lock: threading.Lock = field(default_factory=threading.Lock)  # one round at a time
     wake: threading.Event = field(default_factory=threading.Event)
 
@@ -100,13 +107,14 @@ class Protections:
         members: Callable[[str], list[str]] | None = None,  # group → its members' agents (etcd)
         claims: ProtectorClaims | None = None,  # with etcd: which protecting agent runs the rounds
         blocked: Callable[[str], str] = lambda group: "",  # why no round may start now (etcd)
+        stale: Callable[[str, pb.SnapshotSet], str] = lambda g, s: "",  # why a set no longer covers g
         record: Callable[[str, str], None] = lambda kind, message: None,  # the node's events
         observe: Callable[[str, pb.SnapshotSet | None, str], None] = lambda g, s, e: None,  # metrics
     ) -> None:
         self.path = state_dir / FILE
         self.node, self.config, self.call = node, config, call
         self.members, self.record, self.observe = members, record, observe
-        self.blocked, self.claims = blocked, claims
+        self.blocked, self.claims, self.stale = blocked, claims, stale
         self._groups: dict[str, Protected] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -212,19 +220,39 @@ class Protections:
         threading.Thread(target=self._loop, args=(p,), name=f"protect-{p.group}", daemon=True).start()
 
     def _loop(self, p: Protected) -> None:
+        p.due_at = time.monotonic() + p.every_s
         while not self._stop.is_set() and p.active:
-            p.wake.wait(p.every_s)
+            asked = p.wake.wait(max(0.0, min(p.due_at - time.monotonic(), CHECK_EVERY_S)))
             p.wake.clear()
             if self._stop.is_set() or not p.active:
                 return
+            if not asked and time.monotonic() < p.due_at and not self._uncovered(p):
+                continue
             try:
                 self.take(p.group)
+                p.failing, p.due_at = 0, time.monotonic() + p.every_s
             except StandingBy:
-                pass  # another agent runs the rounds; this one took the group's last snapshot
-            except FerryError:
-                pass  # recorded by take(); the next round tries again
-            except Exception:
-                log.exception("snapshots: a round of group %s failed", p.group)
+                p.failing, p.due_at = 0, time.monotonic() + p.every_s  # read etcd's last again then
+            except Exception as e:
+                if not isinstance(e, FerryError):
+                    log.exception("snapshots: a round of group %s failed", p.group)
+                p.failing += 1  # recorded by take(); tried again soon, then less and less often
+                p.due_at = time.monotonic() + retry_in(p.failing, p.every_s)
+
+    def _uncovered(self, p: Protected) -> bool:
+        """Whether the group's last snapshot no longer covers it (a member moved, a buddy's node
+        died), so that a round is due now, not at the interval. Only while this agent runs the
+        rounds and the last one succeeded: a failed round's retries keep their own pace."""
+        if p.rounds_by or p.failing or not p.last.epoch:
+            return False
+        try:
+            why = self.stale(p.group, p.last)
+        except FerryError as e:  # etcd cannot say: the interval stands
+            log.info("snapshots: cannot tell whether group %s's last snapshot covers it: %s", p.group, e)
+            return False
+        if why:
+            self.record("info", f"group {p.group}: a snapshot round now, not at the interval: {why}")
+        return bool(why)
 
     def take(self, group: str) -> Protected:
         """One round now (after the one in progress, if any); raise if it fails."""
@@ -366,6 +394,11 @@ class Protections:
         # At once, and briefly: a dead node in the last set must not hold the next round back.
         with ThreadPoolExecutor(max(1, len(agents) + len(p.last.members))) as pool:
             pool.map(one, dict.fromkeys([*agents, *(m.agent for m in p.last.members)]))
+
+
+def retry_in(failing: int, every_s: float) -> float:
+    """When the round after `failing` failed ones in a row is due: 1 s, 2 s, 4 s ... the interval."""
+    return min(every_s, RETRY_FIRST_S * 2 ** (min(failing, 32) - 1))
 
 
 def age(snap: pb.SnapshotSet, now: float | None = None) -> float:

@@ -191,3 +191,36 @@ def test_an_unreadable_pending_mark_stops_the_recovery_and_says_what_to_do(
         rec.recover("g")
     assert "ferry rollback" in (e.value.hint or "")
     assert agents.log == []
+
+
+def test_a_snapshot_stops_covering_its_group_when_a_member_moves_or_a_copys_node_loses_its_lease(
+    etcd: EtcdServer, pki: Path, tmp_path: Path
+) -> None:
+    live, _ = liveness(etcd, pki, tmp_path)
+    ring = {"a": "b", "b": "c", "c": "a"}
+    snap = pb.SnapshotSet(
+        epoch=3,
+        members=[
+            pb.MemberCopy(
+                job=f"r{i}", node=n, agent=n.upper(), buddy_node=ring[n], buddy_agent=ring[n].upper()
+            )
+            for i, n in enumerate("abc")
+        ],
+    )
+    lease = live.client.grant(30)
+    for node in "abc":
+        live.client.put(PREFIX + f"nodes/{node}", "{}", lease=lease.id)
+
+    def member_on(job: str, node: str) -> None:
+        live.client.put(
+            PREFIX + f"groups/g/members/{job}", Member("g", job, node, node.upper(), "", "").value()
+        )
+
+    for i, node in enumerate("abc"):
+        member_on(f"r{i}", node)
+    assert live.snapshot_stale("g", snap) == ""
+    member_on("r1", "s")  # a move took r1 to spare s
+    assert live.snapshot_stale("g", snap) == "member r1 runs on node s, not on node b where it was taken"
+    member_on("r1", "b")
+    live.client.delete(PREFIX + "nodes/a")  # node a, which keeps r2's copy, died
+    assert live.snapshot_stale("g", snap) == "node a, which keeps member r2's copy, has no lease in etcd"

@@ -22,7 +22,7 @@ from agent.jobs.record import JobKind, JobRecord, JobState
 from agent.jobs.registry import JobRegistry
 from agent.migration.model import MigrationResult
 from agent.rpc import pb
-from agent.snapshots import rounds
+from agent.snapshots import protect, rounds
 from agent.snapshots.config import SnapshotConfig
 from agent.snapshots.member import HeldState, MemberSnapshots
 from agent.snapshots.protect import Protections, StandingBy
@@ -401,6 +401,59 @@ def test_a_protector_that_loses_its_lease_mid_round_gives_up_at_once_and_drops_n
     claims.claim = orig  # type: ignore[method-assign]
     assert claims.published == [1] and p.get("g").last.epoch == 1
     assert "drop" not in {a for _, a in cl.log[before:]}
+
+
+def test_a_failed_round_is_tried_again_within_seconds_and_less_often_while_it_keeps_failing() -> None:
+    assert [protect.retry_in(n, 10) for n in (1, 2, 3, 4, 5, 40)] == [1, 2, 4, 8, 10, 10]
+
+
+def wait_for(ok: Callable[[], bool], within_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while not ok() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return ok()
+
+
+def test_a_round_thread_tries_a_failed_round_again_soon_not_an_interval_later(tmp_path: Path) -> None:
+    """A round that met a move (its member no longer where the round looked) must not leave the
+    group a whole interval (here an hour) on its last snapshot."""
+    cl = Cluster(tmp_path, fail={"10.0.0.2:7070": "hold"})
+    (tmp_path / "state").mkdir()
+    p = Protections(tmp_path / "state", "node-1", SnapshotConfig(every_s=3600), cl.call)
+    try:
+        p.protect("g", 3600, list(cl.stores))  # its first round now: it fails
+        assert wait_for(lambda: p.get("g").failed >= 1)
+        cl.fail = {}
+        assert wait_for(lambda: p.get("g").last.epoch == 2), "round 1 failed; round 2 came seconds later"
+    finally:
+        p.stop()
+
+
+def test_a_round_thread_takes_a_round_at_once_when_its_last_snapshot_no_longer_covers_the_group(
+    tmp_path: Path,
+) -> None:
+    cl = Cluster(tmp_path)
+    (tmp_path / "state").mkdir()
+    stale = {"why": ""}
+    said: list[str] = []
+    p = Protections(
+        tmp_path / "state",
+        "node-1",
+        SnapshotConfig(every_s=3600),
+        cl.call,
+        stale=lambda g, snap: stale["why"] if snap.epoch == 1 else "",
+        record=lambda kind, message: said.append(message),
+    )
+    try:
+        p.protect("g", 3600, list(cl.stores))
+        assert wait_for(lambda: p.get("g").last.epoch == 1)
+        time.sleep(2 * protect.CHECK_EVERY_S)
+        assert p.get("g").rounds == 1, "a snapshot that covers the group waits for the interval"
+        stale["why"] = "node node-2, which keeps member r0's copy, has no lease in etcd"
+        assert wait_for(lambda: p.get("g").last.epoch == 2)
+        assert any("a snapshot round now, not at the interval: node node-2" in m for m in said)
+    finally:
+        p.stop()
 
 
 def test_protect_needs_the_members_agents_without_etcd(tmp_path: Path) -> None:
