@@ -233,15 +233,16 @@ class Runs:
         logs = self.finish(names, self.nodes)
         return {"wall_s": wall_s(stamps(logs[0]), stamps(logs[0]))}
 
-    def ferry(self) -> dict[str, Any]:
+    def ferry(self, method: str = "default") -> dict[str, Any]:
         from agent.testing.ranks import longest_gap, stamps
 
-        self.say(f"ferry: rank 1 moves to the spare at step {self.args.fail_at}")
-        names = self.start("mv", self.nodes)
+        self.say(f"ferry: rank 1 moves to the spare at step {self.args.fail_at} ({method})")
+        names = self.start(f"mv{self.port}", self.nodes)
         b = self.nodes[1]
         b.wait_log(names[1], rf"^step {self.args.fail_at} ", timeout_s=600)
         asked = time.time()
-        moved = json.loads(b.cli("migrate", names[1], "--to", self.spare.address, "--json").stdout)
+        how = () if method == "default" else (f"--{method}",)
+        moved = json.loads(b.cli("migrate", names[1], "--to", self.spare.address, *how, "--json").stdout)
         answered = time.time()
         where = [self.nodes[0], self.spare, self.nodes[2]]
         logs = self.finish(names, where)
@@ -259,6 +260,7 @@ class Runs:
             "peers_pause_s": pause,
             "pause_target_met": met,
             "image_bytes": moved["image_bytes"],
+            "method": moved.get("method", ""),
             "recomputed_steps": 0,
             "bit_identical": self.exact,
         }
@@ -337,9 +339,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="the modelled time to move one H200 rank today (docs/performance.md, default 120 s), "
         "for a second projection",
     )
+    p.add_argument(
+        "--move-methods",
+        type=methods,
+        default=["default"],
+        help="how the move carries rank 1's memory, one run each, in this order: default (what "
+        "`ferry migrate` picks), pre-copy, post-copy (default: default). The projection uses the "
+        "first",
+    )
     p.add_argument("--json", type=Path, default=OUT, help=f"where to write the figures (default {OUT})")
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()), help="where the bed lives")
     return p
+
+
+MOVE_METHODS = ("default", "pre-copy", "post-copy")
+
+
+def move_label(method: str) -> str:
+    return "ferry: move rank 1" + ("" if method == "default" else f", {method}")
+
+
+def methods(text: str) -> list[str]:
+    out = [m.strip() for m in text.split(",") if m.strip()]
+    if not out or (bad := set(out) - set(MOVE_METHODS)):
+        raise argparse.ArgumentTypeError(f"{sorted(bad) or text!r}: not among {', '.join(MOVE_METHODS)}")
+    return list(dict.fromkeys(out))
 
 
 def preflight(args: argparse.Namespace) -> None:
@@ -369,19 +393,27 @@ def require_criu() -> None:
 
 def run(args: argparse.Namespace, say: Progress) -> dict[str, Any]:
     preflight(args)
+    from bench_migrate import PIPE_MAX, allow_lazy_dumps
+
     from agent.testing.bed import node_bed
 
     k = args.interval_steps // 2
     root = Path(tempfile.mkdtemp(prefix="ferry-bench-ranks-", dir=args.workdir))
+    # Post-copy (the default's first choice) needs it where the agent lacks CAP_SYS_RESOURCE.
+    old_pipe_max = allow_lazy_dumps(say) if set(args.move_methods) - {"pre-copy"} else None
     try:
         with node_bed(root) as bed:
             r = Runs(bed, args, say)
-            runs = {"undisturbed": r.undisturbed(), "ferry: move rank 1": r.ferry()}
+            runs = {"undisturbed": r.undisturbed()}
+            for m in args.move_methods:
+                runs[move_label(m)] = r.ferry(m)
             if not args.ferry_only:
                 runs["checkpoint-restart, K=0"] = r.restart(0)
                 runs[f"checkpoint-restart, K={k}"] = r.restart(k)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        if old_pipe_max is not None:
+            PIPE_MAX.write_text(old_pipe_max)
     ref = runs["undisturbed"]["wall_s"]
     for v in runs.values():
         v["lost_s"] = v["wall_s"] - ref
@@ -392,7 +424,7 @@ def run(args: argparse.Namespace, say: Progress) -> dict[str, Any]:
             "projections": {},
             "report": format_report(runs, {}),
         }
-    move = runs["ferry: move rank 1"]["lost_s"]
+    move = runs[move_label(args.move_methods[0])]["lost_s"]
     restart = runs["checkpoint-restart, K=0"]["lost_s"]
     interval = args.interval_min * 60
     projections = {
