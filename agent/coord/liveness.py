@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 from agent.compat import StrEnum
 from agent.coord.config import CoordConfig
 from agent.coord.etcd import EtcdClient, Lease
+from agent.coord.pings import Pings
 from agent.errors import FerryError, InvalidArgumentError, NotFoundError
 from agent.health.events import EventLog
 from agent.jobs import fence
@@ -141,6 +142,8 @@ class NodeLiveness:
     ) -> None:
         self.config, self.node, self.registry, self.record = config, node, registry, record
         self.probe = probe
+        #: The other members' agents, asked all along: the answer is there when a lease expires.
+        self.pings = Pings(probe, config.renew_every_s)
         #: (group, when its member was found lost) at every check while one is: the recovery
         #: (agent.snapshots.recover), which etcd lets one agent run at a time.
         self.on_lost: Callable[[str, float], None] = lambda group, since: None
@@ -158,6 +161,7 @@ class NodeLiveness:
         self._stop = threading.Event()
         self._node_gone = threading.Event()  # a node's key went (its lease expired): check now
         registry.may_go_on = self.may_go_on
+        registry.on_post_copy_lost = self.hand_back
         self._thread = threading.Thread(target=self._run, name="coordination", daemon=True)
         # Its own thread: asking a dead node's agent takes seconds, which must never delay a renewal.
         self._watcher = threading.Thread(target=self._watch, name="group-watch", daemon=True)
@@ -175,6 +179,7 @@ class NodeLiveness:
         (its next start settles them), then the lease is revoked."""
         self._stop.set()
         self._node_gone.set()
+        self.pings.stop()
         for t in (self._thread, self._watcher):
             if t.is_alive():
                 t.join(self.config.lease_ttl_s + 2)
@@ -428,6 +433,19 @@ class NodeLiveness:
                 return f"node {c.buddy_node}, which keeps member {c.job}'s copy, has no lease in etcd"
         return ""
 
+    def keepers(self, spares: list[str], agents: list[str]) -> list[str]:
+        """Of `spares` (agents' HOST:PORT), in order, those whose node holds a lease, that run
+        none of `agents`' members and that no recovery claimed (a claimed spare is a group's
+        node now, which a warned failure may empty and kill next): where a round's images may
+        be kept."""
+        live = set()
+        for kv in self.client.get_prefix(self.key("nodes", "")):
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                live.add(str(json.loads(kv.value)["agent"]))
+        claims = self.client.get_prefix(self.key("spares", ""))
+        claimed = {kv.key.decode().rsplit("/", 1)[-1] for kv in claims}
+        return [a for a in dict.fromkeys(spares) if a in live - claimed and a not in agents]
+
     def live_nodes(self) -> set[str]:
         """The nodes etcd holds a lease for (`nodes/<node>` goes with its lease)."""
         return {kv.key.decode().rsplit("/", 1)[-1] for kv in self.client.get_prefix(self.key("nodes", ""))}
@@ -458,6 +476,7 @@ class NodeLiveness:
                     members.append(Member.parse(parts[1], parts[3], kv.value))
                 except (ValueError, KeyError):
                     log.warning("coordination: unreadable member key %s", kv.key.decode())
+        self.pings.watch({m.agent for m in members if m.node != self.node and m.agent})
         seen = set()
         for m in members:
             seen.add(m.job)
@@ -471,7 +490,8 @@ class NodeLiveness:
                 continue
             if m.job in self.lost:
                 continue
-            why = self.probe(m.agent)
+            # A ping already unanswered is the answer; one answered is asked again now.
+            why = self.pings.silent(m.agent) or self.probe(m.agent)
             if not why:
                 if m.node not in self._cut_off:
                     self._cut_off.add(m.node)
@@ -500,6 +520,38 @@ class NodeLiveness:
             self.on_lost(g, time.time())
 
     # -- members ----------------------------------------------------------------------------
+
+    def hand_back(self, rec: JobRecord, source_node: str) -> None:
+        """A member killed here because its post-copy failed: its key names the source's node
+        again. A source that lives resumes its frozen copy there (the move's own rule) and keeps
+        the key; one that died (the likeliest cause: a warned node that died mid-move) leaves a
+        member on a node without a lease, found lost and recovered from the last snapshot like
+        any other. Left naming this node, the key would say the member runs where nothing runs,
+        and the group would wait on it with no one recovering it."""
+        if not rec.group:
+            return
+        key = self.key("groups", rec.group, "members", rec.name)
+        try:
+            kv = self.client.get(key)
+            if kv is None or Member.parse(rec.group, rec.name, kv.value).node != self.node:
+                return  # another node's already: the source resumed, or a recovery took it
+            source = self.client.get(self.key("nodes", source_node))
+            agent = str(json.loads(source.value).get("agent", "")) if source is not None else ""
+            back = Member(rec.group, rec.name, source_node, agent, rec.address, rank_of(rec))
+            if self.client.compare_and_swap(key, back.value(), kv.mod_revision):
+                self.record(
+                    "warning",
+                    f"member {rec.name} of group {rec.group} was killed here when its post-copy from "
+                    f"node {source_node} failed: its key names node {source_node} again (it resumes "
+                    "there if that node lives; else the group recovers it)",
+                    rec.name,
+                )
+        except (FerryError, ValueError, KeyError) as e:
+            log.error(
+                "coordination: member %s's key still names this node, where it no longer runs: %s",
+                rec.name,
+                e,
+            )
 
     def _member(self, rec: JobRecord) -> Member:
         return Member(rec.group, rec.name, self.node, self.agent, rec.address, rank_of(rec))

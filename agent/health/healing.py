@@ -28,6 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -318,16 +319,23 @@ class SelfHealing:
 
     def _place(self, rec: JobRecord) -> Placement:
         needs = self.needs(rec)
-        views: list[tuple[PeerSpec, pb.HealthReport | FerryError]] = []
-        for spec in self.config.peers:
+
+        def ask(spec: PeerSpec) -> pb.HealthReport | FerryError:
             try:
-                report = self.hooks.peer(spec.address).health(self.config.policy.peer_timeout_s)
+                return self.hooks.peer(spec.address).health(self.config.policy.peer_timeout_s)
             except FerryError as e:
-                views.append((spec, e))
-                continue
-            if report.agent_id and report.agent_id == self.hooks.agent_id:
-                continue  # this agent is in its own peer list
-            views.append((spec, report))
+                return e
+
+        # All at once: a dead peer costs its timeout once, not before every peer after it (a
+        # warned node has seconds left, and a spare may have died in an earlier failure).
+        with ThreadPoolExecutor(max(1, len(self.config.peers))) as pool:
+            answers = list(pool.map(ask, self.config.peers))
+        me = self.hooks.agent_id
+
+        def mine(r: pb.HealthReport | FerryError) -> bool:  # this agent is in its own peer list
+            return not isinstance(r, FerryError) and bool(r.agent_id) and r.agent_id == me
+
+        views = [(spec, r) for spec, r in zip(self.config.peers, answers, strict=True) if not mine(r)]
         return choose_target(needs, rec.priority, views, self.node, rec.group)
 
     def needs(self, rec: JobRecord) -> list[GpuNeed]:

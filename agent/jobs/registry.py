@@ -163,6 +163,9 @@ class JobRegistry:
         #: here, else why not: a group member goes on only if this node's lease lasted from
         #: then to now (agent.coord.liveness installs it; without one, every copy may).
         self.may_go_on: Callable[[JobRecord, float], str] = lambda rec, since: ""
+        #: (the record of a job killed here because its post-copy failed, the source's node):
+        #: a group member's key goes back to the source (agent.coord.liveness installs it).
+        self.on_post_copy_lost: Callable[[JobRecord, str], None] = lambda rec, source_node: None
         self._load()
 
     # -- queries ----------------------------------------------------------------

@@ -185,3 +185,4 @@ class TargetEffects:
             self.registry.network.delete(job.veth)
         if procs.alive(job.pid, job.pid_started):
             procs.signal_all(procs.tree_pids(job.pid), signal.SIGKILL)
+        self.registry.on_post_copy_lost(self.registry.get(e.job), e.source_node)

@@ -185,6 +185,9 @@ class AgentNode:
             claims=ProtectorClaims(live) if live else None,
             blocked=live.round_blocked if live else lambda group: "",
             stale=live.snapshot_stale if live else lambda group, snap: "",
+            # With etcd, live spares keep the images (a recovery onto one then fetches nothing);
+            # without it no one can say which spare lives, and the members' ring keeps them.
+            keepers=(lambda agents: live.keepers(self._spares(), agents)) if live else lambda agents: [],
             record=lambda kind, message: self.events.record(kind, message),
             observe=self.metrics.snapshot_round,
         )
@@ -193,7 +196,7 @@ class AgentNode:
         if live is not None:
             self.recoveries = GroupRecovery(
                 live,
-                spares=lambda: [p.address for p in self.config.peers if p.spare],
+                spares=self._spares,
                 node_of=self._node_of,
                 call=self._snapshot_call,
                 hold_s=snap.hold_s,
@@ -323,6 +326,9 @@ class AgentNode:
             return client.PeerClient(address, self.dial).info(timeout_s=PROBE_S).node_name
         except FerryError:
             return ""
+
+    def _spares(self) -> list[str]:
+        return [p.address for p in self.config.peers if p.spare]
 
     def _answers(self, address: str) -> str:
         """ "" if the agent at address answers within PROBE_S; else why not, in words."""

@@ -11,6 +11,11 @@ With `[coordination]` any number of agents may protect a group, and one at a tim
 rounds: the one whose claim etcd holds (agent.snapshots.protector). The others stand by, each
 interval reading the group's last snapshot from etcd, and one takes over when the claim goes
 with its holder's lease.
+
+Why one module: a group's record (its last set, its epochs, its failures in a row, when its
+next round is due) has one owner, changed under one lock by the round thread, a round asked by
+hand, a rollback and a takeover from another protector; split, each would change another
+module's record and the order of "recorded, then dropped" would span files.
 """
 
 from __future__ import annotations
@@ -108,13 +113,14 @@ class Protections:
         claims: ProtectorClaims | None = None,  # with etcd: which protecting agent runs the rounds
         blocked: Callable[[str], str] = lambda group: "",  # why no round may start now (etcd)
         stale: Callable[[str, pb.SnapshotSet], str] = lambda g, s: "",  # why a set no longer covers g
+        keepers: Callable[[list[str]], list[str]] = lambda agents: [],  # live spares (etcd), to keep images
         record: Callable[[str, str], None] = lambda kind, message: None,  # the node's events
         observe: Callable[[str, pb.SnapshotSet | None, str], None] = lambda g, s, e: None,  # metrics
     ) -> None:
         self.path = state_dir / FILE
         self.node, self.config, self.call = node, config, call
         self.members, self.record, self.observe = members, record, observe
-        self.blocked, self.claims, self.stale = blocked, claims, stale
+        self.blocked, self.claims, self.stale, self.keepers = blocked, claims, stale, keepers
         self._groups: dict[str, Protected] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -267,16 +273,33 @@ class Protections:
                 self.claims.tried(group, epoch)  # before the round: no later protector reuses it
             p.rounds += 1
             self._save()
-            go_on = self.claims.holding() if self.claims is not None else lambda: ""
+            holding = self.claims.holding() if self.claims is not None else lambda: ""
+            keep = self._keepers(group, agents)
+            kept_by = [m.buddy_agent for m in p.last.members]  # the last set's keepers
+
+            def go_on() -> str:
+                """ "" while the round may go on: this agent still runs the rounds, and every node
+                it waits on still lives (a call to a dead one waits out a connect timeout)."""
+                if why := holding():
+                    return why
+                try:
+                    if why := self.blocked(group):
+                        return why
+                    if gone := [k for k in keep if k not in self.keepers(agents)]:
+                        return f"agent {gone[0]}, which keeps images of this round, lost its lease in etcd"
+                except FerryError as e:  # etcd cannot say: the calls' own bounds stand
+                    log.info("snapshots: cannot tell whether round %d of %s may go on: %s", epoch, group, e)
+                return ""
+
             try:
-                snap, times = rounds.take(group, epoch, agents, self.call, self.config.hold_s, go_on)
+                snap, times = rounds.take(group, epoch, agents, self.call, self.config.hold_s, go_on, keep)
                 self._count(group, snap)
             except Exception as e:
                 err = as_ferry_error(e, "snapshot", self.node)
                 p.failed += 1
                 p.last_error = str(err)
                 if self._still_ours(group):  # else the rounds are another agent's, its images too
-                    self._drop(p, p.last.epoch, agents)
+                    self._drop(p, p.last.epoch, [*agents, *keep])
                 self.observe(group, None, p.last_error)
                 self.record(
                     "warning",
@@ -285,7 +308,7 @@ class Protections:
                 raise err from e
             p.last, p.last_error = snap, ""
             self._save()  # from here this set is the one that counts
-            self._drop(p, epoch, agents)
+            self._drop(p, epoch, [*agents, *keep, *kept_by])
             self.observe(group, snap, "")
             p.times = times
             log.info(
@@ -296,6 +319,14 @@ class Protections:
                 sum(m.bytes for m in snap.members),
             )
             return p
+
+    def _keepers(self, group: str, agents: list[str]) -> list[str]:
+        """The spares that keep this round's images ([] if etcd cannot say: the ring keeps them)."""
+        try:
+            return self.keepers(agents)
+        except FerryError as e:
+            log.info("snapshots: no spare keeps group %s's images this round: %s", group, e)
+            return []
 
     def rollback(self, group: str) -> pb.RollbackResult:
         """Every member of `group` back to its last complete snapshot, in place (ferry rollback)."""
@@ -382,7 +413,8 @@ class Protections:
             return False  # in doubt, keep every image: the next round's drop removes them
 
     def _drop(self, p: Protected, keep: int, agents: list[str]) -> None:
-        """Every node of the round (and of the kept set) drops every other round's images."""
+        """Every node of the round, its keepers and the kept set's nodes and keepers drop every
+        other round's images."""
         req = pb.SnapshotMemberRequest(group=p.group, epoch=keep, action=pb.SNAPSHOT_ACTION_DROP)
 
         def one(agent: str) -> None:
@@ -392,8 +424,10 @@ class Protections:
                 log.warning("snapshots: agent %s did not drop group %s's older images: %s", agent, p.group, e)
 
         # At once, and briefly: a dead node in the last set must not hold the next round back.
-        with ThreadPoolExecutor(max(1, len(agents) + len(p.last.members))) as pool:
-            pool.map(one, dict.fromkeys([*agents, *(m.agent for m in p.last.members)]))
+        kept = [a for m in p.last.members for a in (m.agent, m.buddy_agent) if a]
+        targets = dict.fromkeys([*agents, *kept])
+        with ThreadPoolExecutor(max(1, len(targets))) as pool:
+            pool.map(one, targets)
 
 
 def retry_in(failing: int, every_s: float) -> float:

@@ -13,8 +13,9 @@ recover the group. etcd decides who does (never a home-made consensus):
    was complete on every buddy. A lost member whose buddy's node is dead too cannot come back:
    the group waits, and says so.
 3. **A spare per lost member**: the first `[[peers]] spare = true` that answers, hosts no
-   member of the group and is not claimed already: `spares/<agent>` is created for it (a
-   transaction, no lease: it stays the group's until an operator frees it).
+   member of the group and is not claimed already, the one keeping the member's copy first
+   (it restores it from its own memory): `spares/<agent>` is created for it (a transaction, no
+   lease: it stays the group's until an operator frees it).
 4. **The takeover**: `groups/<g>/pending` (no lease) names each lost member's spare before
    anything changes, then the member's key is swapped to the spare's node (compare-and-swap on
    the revision read) *before* anything is restored. A copy on a node that was only cut off
@@ -250,15 +251,17 @@ class GroupRecovery:
         live, k = self.live, self.live.key
         busy = {m.agent for m in members.values()} | {a for a, _ in taken.values()}
         place: dict[str, tuple[str, str]] = {}
-        spares = iter(a for a in self.spares() if a not in busy)
+        free = [a for a in self.spares() if a not in busy]
         for m in lost:
-            for agent in spares:
+            # The spare that keeps its copy first: it restores from its own memory.
+            for agent in sorted(free, key=lambda a, m=m: a != m.buddy_agent):
                 node = self.node_of(agent)
                 if not node or node not in nodes:
                     continue
                 claim = json.dumps({"group": group, "job": m.job, "by": live.node, "at": time.time()})
                 if live.client.create_if_absent(k("spares", agent), claim) or self._ours(agent, group, m.job):
                     place[m.job] = (agent, node)
+                    free.remove(agent)
                     break
             else:
                 self._wait(group, f"no spare is free for member {m.job} ([[peers]] spare = true)")

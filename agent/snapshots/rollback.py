@@ -74,9 +74,10 @@ def roll_back(
         )
 
     def fetch(m: pb.MemberCopy) -> pb.SnapshotMemberRequest:
-        """A member restored on its own node reads its copy there; one placed elsewhere, or whose
-        copy there is gone, reads its buddy's."""
-        local = m.local_dir if where[m.job] == m.agent else ""
+        """A member restored on its own node reads its copy there, one placed on its buddy (a
+        spare that kept it) the buddy's copy there; one placed elsewhere, or whose copy there is
+        gone, fetches its buddy's."""
+        local = {m.agent: m.local_dir, m.buddy_agent: m.dir}.get(where[m.job], "")
         buddy = "" if m.buddy_agent in lost_nodes else m.buddy_agent
         return req(pb.SNAPSHOT_ACTION_FETCH, m.job, buddy, local)
 

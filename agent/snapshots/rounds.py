@@ -5,8 +5,11 @@
        member is cut off, so no byte crosses between a member's dump and another's (a
        consistent cut: a byte one member sent is either in the receiver's image or still
        unacknowledged in the sender's).
-    3. SHIP on all: each agent sends its members' images to its buddy, the next agent in the
-       ring (a node other than its own), and answers once the buddy has verified them.
+    3. SHIP on all: each agent sends its members' images to its buddy and answers once the
+       buddy has verified them. The buddy is a keeper where there are any (live spares, which
+       run no member: a recovery that places the lost member on the spare holding its copy
+       restores it from memory there, with nothing to fetch), else the next agent in the ring
+       (a node other than its own).
 
 Any failure ends the round: whatever was held is released, and the caller keeps the previous
 snapshot. The round's result is the snapshot set; it counts once it is returned.
@@ -52,18 +55,24 @@ def take(
     call: Call,
     hold_s: float,
     go_on: Callable[[], str] = lambda: "",
+    keepers: list[str] | None = None,
 ) -> tuple[pb.SnapshotSet, RoundTimes]:
     """Run round `epoch` over `agents` (every agent with a member of the group); raise a
     FerryError naming the agent and the step that failed. `go_on` is asked while the calls run
     ("" to go on): a coordinator cut off from etcd gives up at once, not after the calls'
-    bounds, and the agents release what they hold by themselves after hold_s."""
-    if len(agents) < 2:
+    bounds, and the agents release what they hold by themselves after hold_s. `keepers`: agents
+    that run no member and keep the images, the members' agents spread over them in turn."""
+    keepers = [k for k in keepers or [] if k not in agents]
+    if len(agents) < 2 and not keepers:
         raise RefusedError(
             f"group {group}'s members run on {len(agents)} node(s): a snapshot needs a buddy on another node",
             step="snapshot",
             hint="give `ferry protect` the agent of every node with a member (--members-on)",
         )
     times = RoundTimes()
+
+    def buddy_of(i: int) -> str:
+        return keepers[i % len(keepers)] if keepers else agents[(i + 1) % len(agents)]
 
     def each(
         action: int, timeout: float, buddy: Callable[[int], str] = lambda i: ""
@@ -109,7 +118,7 @@ def take(
     times.release_s = pause - times.hold_s
     taken_at = time.time()
     t1 = time.monotonic()
-    shipped = each(pb.SNAPSHOT_ACTION_SHIP, SHIP_CALL_S, buddy=lambda i: agents[(i + 1) % len(agents)])
+    shipped = each(pb.SNAPSHOT_ACTION_SHIP, SHIP_CALL_S, buddy=buddy_of)
     times.ship_s = time.monotonic() - t1
     frozen = {m.job: m for a in released for m in a.members}  # the pause and its parts
     out = pb.SnapshotSet(epoch=epoch, taken_at=taken_at, group_pause_s=pause)
@@ -122,7 +131,7 @@ def take(
                     node=h.node_name,
                     agent=agents[i],
                     buddy_node=m.buddy_node,
-                    buddy_agent=agents[(i + 1) % len(agents)],
+                    buddy_agent=buddy_of(i),
                     dir=m.dir,
                     bytes=m.bytes,
                     frozen_s=frozen[m.job].frozen_s if m.job in frozen else 0.0,

@@ -62,8 +62,8 @@ def test_a_recovery_whose_agent_dies_half_way_is_taken_over_and_two_dead_nodes_a
     middle of a round's SHIP (its image of that round not yet on its buddy), and the agent that
     recovers it is SIGKILLed half-way (every copy ended, none restored) and restarted, as its
     service manager would: another agent takes the recovery over from etcd and node-b's member
-    comes back on a spare from the last complete round. The rounds go on over the new members
-    (node-b held a copy for another member: the next round keeps it elsewhere); then node-c dies
+    comes back from the last complete round on the spare that keeps its copy (the spares keep
+    the images). The rounds go on over the new members, kept by the other spare; then node-c dies
     in the middle of a round's HOLD (every member frozen), and its member comes back on the
     second spare. Every rank replays the steps since each snapshot with the same losses, nothing
     restarts, and the job ends bit-identical to an undisturbed run."""
@@ -102,28 +102,35 @@ def test_a_recovery_whose_agent_dies_half_way_is_taken_over_and_two_dead_nodes_a
     r.stop(sig=signal.SIGKILL)  # half-way: its claim goes with its lease, its pending mark stays
     r.env["FERRY_PAUSE"] = r.env["FERRY_PAUSE"].replace(ended, "").strip(",")  # node-c's HOLD window stays
     r.start()
+    # On the spare that keeps its copy of the round (the spares keep the images): call it d.
+    spares = (d, e)
     try:
-        wait_for("node-b's member to run on a spare", lambda: _runs(d, job[1]), 90)
+        d = wait_for(
+            "node-b's member to run on a spare",
+            lambda: next((s for s in spares if _runs(s, job[1])), None),
+            90,
+        )  # type: ignore[assignment]
     except BaseException:
-        tell({job[0]: a, job[2]: c}, [a, c, d])
+        tell({job[0]: a, job[2]: c}, [a, c, *spares])
         raise
+    e = next(s for s in spares if s is not d)  # the other spare, which node-c's member will take
     first = time.time()
     where = {job[0]: a, job[1]: d, job[2]: c}
     back = _stepping_again(where, killed)
     print(
         f"node-b died in a round's SHIP, {r.node}'s agent half-way through its recovery; "
-        f"node-b's member ran on node-d "
+        f"node-b's member ran on {d.node} "
         f"{first - killed:.1f} s after the kill; every rank stepped again {back - killed:.1f} s after it"
     )
     taken = [
         m["message"] for n in (a, c) for m in events(n) if "recovered from snapshot round" in m["message"]
     ]
     assert len(taken) == 1 and f"recovered from snapshot round {committed} " in taken[0], taken
-    # The next complete round is over the new members: node-b's copy of node-a's member is gone.
+    # The next complete round is over the new members, kept by the spare that runs none.
     after = max(_epoch(n) for n in (a, c))
     wait_for(
-        "a round over node-d",
-        lambda: any(_runs_rounds(n) and _epoch(n) > after and "node-d" in _nodes(n) for n in (a, c, d)),
+        f"a round over {d.node}",
+        lambda: any(_runs_rounds(n) and _epoch(n) > after and d.node in _nodes(n) for n in (a, c, d)),
         60,
     )
 
@@ -136,7 +143,7 @@ def test_a_recovery_whose_agent_dies_half_way_is_taken_over_and_two_dead_nodes_a
     where = {job[0]: a, job[1]: d, job[2]: e}
     back = _stepping_again(where, killed)
     print(
-        f"node-c died in a round's HOLD; its member ran on node-e; "
+        f"node-c died in a round's HOLD; its member ran on {e.node}; "
         f"every rank stepped again {back - killed:.1f} s after the kill"
     )
 

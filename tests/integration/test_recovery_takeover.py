@@ -224,3 +224,97 @@ def test_a_snapshot_stops_covering_its_group_when_a_member_moves_or_a_copys_node
     member_on("r1", "b")
     live.client.delete(PREFIX + "nodes/a")  # node a, which keeps r2's copy, died
     assert live.snapshot_stale("g", snap) == "node a, which keeps member r2's copy, has no lease in etcd"
+
+
+def test_a_lost_member_goes_to_the_spare_that_keeps_its_copy_and_reads_it_there(
+    etcd: EtcdServer, pki: Path, tmp_path: Path
+) -> None:
+    live, _ = liveness(etcd, pki, tmp_path)
+    snap = pb.SnapshotSet(
+        epoch=5,
+        taken_at=1.0,
+        members=[
+            pb.MemberCopy(
+                job=f"r{i}",
+                node=n,
+                agent=n.upper(),
+                buddy_node=k,
+                buddy_agent=k.upper(),
+                dir=f"/keep/g/5/r{i}",
+                local_dir=f"/taken/g/5/r{i}",
+            )
+            for i, (n, k) in enumerate([("a", "t"), ("c", "s")])
+        ],
+    )
+    live.client.put(PREFIX + "groups/g/snapshot", json_format.MessageToJson(snap))
+    lease = live.client.grant(30)
+    for node in ("c", "s", "t"):  # node a died
+        live.client.put(PREFIX + f"nodes/{node}", "{}", lease=lease.id)
+    for job, node in (("r0", "a"), ("r1", "c")):
+        live.client.put(
+            PREFIX + f"groups/g/members/{job}", Member("g", job, node, node.upper(), "", "").value()
+        )
+    agents = Agents(running={"C": ["r1"]}, ended={})
+    fetched: dict[str, tuple[str, str]] = {}
+
+    def call(agent: str, req: pb.SnapshotMemberRequest, timeout_s: float) -> pb.SnapshotMemberResponse:
+        if req.action == pb.SNAPSHOT_ACTION_FETCH:
+            fetched[req.job] = (agent, req.local_dir)
+        return agents(agent, req, timeout_s)
+
+    rec = GroupRecovery(live, lambda: ["S", "T"], lambda a: a.lower(), call, 5, lambda k, m: None)
+    done = rec.recover("g")
+    assert done is not None and done.placed == {"r0": "t"}, "T keeps r0's copy: S comes first otherwise"
+    assert fetched == {"r0": ("T", "/keep/g/5/r0"), "r1": ("C", "/taken/g/5/r1")}
+
+
+def test_the_spares_that_keep_a_rounds_images_are_those_with_a_lease_that_run_no_member(
+    etcd: EtcdServer, pki: Path, tmp_path: Path
+) -> None:
+    live, _ = liveness(etcd, pki, tmp_path)
+    lease = live.client.grant(30)
+    for node in ("c", "s", "u"):  # spare t has no lease: dead, or not started
+        live.client.put(
+            PREFIX + f"nodes/{node}", json.dumps({"agent": node.upper(), "node": node}), lease=lease.id
+        )
+    live.client.put(PREFIX + "nodes/x", "not json", lease=lease.id)  # unreadable: never a keeper
+    assert live.keepers(["U", "T", "S", "C", "U"], agents=["C"]) == ["U", "S"]
+    live.client.put(PREFIX + "spares/U", json.dumps({"group": "g", "job": "r1", "by": "c"}))
+    assert live.keepers(["U", "T", "S", "C"], agents=["C"]) == ["S"], "a recovery took U for a member"
+
+
+def test_a_member_killed_here_by_a_failed_post_copy_is_handed_back_to_its_dead_source_and_found_lost(
+    etcd: EtcdServer, pki: Path, tmp_path: Path
+) -> None:
+    """node-f, warned, moved r2 here (c) post-copy and died before every page came: the copy here
+    was killed. Its key must not go on naming c, where nothing runs (the group would wait on it
+    and nobody would recover it)."""
+    live, registry = liveness(etcd, pki, tmp_path)
+    said: list[str] = []
+    live.record = lambda kind, message, job: said.append(message)
+    lease = live.client.grant(30)
+    live.client.put(PREFIX + "nodes/c", json.dumps({"agent": "C", "node": "c"}), lease=lease.id)
+    for job, node in (("r1", "c"), ("r2", "c")):
+        live.client.put(
+            PREFIX + f"groups/g/members/{job}", Member("g", job, node, node.upper(), "", "").value()
+        )
+    rec = JobRecord("r2", JobKind.LAUNCHED, JobState.LOST, 1, ["x"], "/", group="g", address="10.99.0.3")
+    registry.save(rec)
+    registry.save(JobRecord("r1", JobKind.LAUNCHED, JobState.RUNNING, 2, ["x"], "/", group="g"))
+    registry.on_post_copy_lost(rec, "f")  # as agent.migration.target_effects calls it
+    kv = live.client.get(PREFIX + "groups/g/members/r2")
+    assert kv is not None and Member.parse("g", "r2", kv.value) == Member("g", "r2", "f", "", "10.99.0.3", "")
+    assert "its key names node f again" in said[0]
+    asked: list[str] = []
+    live.on_lost = lambda g, since: asked.append(g)
+    live.check_peers()
+    assert "r2" in live.lost and asked == ["g"], "node f has no lease and no agent answers: lost"
+
+    # A source that lives keeps its agent in the key; a key another node took stays as it is.
+    live.client.put(PREFIX + "nodes/f", json.dumps({"agent": "F", "node": "f"}), lease=lease.id)
+    live.client.put(PREFIX + "groups/g/members/r2", Member("g", "r2", "c", "C", "", "").value())
+    registry.on_post_copy_lost(rec, "f")
+    assert Member.parse("g", "r2", live.client.get(PREFIX + "groups/g/members/r2").value).agent == "F"  # type: ignore[union-attr]
+    live.client.put(PREFIX + "groups/g/members/r2", Member("g", "r2", "t", "T", "", "").value())
+    registry.on_post_copy_lost(rec, "f")
+    assert Member.parse("g", "r2", live.client.get(PREFIX + "groups/g/members/r2").value).node == "t"  # type: ignore[union-attr]

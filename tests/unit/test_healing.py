@@ -169,6 +169,44 @@ def test_slow_temperature_climb_moves_the_job_once_to_the_spare_and_quarantines_
     assert "by ferry" in rig.registry.get("train").note
 
 
+class SilentPeer(FakePeer):
+    """A dead node's agent: no answer until its timeout. Its callers meet at a barrier, which
+    only breaks (and then every peer answers) if every peer was asked at once."""
+
+    def __init__(self, node: str, met: threading.Barrier) -> None:
+        super().__init__(node)
+        self.met = met
+
+    def health(self, timeout_s: float) -> pb.HealthReport:
+        self.met.wait()
+        raise TransferError(f"agent on {self.report.node_name} did not answer in time", step="health")
+
+
+class WaitingPeer(FakePeer):
+    def __init__(self, node: str, met: threading.Barrier, *gpus: pb.GpuHealth) -> None:
+        super().__init__(node, *gpus)
+        self.met = met
+
+    def health(self, timeout_s: float) -> pb.HealthReport:
+        self.met.wait()
+        return self.report
+
+
+def test_the_spares_are_asked_at_once_so_dead_ones_cost_one_timeout_not_one_each(tmp_path):
+    steps = [(10, "GPU-a0", {"ecc_corrected": 40})]
+    rig = Rig(tmp_path, steps)
+    met = threading.Barrier(3, timeout=5)  # asked one after the other, the first waits in vain
+    idle = pb.GpuHealth(uuid="GPU-s0", name=H200, health_state=pb.HEALTH_STATE_HEALTHY)
+    rig.peers = {"d:1": SilentPeer("node-d", met), "f:1": SilentPeer("node-f", met)}
+    rig.peers["s:1"] = WaitingPeer("node-s", met, idle)
+    peers = tuple(PeerSpec(a, spare=True) for a in rig.peers)
+    rig.healing.config = dataclasses.replace(rig.healing.config, peers=peers)
+    rig.job("train")
+    rig.run(30)
+    assert [(job, target) for job, target, _, _ in rig.moves] == [("train", "s:1")]
+    assert not met.broken
+
+
 def test_ignored_xids_cause_nothing(tmp_path):
     steps = [(float(i + 1), "GPU-a0", {"xid": x}) for i, x in enumerate((13, 31, 43, 45, 68, 109))]
     rig = Rig(tmp_path, steps)

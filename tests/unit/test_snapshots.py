@@ -236,6 +236,25 @@ def test_a_round_releases_no_member_before_every_member_is_held(tmp_path: Path) 
     assert all(verify(Path(m.dir)).job.name == m.job for m in snap.members)
 
 
+def test_with_spares_to_keep_them_the_images_go_to_the_spares_in_turn_not_round_the_ring(
+    tmp_path: Path,
+) -> None:
+    cl = Cluster(tmp_path)
+    agents = list(cl.stores)
+    for i in (8, 9):  # two spares: agents that run no member
+        cl.stores[f"10.0.0.{i}:7070"] = SnapshotStore(tmp_path / f"spare{i}", f"spare-{i}")
+    snap, _ = rounds.take("g", 1, agents, cl.call, 5, keepers=["10.0.0.8:7070", agents[0], "10.0.0.9:7070"])
+    kept = {m.node: (m.buddy_node, m.buddy_agent) for m in snap.members}
+    assert kept == {
+        "node-1": ("spare-8", "10.0.0.8:7070"),
+        "node-2": ("spare-9", "10.0.0.9:7070"),
+        "node-3": ("spare-8", "10.0.0.8:7070"),
+    }, "a member's own agent never keeps images as a spare"
+    assert sorted(cl.stores["10.0.0.8:7070"].held("g")[1]) == ["r0", "r2"]
+    one, _ = rounds.take("g", 2, agents[:1], cl.call, 5, keepers=["10.0.0.9:7070"])
+    assert [m.buddy_node for m in one.members] == ["spare-9"], "a group on one node is kept by a spare"
+
+
 def test_a_hold_that_fails_releases_every_member_held(tmp_path: Path) -> None:
     cl = Cluster(tmp_path, fail={"10.0.0.3:7070": "hold"})
     with pytest.raises(FerryError, match="it broke"):
@@ -456,6 +475,47 @@ def test_a_round_thread_takes_a_round_at_once_when_its_last_snapshot_no_longer_c
         p.stop()
 
 
+def test_a_round_whose_spare_dies_while_it_ships_is_given_up_when_its_lease_goes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call to a dead node waits out a connect timeout; the round stops within a poll of the
+    spare's lease going, and the next round keeps its images elsewhere."""
+    monkeypatch.setattr(rounds, "GO_ON_EVERY_S", 0.05)
+    cl = Cluster(tmp_path)
+    spare = "10.0.0.8:7070"
+    cl.stores[spare] = SnapshotStore(tmp_path / "spare", "spare-8")
+    alive = {spare: True}
+    hung = threading.Event()
+
+    def call(agent: str, req: pb.SnapshotMemberRequest, timeout_s: float) -> pb.SnapshotMemberResponse:
+        if req.action == pb.SNAPSHOT_ACTION_SHIP and not alive[spare]:
+            hung.wait(10)  # its buddy, the spare, is gone
+        return cl.call(agent, req, timeout_s)
+
+    (tmp_path / "state").mkdir()
+    p = Protections(
+        tmp_path / "state",
+        "node-1",
+        SnapshotConfig(every_s=3600),
+        call,
+        keepers=lambda agents: [a for a, up in alive.items() if up],
+    )
+    p.stop()
+    p.protect("g", 3600, list(cl.stores)[:3])
+    assert {m.buddy_agent for m in p.take("g").last.members} == {spare}
+    alive[spare] = False
+    orig = p.keepers
+    p.keepers = lambda agents: [spare]  # type: ignore[method-assign]  # at the round's start it lived
+    threading.Timer(0.3, lambda: setattr(p, "keepers", orig)).start()
+    t0 = time.monotonic()
+    with pytest.raises(FerryError, match=r"agent 10\.0\.0\.8:7070, which keeps images of this round"):
+        p.take("g")
+    assert time.monotonic() - t0 < 5.0
+    hung.set()
+    assert p.get("g").last.epoch == 1
+    assert {m.buddy_node for m in p.take("g").last.members} == {"node-1", "node-2", "node-3"}
+
+
 def test_protect_needs_the_members_agents_without_etcd(tmp_path: Path) -> None:
     p = Protections(tmp_path, "node-1", SnapshotConfig(), lambda *a: pb.SnapshotMemberResponse())
     with pytest.raises(FerryError, match="--members-on"):
@@ -539,6 +599,26 @@ def test_a_lost_member_is_restored_where_it_is_placed_and_its_dead_node_is_not_a
     assert "B" not in {a for a, _, _ in agents.log}
     assert ("S", "fetch", "r1") in agents.log and ("S", "restore", "r1") in agents.log
     assert t.placed["r1"] == "S"
+
+
+def test_a_member_placed_on_the_spare_that_keeps_its_copy_reads_it_there_and_survivors_their_own() -> None:
+    snap = pb.SnapshotSet(
+        epoch=4,
+        members=[
+            pb.MemberCopy(job=j, agent=a, buddy_agent="S", dir=f"/keep/{j}", local_dir=f"/taken/{j}")
+            for j, a in (("r0", "A"), ("r1", "B"))
+        ],
+    )
+    agents = Members({"A": ["r0"]})
+    fetched: dict[str, tuple[str, str, str]] = {}
+
+    def call(agent: str, req: pb.SnapshotMemberRequest, timeout_s: float) -> pb.SnapshotMemberResponse:
+        if req.action == pb.SNAPSHOT_ACTION_FETCH:
+            fetched[req.job] = (agent, req.local_dir, req.buddy)
+        return agents(agent, req, timeout_s)
+
+    roll_back("g", snap, call, others=[], hold_s=5, place={"r1": "S"})
+    assert fetched == {"r0": ("A", "/taken/r0", "S"), "r1": ("S", "/keep/r1", "S")}
 
 
 def test_a_restored_member_is_held_until_resumed_or_goes_on_by_itself(tmp_path: Path) -> None:

@@ -257,6 +257,8 @@ def test_get_migration_answers_while_a_failed_post_copy_ends_the_job_here(
     rec.pid_started = procs.create_time(proc.pid)
     target.registry.save(rec)
     seen: list[int] = []
+    handed_back: list[tuple[str, JobState, str]] = []
+    target.registry.on_post_copy_lost = lambda r, node: handed_back.append((r.name, r.state, node))
 
     def restored_and_released() -> None:  # what a commit does while the stream waits
         _restored(target)
@@ -279,6 +281,9 @@ def test_get_migration_answers_while_a_failed_post_copy_ends_the_job_here(
     assert is_dead(proc.pid) and net.deleted == ["fv-train"]
     assert target.registry.get("train").state is JobState.LOST
     assert state(target) == pb.TARGET_STATE_ABORTED
+    # Once killed, the member is handed back to the source's node (agent.coord.liveness).
+    assert [(n, st) for n, st, _ in handed_back] == [("train", JobState.LOST)]
+    assert handed_back[0][2], "the source's node is named"
 
 
 def _restored(target: TargetMigrations) -> None:
