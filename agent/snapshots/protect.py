@@ -234,11 +234,14 @@ class Protections:
                 return
             if not asked and time.monotonic() < p.due_at and not self._uncovered(p):
                 continue
+            began = time.monotonic()
             try:
                 self.take(p.group)
-                p.failing, p.due_at = 0, time.monotonic() + p.every_s
+                # From the round's start: "every 10 s" is a snapshot every 10 s, not 10 s after
+                # the last one's ship (which would age the snapshot a recovery reads by that much).
+                p.failing, p.due_at = 0, began + p.every_s
             except StandingBy:
-                p.failing, p.due_at = 0, time.monotonic() + p.every_s  # read etcd's last again then
+                p.failing, p.due_at = 0, began + p.every_s  # read etcd's last again then
             except Exception as e:
                 if not isinstance(e, FerryError):
                     log.exception("snapshots: a round of group %s failed", p.group)

@@ -4,6 +4,7 @@ order and failures, and a protection's record (agent.snapshots). The bed's test
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -446,6 +447,30 @@ def test_a_round_thread_tries_a_failed_round_again_soon_not_an_interval_later(tm
         assert wait_for(lambda: p.get("g").last.epoch == 2), "round 1 failed; round 2 came seconds later"
     finally:
         p.stop()
+
+
+def test_rounds_start_every_interval_counted_from_the_last_start_not_from_its_ship(tmp_path: Path) -> None:
+    """A ship as long as the interval: counted from its end, the snapshot a recovery reads would be
+    up to two intervals old; counted from the start, rounds come every interval."""
+    cl = Cluster(tmp_path)
+    starts: list[float] = []
+
+    def call(agent: str, req: pb.SnapshotMemberRequest, timeout_s: float) -> pb.SnapshotMemberResponse:
+        if req.action == pb.SNAPSHOT_ACTION_HOLD and agent == "10.0.0.1:7070":
+            starts.append(time.monotonic())
+        if req.action == pb.SNAPSHOT_ACTION_SHIP:
+            time.sleep(2.0)
+        return cl.call(agent, req, timeout_s)
+
+    (tmp_path / "state").mkdir()
+    p = Protections(tmp_path / "state", "node-1", SnapshotConfig(every_s=2.0), call)
+    try:
+        p.protect("g", 2.0, list(cl.stores))
+        assert wait_for(lambda: len(starts) >= 3, within_s=30)
+    finally:
+        p.stop()
+    spacing = [b - a for a, b in itertools.pairwise(starts[1:])]
+    assert spacing and max(spacing) < 3.5, f"rounds began {spacing} s apart: counted from their ship's end"
 
 
 def test_a_round_thread_takes_a_round_at_once_when_its_last_snapshot_no_longer_covers_the_group(
