@@ -533,12 +533,18 @@ class NodeLiveness:
         key = self.key("groups", rec.group, "members", rec.name)
         try:
             kv = self.client.get(key)
-            if kv is None or Member.parse(rec.group, rec.name, kv.value).node != self.node:
+            if kv is not None and Member.parse(rec.group, rec.name, kv.value).node != self.node:
                 return  # another node's already: the source resumed, or a recovery took it
             source = self.client.get(self.key("nodes", source_node))
             agent = str(json.loads(source.value).get("agent", "")) if source is not None else ""
             back = Member(rec.group, rec.name, source_node, agent, rec.address, rank_of(rec))
-            if self.client.compare_and_swap(key, back.value(), kv.mod_revision):
+            # No key: the copy here crashed on a missing page first, and its end, taken for an
+            # exit, removed the key this node had published. It is put back the same way.
+            if kv is None:
+                put = self.client.create_if_absent(key, back.value())
+            else:
+                put = self.client.compare_and_swap(key, back.value(), kv.mod_revision)
+            if put:
                 self.record(
                     "warning",
                     f"member {rec.name} of group {rec.group} was killed here when its post-copy from "

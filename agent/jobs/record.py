@@ -23,7 +23,9 @@ class JobState(StrEnum):
     RUNNING → EXITED (it ended) | STOPPED (`ferry stop`) | LOST (its process vanished while
     the agent was down, or its restore here was cut short / its post-copy failed).
     MIGRATING → LOST: the agent restarted and the process was gone. LOST → MOVED: that copy was
-    a migration's frozen source, and the target turned out to run the job.
+    a migration's frozen source, and the target turned out to run the job. EXITED → LOST: a
+    post-copy target's copy that crashed on a page that never came (its source died): the end
+    was the move's failure, not the job's own.
     CHECKPOINTED → PREEMPTED: the checkpoint was a preemption's suspend; PREEMPTED →
     STOPPED (`ferry stop` discards it, keeping the image). A preempted job comes back as a
     new RUNNING record that replaces this one (as does any restore of a final job's name);
@@ -36,7 +38,7 @@ class JobState(StrEnum):
     EXITED | LOST (its process ended). MIGRATING → FENCED: a frozen member whose node's lease
     did not last from its freeze to its resume stays frozen, fenced (agent.migration.rollback).
     Every state but RUNNING, MIGRATING, FENCED and PREEMPTED is final for this node (LOST can
-    still be corrected to MOVED); a final job's name may be reused.
+    still be corrected to MOVED, EXITED to LOST); a final job's name may be reused.
     """
 
     RUNNING = "running"
@@ -69,7 +71,7 @@ JOB_TRANSITIONS: Transitions[JobState] = Transitions(
         _J.MIGRATING: frozenset({_J.RUNNING, _J.MOVED, _J.CHECKPOINTED, _J.EXITED, _J.LOST, _J.FENCED}),
         _J.CHECKPOINTED: frozenset({_J.PREEMPTED}),
         _J.PREEMPTED: frozenset({_J.STOPPED}),
-        _J.EXITED: frozenset(),
+        _J.EXITED: frozenset({_J.LOST}),
         _J.STOPPED: frozenset(),
         _J.MOVED: frozenset(),
         _J.LOST: frozenset({_J.MOVED}),

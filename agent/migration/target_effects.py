@@ -170,7 +170,16 @@ class TargetEffects:
             job = self.registry.get(e.job)
         except NotFoundError:
             return
-        if not job.state.active:  # it ended here already (read a zero page and crashed, say)
+        if not job.state.active:  # it ended here already: read a page that never came, and crashed
+            if job.state is not JobState.EXITED or job.exit_code == 0:
+                return  # stopped by hand, or it finished: every page it read had come
+            job = self.registry.update(  # not the job's own end: the move's failure
+                e.job,
+                state=JobState.LOST,
+                note=f"post-copy from {e.source_node} failed ({e.why}); its copy here had crashed on "
+                f"a page that never came (exit status {job.exit_code})",
+            )
+            self.registry.on_post_copy_lost(job, e.source_node)
             return
         # Recorded first, so the job's end reads as this loss, not as an exit.
         self.registry.update(

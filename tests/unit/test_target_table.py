@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from agent.jobs.record import JobKind, JobRecord, JobState
+from agent.jobs.registry import JobRegistry
 from agent.migration.datatls import DataIdentity, DataTls
 from agent.migration.journal import TARGET, Journal
 from agent.migration.states import TargetState
@@ -248,3 +250,26 @@ def test_recovery_ends_a_drop_the_agent_did_not_live_to_finish(table: IncomingTa
     done = recover_incoming(table.journal, None)  # type: ignore[arg-type]
     assert done == ["m1: agent restarted while dropping: dropped its dropping image"]
     assert table.journal.get(TARGET, "m1").state == "aborted" and not inc.staging.exists()
+
+
+@pytest.mark.parametrize(("exit_code", "lost"), [(139, True), (0, False)])
+def test_a_copy_that_crashed_on_a_page_that_never_came_is_lost_not_exited_and_handed_back(
+    table: IncomingTable, tmp_path: Path, exit_code: int, lost: bool
+) -> None:
+    """The source died mid post-copy; the copy here read a missing page and crashed before the
+    stream's failure reached the target, so the registry took its end for an exit. That end was
+    the move's failure (the group recovers the member: agent.coord.liveness); a copy that
+    finished (status 0) read every page it needed and stays exited."""
+    registry = JobRegistry(tmp_path / "reg", "node-g")
+    registry.save(JobRecord("train", JobKind.LAUNCHED, JobState.RUNNING, 1, ["x"], "/", group="g"))
+    registry.update("train", state=JobState.EXITED, exit_code=exit_code)
+    handed: list[tuple[JobState, str]] = []
+    registry.on_post_copy_lost = lambda rec, node: handed.append((rec.state, node))
+    effects = TargetEffects(table, registry, None, lambda result: None)  # type: ignore[arg-type]
+    effects.run([EndJob("train", "node-f", "the page stream broke off")])
+    rec = registry.get("train")
+    if lost:
+        assert rec.state is JobState.LOST and "crashed on a page that never came" in rec.note
+        assert handed == [(JobState.LOST, "node-f")]
+    else:
+        assert rec.state is JobState.EXITED and handed == []
