@@ -717,8 +717,9 @@ def test_memory_that_stops_coming_kills_the_running_copy_first(target: TargetMig
 def test_memory_that_stops_coming_after_the_job_ended_still_drops_the_migration(
     target: TargetMigrations, sleeper
 ) -> None:
-    """The job ended here before the pages stopped (it read a zero page and crashed, say): its
-    record keeps how it ended, and the migration still ends ABORTED so the source resumes."""
+    """The job ended here before the pages stopped (it read a missing page and crashed, say): that
+    end was the move's failure, so its record says lost (its note how it ended), and the
+    migration still ends ABORTED so the source resumes."""
     target.prepare(prepare_req(lazy=True))
     proc, _, _ = sleeper()
     rec = JobRecord(
@@ -734,7 +735,8 @@ def test_memory_that_stops_coming_after_the_job_ended_still_drops_the_migration(
 
     with pytest.raises(FerryError, match="broke off"):
         list(target.stream_pages(broken_stream(MID, restored_and_released)))
-    assert target.registry.get("train").state is JobState.EXITED
+    job = target.registry.get("train")
+    assert job.state is JobState.LOST and "crashed on a page that never came" in job.note, job
     assert state(target) == pb.TARGET_STATE_ABORTED
     assert target.ledger.promised() == set()
 
