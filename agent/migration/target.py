@@ -257,6 +257,16 @@ class TargetMigrations:
         if dropping is not None and not self.effects.finish_later(inc, dropping, self.abort_wait_s):
             log.info("migration %s: aborted; its drop goes on in the background", mid)
 
+    def arriving(self, job: str) -> str:
+        """Why `job`'s copy here is not whole yet ("" if it is, or came by no move): its restore
+        is under way, or it runs while a post-copy move still brings its pages (a dump of it
+        now would save pages that have not come: a snapshot that crashes when restored)."""
+        with self.table.lock:
+            for inc in self._incoming.values():
+                if inc.job == job and inc.state in _REFUSE_ABORT - {TargetState.RUNNING}:
+                    return f"its move here ({inc.migration_id} from {inc.source_node}) is {inc.state.value}"
+        return ""
+
     def status(self, mid: str, caller: str = "") -> int:
         """GetMigration: takes the lock only to read the entry; finished ones are journaled."""
         safe_id(mid)

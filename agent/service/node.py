@@ -26,7 +26,7 @@ from agent.agent_config import AgentConfig
 from agent.coord.liveness import for_agent
 from agent.criu.runner import Criu
 from agent.cuda.jobs import CudaJobs, host_cuda_jobs
-from agent.errors import FerryError, InvalidArgumentError, NotFoundError, RefusedError
+from agent.errors import FerryError, InvalidArgumentError, JobBusyError, NotFoundError, RefusedError
 from agent.gpus.inventory import Inventory, nvml_module
 from agent.gpus.ledger import GpuLedger
 from agent.gpus.quarantine import Entry, Quarantine
@@ -214,7 +214,18 @@ class AgentNode:
     # -- group snapshots ---------------------------------------------------------------
 
     def _group_members(self, group: str) -> list[JobRecord]:
-        return [r for r in self.registry.list() if r.group == group and r.state is JobState.RUNNING]
+        """The group's members that run here, for a snapshot round's hold; refused while one's
+        memory is still arriving (a post-copy move: its round is tried again in a second)."""
+        recs = [r for r in self.registry.list() if r.group == group and r.state is JobState.RUNNING]
+        for r in recs:
+            if why := self.targets.arriving(r.name):
+                raise JobBusyError(
+                    f"member {r.name} of group {group} cannot be saved yet: {why}",
+                    step="snapshot hold",
+                    node=self.node,
+                    hint="the next round, a second later, saves it once its memory is all here",
+                )
+        return recs
 
     def _snapshot_save(
         self,

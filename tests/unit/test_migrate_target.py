@@ -792,3 +792,18 @@ def test_a_push_into_a_full_staging_area_says_no_space(
     assert exc.value.node == "nodeb" and "--staging-dir" in str(exc.value)
     assert staged(target) == []
     assert state(target) == pb.TARGET_STATE_ABORTED
+
+
+def test_a_job_whose_post_copy_still_brings_its_pages_is_said_arriving_until_they_are_all_in(
+    target: TargetMigrations,
+) -> None:
+    """A snapshot round asks (agent.service.node): a dump of the job before every page came
+    would save the ones that had not as zeros, and its restore would crash."""
+    target.prepare(prepare_req(lazy=True))
+    job = target._incoming[MID].job
+    for state_ in (TargetState.RESTORING, TargetState.POSTCOPY):
+        target._incoming[MID].state = state_
+        assert f"is {state_.value}" in target.arriving(job) and MID in target.arriving(job)
+    target._incoming[MID].state = TargetState.RUNNING
+    assert target.arriving(job) == ""
+    assert target.arriving("another-job") == ""
