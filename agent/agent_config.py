@@ -59,7 +59,7 @@ class PolicyConfig:
     #: Failing GPUs: the one try gets this CUDA lock timeout, a GPU that hangs is not waited on.
     failing_lock_timeout_s: float = 5.0
     #: How long a peer has to answer for the cluster view.
-    peer_timeout_s: float = 5.0
+    peer_timeout_s: float = 2.0
     #: A preempted job's GPUs are kept this long for the job that needed them.
     preempt_hold_s: float = 120.0
 

@@ -332,12 +332,22 @@ class TargetMigrations:
         `dead` (with [coordination]): of these source nodes, those etcd holds no lease for. A
         migration waiting on one (before its commit: the source still owns the job) is dropped at
         once, not after its lease: a recovery may restore that member here meanwhile, and a source
-        that only lost etcd fences itself and finds the move aborted. Asked outside the lock."""
+        that only lost etcd fences itself and finds the move aborted. A post-copy whose source
+        has no lease fails at once too: its pages will not come (a dead source), and its page
+        stream would take gRPC's keepalive (about 20 s) to say so, longer than a group member's
+        peers wait in their collective. The copy here is killed and its member handed back to
+        the source's node (agent.coord.liveness): a source that only lost etcd is fenced, and
+        resumes its frozen copy once it has its lease again. Asked outside the lock."""
         gone: set[str] = set()
         if dead is not None:
             with self.table.lock:
                 sources = {i.source_node for i in self.table.waiting_locked()}
+                sources |= {i.source_node for i in self._post_copies_locked()}
             gone = dead(sources) if sources else set()
+            with self.table.lock:
+                orphans = [i for i in self._post_copies_locked() if i.source_node in gone]
+            for inc in orphans:
+                self.streams.post_copy_failed(inc, f"its source node {inc.source_node} has no lease in etcd")
         with self.table.lock:
             dropping = [(i, self.table.drop_locked(i, "lease expired")) for i in self.table.expired_locked()]
             dropping += [
@@ -348,6 +358,9 @@ class TargetMigrations:
         for inc, effects in dropping:
             log.warning("migration %s: %s; dropping its staged image", inc.migration_id, inc.note)
             self.effects.finish(inc, effects)
+
+    def _post_copies_locked(self) -> list[Incoming]:
+        return [i for i in self._incoming.values() if i.state is TargetState.POSTCOPY]
 
     def shutdown(self) -> int:
         """The agent stops, its server already closed: every incoming migration that has not

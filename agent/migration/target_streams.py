@@ -70,7 +70,7 @@ class StreamHost:
                     )
                 if inc.lazy:
                     stream = LazyTargetPages(
-                        self.node, keys.files, lambda why: self._post_copy_failed(inc, why)
+                        self.node, keys.files, lambda why: self.post_copy_failed(inc, why)
                     )
                 else:
                     self.table.set_locked(inc, TargetState.STREAMING)
@@ -110,7 +110,7 @@ class StreamHost:
             digest = yield from stream.run(requests)
         except BaseException as e:
             stream.kill()
-            self._post_copy_failed(inc, str(e) if isinstance(e, FerryError) else repr(e))
+            self.post_copy_failed(inc, str(e) if isinstance(e, FerryError) else repr(e))
             self._settled(inc)
             self._failed(e, "pages", "the post-copy transfer")
         effects: list[Effect] = []
@@ -125,7 +125,7 @@ class StreamHost:
         log.info("migration %s: post-copy done, %d bytes of memory pulled in", inc.migration_id, digest.bytes)
         yield pb.PageData(end=pb.PageStreamEnd(bytes=digest.bytes, check=digest.check))
 
-    def _post_copy_failed(self, inc: Incoming, why: str) -> None:
+    def post_copy_failed(self, inc: Incoming, why: str) -> None:
         """The job's missing pages will never come: its copy here must not run on (they would
         read as zeros), and the source may resume its own once we say ABORTED. Called from the
         stream's threads too; whoever comes first does it."""

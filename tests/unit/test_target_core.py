@@ -347,6 +347,30 @@ def test_an_expired_lease_costs_an_ended_job_of_the_same_name_nothing(target: Ta
     assert (target.registry.job_dir("train") / "stdout.log").read_text() == "old output\n"
 
 
+def test_a_post_copy_whose_source_node_lost_its_lease_fails_at_once_and_its_copy_is_lost(
+    target: TargetMigrations, sleeper
+) -> None:
+    """Its pages will not come, and the page stream would take gRPC's keepalive to say so: the
+    copy here is killed (lost) and handed back to the source's node, and the source may resume."""
+    target.prepare(prepare_req(lazy=True))
+    proc, _, _ = sleeper()
+    rec = JobRecord(
+        name="train", kind=JobKind.LAUNCHED, state=JobState.RUNNING, pid=proc.pid, command=["x"], cwd="/"
+    )
+    rec.pid_started = procs.create_time(proc.pid)
+    target.registry.save(rec)
+    handed: list[str] = []
+    target.registry.on_post_copy_lost = lambda r, node: handed.append(node)
+    _restored(target)
+    target.expire(lambda nodes: set())  # its source lives: nothing changes
+    assert state(target) == pb.TARGET_STATE_POSTCOPY and handed == []
+    target.expire(lambda nodes: nodes)
+    proc.wait(10)
+    job = target.registry.get("train")
+    assert job.state is JobState.LOST and "has no lease in etcd" in job.note, job
+    assert handed == ["nodea"] and state(target) == pb.TARGET_STATE_ABORTED
+
+
 def test_a_migration_whose_source_node_lost_its_lease_is_dropped_before_its_commit_only(
     target: TargetMigrations, tmp_path: Path
 ) -> None:
