@@ -95,8 +95,11 @@ def snapshot_lines(p: Any, now: float | None = None) -> list[str]:
         lines.append(
             f"  the latest round failed ({p.failed} of {p.rounds} since the agent started): {p.last_error}"
         )
+    if p.in_progress:
+        lines.append(f"  round {p.in_progress} is in progress")
     if not p.active:
-        lines.append("  no longer protected (`ferry protect --off`)")
+        then = ": the round in progress ends first" if p.in_progress else ""
+        lines.append(f"  no longer protected (`ferry protect --off`{then})")
     elif p.rounds_by:
         lines.append(f"  rounds run by {p.rounds_by}; this agent stands by to take them over")
     return lines

@@ -69,6 +69,7 @@ class Protected:
     rounds_by: str = ""  # with etcd: who runs the rounds while this agent stands by ("": this one)
     due_at: float = 0.0  # (monotonic) when the next round is due; 0: now
     failing: int = 0  # rounds failed in a row since the last complete one
+    in_progress: int = 0  # the epoch of the round running now (0: none)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one round at a time
     wake: threading.Event = field(default_factory=threading.Event)
 
@@ -83,6 +84,7 @@ class Protected:
             last_error=self.last_error,
             active=self.active,
             rounds_by=self.rounds_by,
+            in_progress=self.in_progress,
         )
 
     def to_json(self) -> dict[str, object]:
@@ -294,6 +296,7 @@ class Protections:
                     log.info("snapshots: cannot tell whether round %d of %s may go on: %s", epoch, group, e)
                 return ""
 
+            p.in_progress = epoch
             try:
                 snap, times = rounds.take(group, epoch, agents, self.call, self.config.hold_s, go_on, keep)
                 self._count(group, snap)
@@ -303,6 +306,7 @@ class Protections:
                 p.last_error = str(err)
                 if self._still_ours(group):  # else the rounds are another agent's, its images too
                     self._drop(p, p.last.epoch, [*agents, *keep])
+                p.in_progress = 0  # its images are gone too
                 self.observe(group, None, p.last_error)
                 self.record(
                     "warning",
@@ -312,6 +316,7 @@ class Protections:
             p.last, p.last_error = snap, ""
             self._save()  # from here this set is the one that counts
             self._drop(p, epoch, [*agents, *keep, *kept_by])
+            p.in_progress = 0
             self.observe(group, snap, "")
             p.times = times
             log.info(

@@ -449,6 +449,33 @@ def test_a_round_thread_tries_a_failed_round_again_soon_not_an_interval_later(tm
         p.stop()
 
 
+def test_a_round_in_progress_is_reported_until_it_ends_even_after_protection_is_off(tmp_path: Path) -> None:
+    """`--off` starts no round; the one shipping ends by itself, and its DROP then takes the
+    previous set away: whoever reads the last set waits until no round is in progress."""
+    cl = Cluster(tmp_path)
+    shipping, go = threading.Event(), threading.Event()
+
+    def call(agent: str, req: pb.SnapshotMemberRequest, timeout_s: float) -> pb.SnapshotMemberResponse:
+        if req.action == pb.SNAPSHOT_ACTION_SHIP:
+            shipping.set()
+            go.wait(10)
+        return cl.call(agent, req, timeout_s)
+
+    (tmp_path / "state").mkdir()
+    p = Protections(tmp_path / "state", "node-1", SnapshotConfig(every_s=3600), call)
+    try:
+        p.protect("g", 3600, list(cl.stores))
+        assert shipping.wait(10)
+        p.protect("g", -1, [])
+        assert p.get("g").pb().in_progress == 1 and not p.get("g").active
+        go.set()
+        assert wait_for(lambda: p.get("g").pb().in_progress == 0)
+        assert p.get("g").last.epoch == 1
+    finally:
+        go.set()
+        p.stop()
+
+
 def test_rounds_start_every_interval_counted_from_the_last_start_not_from_its_ship(tmp_path: Path) -> None:
     """A ship as long as the interval: counted from its end, the snapshot a recovery reads would be
     up to two intervals old; counted from the start, rounds come every interval."""
