@@ -25,6 +25,11 @@ GHOST_LIMIT = 1 << 31
 LOG_LEVEL = 4
 #: CRIU's network_lock methods; ferry locks the network itself (agent.jobs.network), so "skip".
 NETWORK_LOCKS = ("iptables", "nftables", "skip")
+#: CRIU's cgroup modes ferry uses: "ignore" leaves cgroups alone on dump and restore, so a job
+#: runs in the cgroup of the agent that restored it. The source's cgroup path means nothing on
+#: another node (CRIU would make it there, outside the target's resource control), and a
+#: throttled cgroup, the very reason a straggler moves, must not follow it.
+CGROUP_MODES = ("ignore",)
 
 #: Fields only one rendering carries, and why.
 ONE_PATH_ONLY: dict[str, str] = {
@@ -72,6 +77,7 @@ class CriuOptions:
     ext_unix_sk: bool = False
     file_locks: bool = False
     network_lock: str = ""  # one of NETWORK_LOCKS
+    cgroups: str = ""  # one of CGROUP_MODES ("": CRIU's default, soft)
     ghost_limit: int = 0
     freeze_timeout_s: int = 0  # CRIU's --timeout: how long collecting (freezing) the tree may take
     external: tuple[str, ...] = ()
@@ -99,6 +105,8 @@ class CriuOptions:
             raise ValueError("leave_running and leave_stopped exclude each other")
         if self.network_lock and self.network_lock not in NETWORK_LOCKS:
             raise ValueError(f"network_lock {self.network_lock!r} is not one of {NETWORK_LOCKS}")
+        if self.cgroups and self.cgroups not in CGROUP_MODES:
+            raise ValueError(f"cgroups {self.cgroups!r} is not one of {CGROUP_MODES}")
         if self.ps_address and self.page_server_fd >= 0:
             raise ValueError("a page server is reached through a socket or at an address, not both")
 
@@ -123,6 +131,8 @@ class CriuOptions:
                 setattr(msg, _RPC_NAME.get(name, name), True)
         if self.network_lock:
             msg.network_lock = rpc_pb2.criu_network_lock_method.Value(self.network_lock.upper())
+        if self.cgroups:
+            msg.manage_cgroups_mode = rpc_pb2.criu_cg_mode.Value(self.cgroups.upper())
         if self.ghost_limit:
             msg.ghost_limit = self.ghost_limit
         if self.freeze_timeout_s:
@@ -156,6 +166,8 @@ class CriuOptions:
         argv += [_ARGV_FLAG[name] for name in _FLAGS if getattr(self, name)]
         if self.network_lock:
             argv += ["--network-lock", self.network_lock]
+        if self.cgroups:
+            argv.append(f"--manage-cgroups={self.cgroups}")  # its argument is optional: one word
         if self.ghost_limit:
             argv += ["--ghost-limit", str(self.ghost_limit)]
         if self.freeze_timeout_s:
@@ -252,6 +264,7 @@ def dump_options(
         ext_unix_sk=True,
         file_locks=True,
         network_lock="skip",
+        cgroups="ignore",
         ghost_limit=GHOST_LIMIT,
         freeze_timeout_s=freeze_timeout_s,
         external=tuple(external or ()),
@@ -286,6 +299,7 @@ def restore_options(
         tcp_established=True,
         ext_unix_sk=True,
         file_locks=True,
+        cgroups="ignore",
         ghost_limit=GHOST_LIMIT,
         external=tuple(external or ()),
         root=root,

@@ -80,6 +80,10 @@ class Criu:
     def __init__(self, binary: str | None = None, node: str = "") -> None:
         self._binary = binary
         self.node = node
+        #: The last version read, and the binary's identity then: GetInfo (which peers' pings
+        #: call every second) must not run `criu --version` each time, yet a CRIU replaced
+        #: under a running agent is read again.
+        self._version: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None
 
     @property
     def binary(self) -> str:
@@ -104,13 +108,23 @@ class Criu:
             raise CriuError(op, cause, node=self.node, hint="run `make criu`") from e
 
     def version(self) -> tuple[int, int, int]:
+        try:
+            st = os.stat(self.binary)
+            same = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            same = None  # _probe says why it cannot run
+        if same is not None and self._version is not None and self._version[0] == same:
+            return self._version[1]
         out = self._probe("version", "--version").stdout
         m = re.search(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", out)
         if not m:
             raise CriuError(
                 "version", f"cannot parse `criu --version` output: {out.strip()!r}", node=self.node
             )
-        return int(m[1]), int(m[2]), int(m[3] or 0)
+        got = int(m[1]), int(m[2]), int(m[3] or 0)
+        if same is not None:
+            self._version = (same, got)
+        return got
 
     def check(self) -> tuple[bool, str]:
         """`criu check`: whether this kernel can dump and restore, and what CRIU said (a check

@@ -31,6 +31,8 @@ NODE = "nodetest"
 VALUE_FLAGS = {"--images-dir", "--work-dir", "--log-file", "--tree", "--network-lock", "--ghost-limit"}
 VALUE_FLAGS |= {"--timeout", "--root", "--ps-socket", "--status-fd", "--address", "--port"}
 VALUE_FLAGS |= {"--tls-cacert", "--tls-cert", "--tls-key", "--prev-images-dir"}
+#: Flags whose argument is optional, so it comes as one word: --flag=value.
+VALUE_FLAGS |= {"--manage-cgroups"}
 REPEATED_FLAGS = {"--external", "--inherit-fd"}
 
 
@@ -40,6 +42,10 @@ def parse_argv(argv: list[str]) -> dict[str, Any]:
     for arg in it:
         if arg.startswith("-v") and arg[2:].isdigit():
             out["-v"] = int(arg[2:])
+        elif arg.startswith("--") and "=" in arg:  # an optional argument, as one word
+            key, _, value = arg.partition("=")
+            assert key not in out, f"{key} twice in {argv}"
+            out[key] = value
         elif arg in REPEATED_FLAGS:
             out.setdefault(arg, []).append(next(it))
         else:
@@ -131,6 +137,15 @@ RENDERINGS: dict[str, tuple[Callable[..., Any], Callable[..., Any], Callable[...
             else ""
         ),
     ),
+    "cgroups": (
+        lambda o: o.cgroups,
+        lambda a, o: a.get("--manage-cgroups", ""),
+        lambda m: (
+            rpc_pb2.criu_cg_mode.Name(m.manage_cgroups_mode).lower()
+            if m.HasField("manage_cgroups_mode")
+            else ""
+        ),
+    ),
     "ghost_limit": (
         lambda o: o.ghost_limit,
         lambda a, o: int(a.get("--ghost-limit", 0)),
@@ -204,6 +219,7 @@ def full_sets(images: Path, work: Path) -> list[CriuOptions]:
         ext_unix_sk=True,
         file_locks=True,
         network_lock="skip",
+        cgroups="ignore",
         ghost_limit=GHOST_LIMIT,
         freeze_timeout_s=7,
         external=("veth[eth0]:fj-1", "mnt[ferry-logs]:/var/lib/ferry/jobs/a"),
@@ -317,6 +333,7 @@ def test_the_lazy_dump_and_the_rpc_dump_are_one_dump(dirs: tuple[Path, Path]) ->
             ext_unix_sk=True,
             file_locks=True,
             network_lock=rpc_pb2.SKIP,
+            manage_cgroups_mode=rpc_pb2.IGNORE,
             ps=rpc_pb2.criu_page_server_info(address="10.98.0.2", port=7001),
             tls=True,
             tls_cacert=str(tls.cacert),
@@ -327,7 +344,8 @@ def test_the_lazy_dump_and_the_rpc_dump_are_one_dump(dirs: tuple[Path, Path]) ->
         assert msg == want
     old = f"--tree 4242 --images-dir {images} --work-dir {work} --log-file criu-dump.log --lazy-pages "
     old += "--leave-stopped --tcp-established --ext-unix-sk --file-locks --ghost-limit 2147483648 "
-    old += "--network-lock skip --shell-job -v4 --address 10.98.0.2 --port 7001 --tls --tls-no-cn-verify "
+    old += "--network-lock skip --manage-cgroups=ignore --shell-job -v4 --address 10.98.0.2 --port 7001 "
+    old += "--tls --tls-no-cn-verify "
     old += f"--tls-cacert {tls.cacert} --tls-cert {tls.cert} --tls-key {tls.key}"
     assert parse_argv(argv.to_argv()) == parse_argv(old.split())
 
@@ -633,3 +651,20 @@ def test_hanging_probes_are_timeouts_not_tracebacks(tmp_path: Path, monkeypatch:
         criu.feature("uffd-noncoop")
     ok, said = criu.check()
     assert not ok and "criu check" in said and "did not finish" in said
+
+
+def test_criu_s_version_is_read_once_until_the_binary_changes(tmp_path: Path) -> None:
+    """GetInfo asks for it on every peer's ping (every second): one `criu --version` until the
+    binary is replaced."""
+    calls = tmp_path / "calls"
+    fake = tmp_path / "criu"
+    fake.write_text(f"#!/bin/sh\necho x >> {calls}\necho 'Version: 4.2.1'\n")
+    fake.chmod(0o755)
+    criu = runner.Criu(str(fake))
+    assert [criu.version() for _ in range(3)] == [(4, 2, 1)] * 3
+    assert calls.read_text().count("x") == 1
+    new = tmp_path / "criu.new"
+    new.write_text(f"#!/bin/sh\necho x >> {calls}\necho 'Version: 4.3'\n")
+    new.chmod(0o755)
+    new.replace(fake)  # an upgrade under the running agent
+    assert criu.version() == (4, 3, 0) and calls.read_text().count("x") == 2
