@@ -7,6 +7,9 @@ self-healing policy and the peers it may move jobs to.
     [policy]              # PolicyConfig below
     cooldown_s = 600
 
+    [stragglers]          # agent.health.stragglers.StragglerConfig: members' pace, the verdict
+    window_s = 60
+
     [cuda]                # agent.cuda.jobs.CudaConfig: lock timeout, driver call bounds, GPU pairs
     lock_timeout_s = 30
     copy_timeout_s = 600  # a checkpoint or restore call (agent.cuda.calls)
@@ -40,6 +43,7 @@ from agent.coord.config import CoordConfig
 from agent.cuda.jobs import CudaConfig
 from agent.errors import InvalidArgumentError
 from agent.health.monitor import HealthConfig
+from agent.health.stragglers import ON_STRAGGLER, StragglerConfig
 from agent.jobs.network import NetworkConfig
 from agent.settings import from_table
 from agent.snapshots.config import SnapshotConfig
@@ -62,6 +66,9 @@ class PolicyConfig:
     peer_timeout_s: float = 2.0
     #: A preempted job's GPUs are kept this long for the job that needed them.
     preempt_hold_s: float = 120.0
+    #: A member that holds its group back (agent.health.stragglers): "alert" records it,
+    #: "migrate" moves it to a peer with room (one member of a group at a time).
+    on_straggler: str = "alert"
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,7 @@ class AgentConfig:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     coordination: CoordConfig = field(default_factory=CoordConfig)
     snapshots: SnapshotConfig = field(default_factory=SnapshotConfig)
+    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     path: str = ""  # where it was read from ("" for the defaults)
 
 
@@ -119,9 +127,17 @@ def _read(path: Path) -> str:
 
 
 def parse(raw: Mapping[str, Any], where: str = "") -> AgentConfig:
-    _known(raw, {"health", "policy", "peers", "cuda", "network", "coordination", "snapshots"}, "top level")
+    _known(
+        raw,
+        {"health", "policy", "peers", "cuda", "network", "coordination", "snapshots", "stragglers"},
+        "top level",
+    )
     health = HealthConfig.from_dict(_table(raw, "health"))
     policy = from_table(PolicyConfig, _table(raw, "policy"), "policy")
+    if policy.on_straggler not in ON_STRAGGLER:
+        raise InvalidArgumentError(
+            f"[policy] on_straggler {policy.on_straggler!r} is not one of {', '.join(ON_STRAGGLER)}"
+        )
     cuda = from_table(CudaConfig, _table(raw, "cuda"), "cuda", positive=CUDA_POSITIVE)
     peers_raw = raw.get("peers", [])
     if not isinstance(peers_raw, list):
@@ -130,7 +146,8 @@ def parse(raw: Mapping[str, Any], where: str = "") -> AgentConfig:
     peers = tuple(_peer(p, i) for i, p in enumerate(peers_raw))
     coordination = from_table(CoordConfig, _table(raw, "coordination"), "coordination").check()
     snapshots = from_table(SnapshotConfig, _table(raw, "snapshots"), "snapshots").check()
-    return AgentConfig(health, policy, peers, cuda, network, coordination, snapshots, where)
+    stragglers = from_table(StragglerConfig, _table(raw, "stragglers"), "stragglers").check()
+    return AgentConfig(health, policy, peers, cuda, network, coordination, snapshots, stragglers, where)
 
 
 def _table(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:

@@ -230,6 +230,10 @@ class PeerClient:
     def health(self, timeout_s: float) -> pb.HealthReport:
         return self._call("health", self._stub.GetHealth, pb.GetHealthRequest(), timeout_s)  # type: ignore[return-value]
 
+    def pace(self, group: str, timeout_s: float) -> pb.GroupPace:
+        """This peer's members of `group` and their pace samples (the straggler watch)."""
+        return self._call("pace", self._stub.GetPace, pb.GetPaceRequest(group=group), timeout_s)  # type: ignore[return-value]
+
     def preempt(self, req: pb.PreemptRequest) -> pb.PreemptResponse:
         return self._call("preempt", self._stub.Preempt, req)  # type: ignore[return-value]
 

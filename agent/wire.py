@@ -120,6 +120,7 @@ EVENT_KINDS: EnumMap[str] = EnumMap(
         "resume": pb.EVENT_KIND_RESUME,
         "quarantine": pb.EVENT_KIND_QUARANTINE,
         "alert": pb.EVENT_KIND_ALERT,
+        "straggler": pb.EVENT_KIND_STRAGGLER,
     },
 )
 ENUM_MAPS: tuple[EnumMap[Any], ...] = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from agent.cli.calls import call, stream
 from agent.cli.output import print_json
@@ -33,6 +34,14 @@ def cmd_health(args: argparse.Namespace) -> int:
     from agent.cli.render import event_dict, event_line, health_dict, health_text
     from agent.rpc import pb
 
+    if args.group:
+        if args.watch:
+            raise Usage(
+                "ferry health: --watch follows GPU changes; with --group, run it again (or `ferry events -f`)"
+            )
+        gp = call(args, "GetPace", pb.GetPaceRequest(group=args.group, whole_group=True), 30)
+        print_json(pace_dict(gp)) if args.json else print(pace_text(gp))
+        return EXIT_OK
     report = call(args, "GetHealth", pb.GetHealthRequest(), 30)
     print_json(health_dict(report)) if args.json else print(health_text(report))
     if args.watch and not report.gpus:
@@ -51,6 +60,44 @@ def cmd_health(args: argparse.Namespace) -> int:
             if e.event_kind == pb.EVENT_KIND_HEALTH and e.time > since:  # changes after the table above
                 print(json.dumps(event_dict(e)) if args.json else event_line(e), flush=True)
     return EXIT_OK
+
+
+def pace_dict(gp: Any) -> dict[str, Any]:
+    from google.protobuf import json_format
+
+    d = json_format.MessageToDict(
+        gp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    for m in d["members"]:
+        m.pop("samples", None)  # the raw readings: the shares over the window say it
+    return d
+
+
+def pace_text(gp: Any) -> str:
+    """Each member's pace over the window, the verdict, and the peers that did not answer."""
+    if not gp.members:
+        lines = [f"no member of group {gp.group} on this agent or the peers that answered"]
+    else:
+        lines = [f"group {gp.group}: the last {gp.window_s:.0f} s, busiest thread of each member"]
+        lines.append(
+            f"  {'member':<20} {'rank':>4}  {'node':<12} {'busy':>5} {'ran':>5} {'waited':>6}  sampled"
+        )
+        for m in gp.members:
+            rank = str(m.rank) if m.has_rank else "-"
+            state = "" if m.running else "  (not running)"
+            mark = "  <- straggler" if m.job == gp.straggler else ""
+            lines.append(
+                f"  {m.job:<20} {rank:>4}  {m.node:<12} {m.busy:>5.0%} {m.ran:>5.0%} {m.waited:>6.0%}  "
+                f"{m.covered_s:.0f} s{state}{mark}"
+            )
+    lines.append(("straggler: " if gp.straggler else "") + gp.verdict)
+    does = "moves it to a spare" if gp.on_straggler == "migrate" else "records it"
+    lines.append(
+        f"this agent's [policy] on_straggler = {gp.on_straggler} (a straggler's own agent {does}); "
+        f"margin {gp.margin:.0%}"
+    )
+    lines += [f"not answering: {u}" for u in gp.unreachable]
+    return "\n".join(lines)
 
 
 def cmd_events(args: argparse.Namespace) -> int:

@@ -460,10 +460,18 @@ def build_parser() -> Parser:
         description="Each GPU's state as the agent's health monitor sees it through NVML: healthy, "
         "degraded (a precursor crossed its threshold: heat, corrected-ECC bursts, pending row remaps, "
         "throttling, PCIe replays, NVLink errors) or failing (a hard fault: XID 79, uncorrectable ECC, "
-        "remap failure), with the evidence, the jobs on it and whether it is quarantined.",
+        "remap failure), with the evidence, the jobs on it and whether it is quarantined. With --group, "
+        "the pace of a training job's members instead, and which one holds the group back.",
     )
     _agent_arg(he)
     he.add_argument("--watch", action="store_true", help="then keep printing health changes as they happen")
+    he.add_argument(
+        "--group",
+        metavar="NAME",
+        help="show group NAME's members instead: each one's share of the straggler window its busiest "
+        "thread wanted a CPU (ran, or waited for one), over this agent's members and its peers', and the "
+        "verdict: the straggler holding the group back, or why there is none",
+    )
     _json_arg(he)
 
     ev = sub.add_parser(

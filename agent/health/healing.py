@@ -15,9 +15,8 @@ start per window on this node, and a job being moved is never moved again at the
 time. A GPU that made the agent move a job is quarantined: no job is placed on it until
 `ferry gpus --clear UUID`.
 
-The same object serves the other side: it suspends a low-priority job when a peer asks
-(Preempt), keeps the freed GPUs for the job moving in, and resumes suspended jobs here
-once a GPU is free again.
+The other side, suspending a low-priority job here when a peer asks and resuming it later,
+is agent.health.preemption's (`self.preemptions`).
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import contextlib
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,21 +32,22 @@ from pathlib import Path
 from typing import Protocol
 
 from agent.agent_config import AgentConfig, PeerSpec
-from agent.errors import FerryError, JobBusyError, NoFreeGpuError, RefusedError
+from agent.errors import FerryError, JobBusyError, RefusedError
 from agent.gpus.inventory import GpuNeed, Inventory
 from agent.gpus.ledger import GpuLedger
 from agent.health.events import EventLog
 from agent.health.monitor import Change, GpuHealth, State
 from agent.health.placement import Placement, choose_target
+from agent.health.preemption import Preemptions
 from agent.jobs import procs
-from agent.jobs.record import JobRecord, JobState, OnDegraded, Priority
+from agent.jobs.record import JobRecord, JobState, OnDegraded
 from agent.jobs.registry import JobRegistry
 from agent.rpc import pb
 
 log = logging.getLogger(__name__)
 
-#: A preempted job whose resume failed (not merely waited for a GPU) is tried again after this.
-RESUME_RETRY_S = 60.0
+#: The episode key of a straggler verdict (one per job, no GPU).
+STRAGGLER = "straggler"
 
 
 class HealingPeer(Protocol):
@@ -117,9 +116,22 @@ class SelfHealing:
         self._starts: list[float] = []  # when automatic moves started (storm guard)
         self._given_up: set[tuple[str, str]] = set()  # (job, gpu): failing, one try made
         self._episodes: dict[tuple[str, str, str], _Episode] = {}
-        self._resume_failed: dict[str, float] = {}  # job → when its last resume failed
         #: Set when the agent stops: no new automatic move or resume starts.
         self.draining = threading.Event()
+        self.preemptions = Preemptions(
+            node,
+            registry,
+            events,
+            ledger,
+            config,
+            hooks.suspend,
+            hooks.resume,
+            state_dir,
+            lambda job: [u for u, hs in self.jobs_by_gpu().items() if any(h.job.name == job for h in hs)],
+            self.draining,
+            clock,
+        )
+        self.preempt, self.resume_preempted = self.preemptions.preempt, self.preemptions.resume_preempted
 
     # -- the health monitor's callback ------------------------------------------------
 
@@ -170,28 +182,54 @@ class SelfHealing:
 
     # -- the policy -------------------------------------------------------------------
 
-    def _say_once(self, rec: JobRecord, g: GpuHealth, what: str, kind: str, message: str) -> None:
+    def _say_once(self, rec: JobRecord, g: GpuHealth | None, what: str, kind: str, message: str) -> None:
+        """Once per episode: a GPU in one state, or (g None) a straggler verdict until it ends."""
+        key = (rec.name, g.uuid, g.state.value) if g is not None else (rec.name, STRAGGLER, STRAGGLER)
         with self._lock:
-            ep = self._episodes.setdefault((rec.name, g.uuid, g.state.value), _Episode())
+            ep = self._episodes.setdefault(key, _Episode())
             if what in ep.said:
                 return
             ep.said.add(what)
-        self.events.record(kind, message, gpu=g.uuid, job=rec.name)
+        self.events.record(kind, message, gpu=g.uuid if g is not None else "", job=rec.name)
 
     def _consider(self, rec: JobRecord, g: GpuHealth) -> None:
         why = f"GPU {g.uuid} is {g.state}: {'; '.join(e.detail for e in g.evidence)}"
         if rec.on_degraded == OnDegraded.ALERT.value:
             self._say_once(rec, g, "alert", "alert", f"job {rec.name} stays on it (policy alert): {why}")
             return
+        if (started := self._admit(rec, g, why)) is None:
+            return
+        self._start(rec, g, why, started, f"moving job {rec.name} off GPU {g.uuid}: {why}")
+
+    def straggler(self, rec: JobRecord, why: str, migrate: bool) -> None:
+        """A member that holds its group back (agent.health.stragglers): said once while the
+        verdict stands; with `migrate`, moved to a peer that runs no member of its group, under
+        the same cooldown and storm guard as a GPU's move."""
+        if not migrate:
+            said = f"job {rec.name} stays (policy on_straggler alert): {why}"
+            self._say_once(rec, None, "alert", "alert", said)
+            return
+        if (started := self._admit(rec, None, why)) is None:
+            return
+        self._start(rec, None, why, started, f"moving job {rec.name} off node {self.node}: {why}")
+
+    def straggler_ended(self, job: str) -> None:
+        """The verdict no longer stands: a later one is a new episode, said again."""
+        with self._lock:
+            self._episodes.pop((job, STRAGGLER, STRAGGLER), None)
+
+    def _admit(self, rec: JobRecord, g: GpuHealth | None, why: str) -> tuple[float | None, float] | None:
+        """Whether the policy may move `rec` now (marked as being moved if so): when it started
+        (to undo if nothing is tried), or None with the reason said once."""
         if rec.state is not JobState.RUNNING:
-            return  # being moved already (single flight), by hand or by us
+            return None  # being moved already (single flight), by hand or by us
         now = self.clock()
         pol = self.config.policy
         with self._lock:
             if rec.name in self._acting:
-                return
-            if (rec.name, g.uuid) in self._given_up:
-                return
+                return None
+            if g is not None and (rec.name, g.uuid) in self._given_up:
+                return None
             last = self._last_move.get(rec.name)
             cooling = last is not None and now - last < pol.cooldown_s
             started = (last, now)  # undone if the move finds the job busy (nothing was tried)
@@ -209,35 +247,40 @@ class SelfHealing:
                 f"not moving job {rec.name} again yet: the agent moved it {now - last:.0f} s ago "
                 f"(cooldown {pol.cooldown_s:.0f} s, {left:.0f} s left); {why}",
             )  # fmt: skip
-            return
+            return None
         if storm:
             self._say_once(
                 rec, g, "storm", "decision",
                 f"not moving job {rec.name}: {pol.max_moves} automatic moves already started on this node "
                 f"in the last {pol.window_s:.0f} s (policy max_moves); {why}",
             )  # fmt: skip
-            return
+            return None
+        return started
+
+    def _start(
+        self, rec: JobRecord, g: GpuHealth | None, why: str, started: tuple[float | None, float], said: str
+    ) -> None:
         try:
-            self.events.record(
-                "decision", f"moving job {rec.name} off GPU {g.uuid}: {why}", gpu=g.uuid, job=rec.name
-            )
+            self.events.record("decision", said, gpu=g.uuid if g is not None else "", job=rec.name)
             self.hooks.spawn(lambda: self._move(rec.name, g, why, started))
         except Exception:  # no thread, no move: the job must not stay marked as being moved
             log.exception("could not start moving job %s", rec.name)
             with self._lock:
                 self._acting.discard(rec.name)
 
-    def _move(self, name: str, g: GpuHealth, why: str, started: tuple[float | None, float]) -> None:
-        failing = g.state is State.FAILING
+    def _move(self, name: str, g: GpuHealth | None, why: str, started: tuple[float | None, float]) -> None:
+        """Move job `name` off GPU g, or (g None) off this node: a straggler, placed on a peer
+        that runs no member of its group (it would share that node's CPUs with it)."""
+        failing = g is not None and g.state is State.FAILING
+        gpu = g.uuid if g is not None else ""
         tried = False  # a migration was started: on a failing GPU, that was the one try
         try:
             rec = self.registry.get(name)
-            placement = self._place(rec)
-            self.events.record(
-                "decision", f"target for job {name}: {placement.describe()}", gpu=g.uuid, job=name
-            )
+            placement = self._place(rec, apart=g is None)
+            target = f"target for job {name}: {placement.describe()}"
+            self.events.record("decision", target, gpu=gpu, job=name)
             # Quarantined once a move off it is on its way; a GPU nobody could take a job off stays open.
-            if self.ledger.quarantine_gpu(g.uuid, why):
+            if g is not None and self.ledger.quarantine_gpu(g.uuid, why):
                 self.events.record("quarantine", f"GPU {g.uuid} quarantined: {why}", gpu=g.uuid, job=name)
             peer = self.hooks.peer(placement.peer.address)
             if self.registry.get(name).state is not JobState.RUNNING:
@@ -260,17 +303,18 @@ class SelfHealing:
             self.events.record(
                 "migration",
                 f"moved job {name} to node {placement.node} ({placement.peer.address})",
-                gpu=g.uuid,
+                gpu=gpu,
                 job=name,
             )
         except JobBusyError as exc:
             # A snapshot round (or a checkpoint) holds the job: no move was tried, so no cooldown
             # and, on a failing GPU, not its one try. The next poll after it ends moves it.
             self._not_started(name, started)
+            off = f"GPU {gpu}" if g is not None else f"node {self.node}"
             with contextlib.suppress(FerryError):  # the job may have ended meanwhile
                 self._say_once(
                     self.registry.get(name), g, "busy", "decision",
-                    f"job {name} is busy ({exc.cause}): moving it off GPU {g.uuid} as soon as that ends",
+                    f"job {name} is busy ({exc.cause}): moving it off {off} as soon as that ends",
                 )  # fmt: skip
         except Exception as exc:
             err = (
@@ -282,10 +326,8 @@ class SelfHealing:
             )
             if not isinstance(exc, FerryError):
                 log.exception("automatic move of job %s failed", name)
-            self.events.record(
-                "migration", f"automatic move of job {name} failed: {err}", gpu=g.uuid, job=name
-            )
-            if failing and tried:
+            self.events.record("migration", f"automatic move of job {name} failed: {err}", gpu=gpu, job=name)
+            if g is not None and failing and tried:
                 with self._lock:
                     self._given_up.add((name, g.uuid))
                 msg = (
@@ -317,7 +359,8 @@ class SelfHealing:
         except FerryError:
             pass
 
-    def _place(self, rec: JobRecord) -> Placement:
+    def _place(self, rec: JobRecord, apart: bool = False) -> Placement:
+        """The best peer for `rec`; `apart`: never one that runs a member of its group."""
         needs = self.needs(rec)
 
         def ask(spec: PeerSpec) -> pb.HealthReport | FerryError:
@@ -336,7 +379,7 @@ class SelfHealing:
             return not isinstance(r, FerryError) and bool(r.agent_id) and r.agent_id == me
 
         views = [(spec, r) for spec, r in zip(self.config.peers, answers, strict=True) if not mine(r)]
-        return choose_target(needs, rec.priority, views, self.node, rec.group)
+        return choose_target(needs, rec.priority, views, self.node, rec.group, apart=apart)
 
     def needs(self, rec: JobRecord) -> list[GpuNeed]:
         """The job's GPUs as a target must match them: chip and memory used."""
@@ -348,68 +391,3 @@ class SelfHealing:
                     g = inv.by_uuid(u)
                     out[u] = GpuNeed(u, g.name if g else rec.gpu_chip, h.used_bytes)
         return list(out.values())
-
-    # -- the target side: preemption and resume ----------------------------------------
-
-    def preempt(self, req: pb.PreemptRequest) -> pb.PreemptResponse:
-        rec = self.registry.get(req.job)
-        if rec.priority != Priority.LOW.value:
-            raise RefusedError(
-                f"job {req.job!r} is {rec.priority} priority; only low-priority jobs are preempted",
-                step="preempt",
-                node=self.node,
-            )
-        if rec.state is not JobState.RUNNING:
-            raise RefusedError(
-                f"job {req.job!r} is {rec.state.value}, not running", step="preempt", node=self.node
-            )
-        if rec.group and rec.group == req.for_group:
-            raise RefusedError(
-                f"job {req.job!r} is a member of group {rec.group!r}, as is job {req.for_job!r}: suspending "
-                "it would stall the job it is made room for",
-                step="preempt",
-                node=self.node,
-            )
-        gpus = [u for u, hs in self.jobs_by_gpu().items() if any(h.job.name == rec.name for h in hs)]
-        out = self.state_dir / "preempted" / f"{rec.name}-{uuid.uuid4().hex[:8]}"
-        out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        hold_s = self.config.policy.preempt_hold_s
-        self.ledger.hold_for(gpus, req.for_job, hold_s)  # kept already while the suspend runs ...
-        self.hooks.suspend(rec.name, out)
-        self.ledger.hold_for(gpus, req.for_job, hold_s)  # ... and preempt_hold_s from its end
-        note = (
-            f"preempted for job {req.for_job} from {req.source_node} ({req.reason}); resumes here by itself "
-            f"once a GPU is free (image {out})"
-        )
-        self.registry.update(rec.name, state=JobState.PREEMPTED, checkpoint_dir=str(out), note=note)
-        self.events.record("preempt", f"suspended low-priority job {rec.name} to {out} for job {req.for_job} "
-                           f"from {req.source_node}", job=rec.name)  # fmt: skip
-        return pb.PreemptResponse(image_dir=str(out), gpus=gpus)
-
-    def resume_preempted(self) -> list[str]:
-        """Resume suspended jobs, oldest first, while GPUs can take them; returns those resumed."""
-        done: list[str] = []
-        if self.draining.is_set():
-            return done
-        now = self.clock()
-        waiting = [r for r in self.registry.list() if r.state is JobState.PREEMPTED]
-        for rec in sorted(waiting, key=lambda r: r.updated_at):
-            if now - self._resume_failed.get(rec.name, -RESUME_RETRY_S) < RESUME_RETRY_S:
-                continue
-            try:
-                new = self.hooks.resume(rec)
-            except NoFreeGpuError as e:
-                log.debug("job %s stays preempted: %s", rec.name, e)
-                continue
-            except FerryError as e:
-                self._resume_failed[rec.name] = now
-                self.events.record(
-                    "resume",
-                    f"could not resume preempted job {rec.name} (next try in {RESUME_RETRY_S:.0f} s): {e}",
-                    job=rec.name,
-                )
-                continue
-            done.append(rec.name)
-            where = f" on {', '.join(new.gpus)}" if new.gpus else ""
-            self.events.record("resume", f"resumed preempted job {rec.name}{where}", job=rec.name)
-        return done

@@ -40,9 +40,15 @@ View = tuple[PeerSpec, "pb.HealthReport | FerryError"]
 
 
 def choose_target(
-    needs: Sequence[GpuNeed], priority: str, views: Sequence[View], node: str = "", group: str = ""
+    needs: Sequence[GpuNeed],
+    priority: str,
+    views: Sequence[View],
+    node: str = "",
+    group: str = "",
+    apart: bool = False,
 ) -> Placement:
-    """The best placement, or a refusal that says, peer by peer, why none would do."""
+    """The best placement, or a refusal that says, peer by peer, why none would do. `apart`:
+    no peer that runs a member of `group` (a straggler's move: it would share that node)."""
     if not views:
         raise RefusedError(
             "no peers are configured to move the job to",
@@ -57,6 +63,8 @@ def choose_target(
             why.append(f"{peer.address}: {report.cause}")
             continue
         fit = _fit(needs, priority, report, group)
+        if apart and group in report.groups:
+            fit = f"runs a member of group {group} already"
         if isinstance(fit, str):
             why.append(f"{report.node_name or peer.address}: {fit}")
             continue
@@ -80,6 +88,8 @@ def _fit(
 ) -> tuple[dict[str, str], tuple[str, ...]] | str:
     """GPUs on one peer for every need (and the jobs to suspend), or why not. A low-priority
     member of the moving job's own group is never suspended for it: it would stall the group."""
+    if not needs:
+        return {}, ()  # a job without GPUs fits any live peer
     if not report.nvml_available:
         return f"no usable GPUs ({report.nvml_detail or 'NVML unavailable'})"
     may_preempt = priority != Priority.LOW.value

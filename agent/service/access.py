@@ -50,6 +50,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "StopMoved": PEERS,  # only the node that moved the job, checked against its migration
     # Peers read health to choose a target; preempting is part of moving a job in.
     "GetHealth": USERS | PEERS,
+    # Peers compare their members' pace (the straggler watch); users see it (`ferry health --group`).
+    "GetPace": USERS | PEERS,
     "Events": USERS,
     "ClearGpu": USERS,
     "Preempt": PEERS,

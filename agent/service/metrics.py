@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -123,6 +123,21 @@ class AgentMetrics:
             "ran again (the work replayed, and the recovery itself)",
             registry=r,
         )
+        self.stragglers = Counter(
+            "ferry_stragglers",
+            "Straggler verdicts against this node's members (a member that held its group back over "
+            "the whole window), by group",
+            ["group"],
+            registry=r,
+        )
+        self._paced: dict[str, set[str]] = {}  # group → its jobs with a busy share set here
+        self.member_busy = Gauge(
+            "ferry_member_busy_ratio",
+            "Each of this node's group members: the share of the last straggler window its busiest "
+            "thread wanted a CPU (ran or waited for one)",
+            ["group", "job"],
+            registry=r,
+        )
         Info("ferry_build", "This agent's build", registry=r).info(
             {"version": __version__, "node": node, "criu": criu_version}
         )
@@ -158,6 +173,17 @@ class AgentMetrics:
         self.recoveries.labels("recovered").inc()
         self.recovery_seconds.observe(done.times.get("recovery", 0.0))
         self.recovery_lost.inc(done.times.get("lost", 0.0))
+
+    def pace(self, group: str, busy: dict[str, float], straggler: str) -> None:
+        """A group's judgement: this node's members' busy shares; `straggler` if one is here
+        and its verdict is new."""
+        for job in self._paced.get(group, set()) - set(busy):  # gone from here: no stale share
+            self.member_busy.remove(group, job)
+        self._paced[group] = set(busy)
+        for job, share in busy.items():
+            self.member_busy.labels(group, job).set(share)
+        if straggler:
+            self.stragglers.labels(group).inc()
 
     def target_ended(self, result: str) -> None:
         """An incoming migration ran the job here ("committed") or was dropped ("aborted")."""

@@ -33,6 +33,7 @@ from agent.gpus.quarantine import Entry, Quarantine
 from agent.health.events import EventLog
 from agent.health.healing import Hooks, SelfHealing
 from agent.health.monitor import GpuHealth, HealthMonitor
+from agent.health.straggler_watch import StragglerWatch
 from agent.jobs import fence
 from agent.jobs.network import JobNetwork
 from agent.jobs.record import JobRecord, JobState, OnDegraded, Priority, check_job_name
@@ -154,6 +155,17 @@ class AgentNode:
         )
         reads = Sources(self.registry.list, self.monitor.snapshot, self.quarantine.all, staging_root)
         self.metrics = AgentMetrics(node, self.criu_version(), reads)  # what it reads, not the node
+        self.stragglers = StragglerWatch(
+            node=node,
+            registry=self.registry,
+            config=self.config,
+            healing=self.healing,
+            events=self.events,
+            ask=lambda address, group, timeout_s: client.PeerClient(address, self.dial).pace(
+                group, timeout_s
+            ),
+            observe=self.metrics.pace,
+        )
         self.targets.on_end = self.metrics.target_ended
         #: This node's lease in etcd (`[coordination]`), fencing its members when it cannot renew.
         coord = self.config.coordination
@@ -379,6 +391,8 @@ class AgentNode:
 
         threading.Thread(target=loop, name="housekeeping", daemon=True).start()
         threading.Thread(target=self.monitor.run, args=(self.stopping,), name="health", daemon=True).start()
+        watch = self.stragglers.run
+        threading.Thread(target=watch, args=(self.stopping,), name="stragglers", daemon=True).start()
 
     def stop_housekeeping(self) -> None:
         self.stopping.set()

@@ -220,7 +220,13 @@ class AgentService(pb_grpc.AgentServicer):
             gpus=[health_pb(g, holders.get(g.uuid, []), a.quarantine, held) for g in a.monitor.snapshot()],
             agent_id=a.agent_id,
             interval_s=a.config.health.interval_s,
+            groups=sorted({r.group for r in a.registry.list() if r.group and r.state.active}),
         )
+
+    @rpc
+    def GetPace(self, request: pb.GetPaceRequest, context: grpc.ServicerContext) -> pb.GroupPace:
+        check_group_name(request.group)
+        return self.agent.stragglers.group_pace(request.group, request.whole_group)
 
     @stream_rpc
     def Events(self, request: pb.EventsRequest, context: grpc.ServicerContext) -> Iterator[pb.Event]:

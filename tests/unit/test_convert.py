@@ -36,7 +36,10 @@ PRODUCT_VALUES: list[tuple[EnumMap, list[str]]] = [
     (RESOLUTIONS, list(Resolution)),
     (METHODS, [Method.PRE_COPY, Method.POST_COPY, Method.STAGED]),
     (HEALTH_STATES, list(State)),
-    (EVENT_KINDS, ["health", "decision", "migration", "preempt", "resume", "quarantine", "alert"]),
+    (
+        EVENT_KINDS,
+        ["health", "decision", "migration", "preempt", "resume", "quarantine", "alert", "straggler"],
+    ),
 ]
 
 

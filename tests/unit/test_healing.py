@@ -354,7 +354,7 @@ def test_a_resume_that_can_never_work_is_reported_not_waited_on_silently(tmp_pat
     def wrong_chip(rec):
         raise RefusedError("no NVIDIA H200 here (restore needs the same chip)")
 
-    rig.healing.hooks.resume = wrong_chip
+    rig.healing.preemptions.resume = wrong_chip
     rig.clock.advance(PolicyConfig().preempt_hold_s + 1)
     assert rig.healing.resume_preempted() == []
     assert rig.healing.resume_preempted() == []  # backs off: said once, not every pass

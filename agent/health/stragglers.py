@@ -1,0 +1,137 @@
+"""Who holds a group back: the member that works while its peers wait for it.
+
+Every agent samples its group members' pace (agent.health.pace) and, for each group with a
+member here, asks the other members' agents for theirs (GetPace) and judges them together
+(`judge`, a pure function of the samples). A member is a **straggler** when, over the whole
+window, its busiest thread wanted a CPU a `margin` larger share of the time than the median of
+its peers', and no sample of the window shows it less than half that margin ahead: a pause
+shorter than the window is not a straggler. No verdict while any member is not running (a move,
+a snapshot round) or has not been sampled for the whole window (a member restored after a move
+starts over), so that a group sees at most one straggler move at a time and the member that
+moved is judged on its new node only.
+
+Only the straggler's own agent acts on the verdict, as self-healing acts on its own GPUs:
+`[policy] on_straggler = "alert"` records it (an event, once per episode, and the metrics);
+`"migrate"` moves the member to a peer that offers room, with self-healing's cooldown and
+storm guard. A second slow member is the slowest only once the first has moved, so slow
+members move one at a time.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from agent.errors import InvalidArgumentError
+from agent.health.pace import Sample
+
+ON_STRAGGLER = ("alert", "migrate")
+
+
+@dataclass(frozen=True)
+class StragglerConfig:
+    """`[stragglers]`: how members' pace is sampled and judged."""
+
+    #: How often each member's pace is read (and groups judged).
+    sample_s: float = 2.0
+    #: A member must be the slowest over this long to be a straggler.
+    window_s: float = 60.0
+    #: By this much of the wall time (busiest thread's busy share) over its peers' median.
+    margin: float = 0.3
+
+    def check(self) -> StragglerConfig:
+        if not 0 < self.sample_s <= self.window_s / 3:
+            raise InvalidArgumentError(
+                f"[stragglers] sample_s {self.sample_s:g} must be above 0 and at most a third of "
+                f"window_s ({self.window_s:g}): a verdict needs several samples"
+            )
+        if not 0 < self.margin < 1:
+            raise InvalidArgumentError(f"[stragglers] margin {self.margin:g} must be between 0 and 1")
+        return self
+
+
+@dataclass(frozen=True)
+class MemberPace:
+    job: str
+    node: str
+    running: bool
+    samples: Sequence[Sample]
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class Pace:
+    """One member's pace over the window, time-weighted."""
+
+    busy: float
+    ran: float
+    waited: float
+    covered_s: float  # how much of the window its samples cover
+
+
+@dataclass(frozen=True)
+class Verdict:
+    straggler: str  # the job's name, "" if none
+    why: str  # the evidence, or why there is no verdict
+    paces: dict[str, Pace] = field(default_factory=dict)
+
+
+def window_pace(samples: Sequence[Sample], start: float, end: float) -> Pace:
+    """The time-weighted shares of the samples' overlap with [start, end]."""
+    total = busy = ran = waited = 0.0
+    for s in samples:
+        w = min(s.t1, end) - max(s.t0, start)
+        if w <= 0:
+            continue
+        total += w
+        busy, ran, waited = busy + s.busy * w, ran + s.ran * w, waited + s.waited * w
+    if total <= 0:
+        return Pace(0.0, 0.0, 0.0, 0.0)
+    return Pace(busy / total, ran / total, waited / total, total)
+
+
+def judge(
+    members: Sequence[MemberPace], now: float, window_s: float, margin: float, sample_s: float
+) -> Verdict:
+    """The straggler among `members` at `now`, if any, with the evidence (module docstring)."""
+    start = now - window_s
+    paces = {m.job: window_pace(m.samples, start, now) for m in members}
+    if len(members) < 2:
+        return Verdict("", "fewer than two members answered: nothing to compare", paces)
+    if busy := [m for m in members if not m.running]:
+        return Verdict("", f"member {busy[0].job} is not running (moving, or held by a round)", paces)
+    # A sample may start up to one interval (and its read) before the window and end as late.
+    slack = 2 * sample_s + 1.0
+    for m in members:
+        if not m.samples or m.samples[0].t0 > start + slack or m.samples[-1].t1 < now - slack:
+            got = paces[m.job].covered_s
+            why = f"member {m.job} sampled for {got:.0f} s of the {window_s:.0f} s window"
+            return Verdict("", why, paces)
+    cand = max(members, key=lambda m: paces[m.job].busy)
+    ref = statistics.median(paces[m.job].busy for m in members if m is not cand)
+    p = paces[cand.job]
+    lead = p.busy - ref
+    inside = [s for s in cand.samples if s.t0 >= start - slack / 2 and s.t1 <= now + slack]
+    lowest = min((s.busy for s in inside), default=0.0)
+    if lead < margin:
+        why = f"no straggler: the busiest member, {cand.job}, leads its peers by {lead:.0%}"
+        why += f" (margin {margin:.0%})"
+        return Verdict("", why, paces)
+    if lowest - ref < margin / 2:
+        return Verdict(
+            "", f"no straggler: {cand.job} led by {lead:.0%} on average but not all along (down to "
+            f"{lowest - ref:.0%} in one sample): a passing slowdown",
+            paces,
+        )  # fmt: skip
+    kind = (
+        "it waited for a CPU most of that time (a CPU quota, or a noisy neighbour)"
+        if p.waited > p.ran
+        else "it ran most of that time (a slower CPU, or more work)"
+    )
+    why = (
+        f"{cand.job} on {cand.node} holds its group back: its busiest thread wanted a CPU {p.busy:.0%} "
+        f"of the last {window_s:.0f} s (ran {p.ran:.0%}, waited {p.waited:.0%}) while its peers' median was "
+        f"{ref:.0%}, waiting for it; {kind}"
+    )
+    return Verdict(cand.job, why, paces)
