@@ -177,6 +177,7 @@ class Judge:
             "retired_pages": self._retired_pages,
             "clocks": self._clocks,
             "pcie_replay": self._pcie,
+            "pcie_link": self._pcie_link,
             "nvlink": self._nvlink,
         }
 
@@ -243,7 +244,20 @@ class Judge:
         if r["remap_pending"]:
             detail = f"row remapping pending: a GPU reset applies it ({rows})"
             out.append(Finding("remap_pending", "remap_pending", State.DEGRADED, detail))
+        if (none := r.get("remap_banks_none", 0.0)) > 0:
+            detail = (
+                f"{none:g} memory bank(s) have no spare rows left: their next failing row cannot be remapped"
+            )
+            out.append(Finding("remap_headroom", "remap_headroom", State.DEGRADED, detail))
         return out
+
+    def _pcie_link(self, tr: Track, p: Pass) -> list[Finding]:
+        r = p.readings
+        width, best = r.get("pcie_width"), r.get("pcie_width_max")
+        if width is None or best is None or width >= best:
+            return []
+        detail = f"PCIe link trained down to x{width:g} of x{best:g} (a reseat, a riser or the slot)"
+        return [Finding("pcie_link", "pcie_link", State.DEGRADED, detail)]
 
     def _retired_pages(self, tr: Track, p: Pass) -> list[Finding]:
         c, out = self.config, []

@@ -1,6 +1,7 @@
 """Reading one GPU's health signals from NVML in one pass: which calls answer each signal
-(temperature, ECC, row remapping, retired pages, clock event reasons, PCIe replays, NVLink
-errors), what they answered (`Pass`), and which signals the GPU lacks or failed to give.
+(temperature, ECC, row remapping and its spare rows left, retired pages, clock event reasons,
+PCIe replays and the link's width, NVLink errors), what they answered (`Pass`), and which
+signals the GPU lacks or failed to give.
 
 Nothing here judges: agent.health.judging turns a `Pass` into evidence. `nv` is the pynvml
 module or anything shaped like it.
@@ -104,6 +105,15 @@ class _Reader:
         clocks = ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
         _put(r, "clocks_event_reasons", self.ask("clocks", clocks))
         _put(r, "pcie_replay", self.ask("pcie_replay", "nvmlDeviceGetPcieReplayCounter"))
+        # The width a link trained to stays; its generation drops when the GPU idles (power
+        # saving), so it is read for the record and only the width is judged.
+        for key, call in (
+            ("pcie_width", "nvmlDeviceGetCurrPcieLinkWidth"),
+            ("pcie_width_max", "nvmlDeviceGetMaxPcieLinkWidth"),
+            ("pcie_gen", "nvmlDeviceGetCurrPcieLinkGeneration"),
+            ("pcie_gen_max", "nvmlDeviceGetMaxPcieLinkGeneration"),
+        ):
+            _put(r, key, self.ask("pcie_link", call))
 
     def retirement(self) -> None:
         """Row remapping (A100 and newer) and page retirement (older GPUs): each GPU has one of the two."""
@@ -113,6 +123,10 @@ class _Reader:
             corrected, uncorrected, pending, failure = remap
             r["remapped_corrected"], r["remapped_uncorrected"] = float(corrected), float(uncorrected)
             r["remap_pending"], r["remap_failure"] = float(bool(pending)), float(bool(failure))
+        # Spare rows left per memory bank: a bank with none cannot remap its next failing row.
+        left = self.ask("remap", "nvmlDeviceGetRowRemapperHistogram")
+        if left is not None:
+            r["remap_banks_none"], r["remap_banks_low"] = float(left.none), float(left.low)
         causes = (
             nv.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
             nv.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR,

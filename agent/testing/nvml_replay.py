@@ -92,6 +92,9 @@ GPU_DEFAULTS: dict[str, Any] = {
     "ecc_corrected": 0,
     "ecc_uncorrected": 0,
     "remapped": {"corrected": 0, "uncorrected": 0, "pending": False, "failure": False},
+    # Memory banks by spare rows left (an H100/H200 reports every bank at "max" when new).
+    "remap_banks": {"max": 64, "high": 0, "partial": 0, "low": 0, "none": 0},
+    "pcie": {"width": 16, "width_max": 16, "gen": 5, "gen_max": 5},
     "retired_pages": {"single_bit": 0, "double_bit": 0, "pending": False},
     "clocks_event_reasons": 0,
     "pcie_replay": 0,
@@ -407,6 +410,30 @@ class ReplayNvml:
     def nvmlDeviceGetRemappedRows(self, device: Any) -> tuple[int, int, int, int]:
         r = {**GPU_DEFAULTS["remapped"], **self._dev(device, "nvmlDeviceGetRemappedRows")["remapped"]}
         return (int(r["corrected"]), int(r["uncorrected"]), int(bool(r["pending"])), int(bool(r["failure"])))
+
+    def nvmlDeviceGetRowRemapperHistogram(self, device: Any) -> Any:
+        b = {
+            **GPU_DEFAULTS["remap_banks"],
+            **self._dev(device, "nvmlDeviceGetRowRemapperHistogram")["remap_banks"],
+        }
+        return pynvml.c_nvmlRowRemapperHistogramValues(
+            *(int(b[k]) for k in ("max", "high", "partial", "low", "none"))
+        )
+
+    def _pcie(self, handle: Any, call: str, key: str) -> int:
+        return int({**GPU_DEFAULTS["pcie"], **self._dev(handle, call)["pcie"]}[key])
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, handle: Any) -> int:
+        return self._pcie(handle, "nvmlDeviceGetCurrPcieLinkWidth", "width")
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: Any) -> int:
+        return self._pcie(handle, "nvmlDeviceGetMaxPcieLinkWidth", "width_max")
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: Any) -> int:
+        return self._pcie(handle, "nvmlDeviceGetCurrPcieLinkGeneration", "gen")
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: Any) -> int:
+        return self._pcie(handle, "nvmlDeviceGetMaxPcieLinkGeneration", "gen_max")
 
     def nvmlDeviceGetRetiredPages(self, device: Any, sourceFilter: int) -> list[int]:
         r = {

@@ -381,3 +381,42 @@ def test_no_peers_means_no_quarantine(tmp_path):
     assert rig.moves == [] and rig.quarantine.all() == {}
     failed = rig.kinds("migration")
     assert len(failed) == 1 and "no peers are configured" in failed[0]
+
+
+@pytest.mark.parametrize(
+    ("what", "bad"),
+    [
+        ("clocks slowed by HW slowdown", {"clocks_event_reasons": 0x8}),
+        ("row remapping pending", {"remapped": {"pending": True}}),
+        ("PCIe link trained down to x4 of x16", {"pcie": {"width": 4}}),
+    ],
+)
+def test_a_spare_whose_replayed_gpu_is_not_fit_is_passed_over_for_another(
+    tmp_path: Path, what: str, bad: dict
+) -> None:
+    """Each spare's health report comes from its own monitor over a replayed timeline: the first
+    spare (preferred by the config's order) shows the fault, and the move goes to the second."""
+    from agent.service.convert import health_pb
+
+    def report(node: str, uuid: str, fault: dict) -> pb.HealthReport:
+        clock = FakeClock(0.0)
+        nv = ReplayNvml.from_timeline(Timeline(world(uuid), [(0, uuid, fault)] if fault else []), clock)
+        mon = HealthMonitor(nv, HealthConfig(interval_s=1, throttle_sustain_s=30), node=node, clock=clock)
+        for t in range(0, 40, 5):  # a sustained signal (the clocks' 30 s) has held by then
+            clock.now = float(t)
+            mon.poll()
+        q = Quarantine(tmp_path / node)
+        gpus = [health_pb(g, [], q, set()) for g in mon.snapshot()]
+        return pb.HealthReport(node_name=node, nvml_available=True, gpus=gpus, agent_id=node)
+
+    rig = Rig(tmp_path, [(1.0, "GPU-a0", {"remapped": {"pending": True}})])
+    rig.healing.config = dataclasses.replace(
+        rig.healing.config, peers=(PeerSpec("s1:1", spare=True), PeerSpec("s2:1", spare=True))
+    )
+    rig.peers = {"s1:1": FakePeer("node-s1"), "s2:1": FakePeer("node-s2")}
+    rig.peers["s1:1"].report = report("node-s1", "GPU-s1", bad)
+    rig.peers["s2:1"].report = report("node-s2", "GPU-s2", {})
+    assert what in rig.peers["s1:1"].report.gpus[0].evidence[0].detail
+    rig.job("train")
+    rig.run(5)
+    assert [(j, t) for j, t, _, _ in rig.moves] == [("train", "s2:1")]

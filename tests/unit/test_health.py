@@ -45,6 +45,11 @@ SIGNAL_CALLS = [
     "nvmlDeviceGetCurrentClocksEventReasons",
     "nvmlDeviceGetCurrentClocksThrottleReasons",
     "nvmlDeviceGetPcieReplayCounter",
+    "nvmlDeviceGetCurrPcieLinkWidth",
+    "nvmlDeviceGetMaxPcieLinkWidth",
+    "nvmlDeviceGetCurrPcieLinkGeneration",
+    "nvmlDeviceGetMaxPcieLinkGeneration",
+    "nvmlDeviceGetRowRemapperHistogram",
     "nvmlDeviceGetNvLinkState",
 ]
 
@@ -246,6 +251,29 @@ def test_remap_pending_degrades_and_remap_failure_fails_while_nvml_says_so() -> 
     assert rig.at(30).state is State.HEALTHY  # a level signal: it holds only while NVML reports it
 
 
+def test_a_gpu_with_a_bank_out_of_spare_rows_or_a_link_trained_down_is_degraded() -> None:
+    """What a spare must not have before it takes a job: no row left to remap in a bank (the next
+    failing row is an uncorrectable error), a PCIe link at half its width. A link's generation
+    drops at idle (power saving) and is not judged."""
+    steps = [
+        (10, GPU, {"remap_banks": {"max": 60, "low": 3, "none": 1}}),
+        (20, GPU, {"remap_banks": {"none": 0}, "pcie": {"width": 8}}),
+        (30, GPU, {"pcie": {"width": 16, "gen": 1}}),
+    ]
+    rig = Rig(steps)
+    assert rig.at(0).state is State.HEALTHY
+    rows = rig.at(10)
+    assert rows.state is State.DEGRADED and rows.evidence[0].signal == "remap_headroom"
+    assert rows.evidence[0].detail.startswith("1 memory bank(s) have no spare rows left")
+    link = rig.at(20)
+    assert link.state is State.DEGRADED and [e.signal for e in link.evidence] == ["pcie_link"]
+    assert "x8 of x16" in link.evidence[0].detail
+    idle = rig.at(30)
+    assert (
+        idle.state is State.HEALTHY and idle.readings["pcie_gen"] == 1 and idle.readings["pcie_gen_max"] == 5
+    )
+
+
 def test_retired_pages_soft_and_hard_limits_and_pending_retirement() -> None:
     steps = [
         (10, GPU, {"retired_pages": {"single_bit": 14}}),
@@ -432,7 +460,7 @@ def test_signals_nvml_does_not_support_are_skipped_not_read() -> None:
     assert seen[20].memory_total == int(150e9)
     assert (
         rig.monitor.detail
-        == f"{GPU}: clocks, ecc_corrected, ecc_uncorrected, pcie_replay, temperature not supported"
+        == f"{GPU}: clocks, ecc_corrected, ecc_uncorrected, pcie_link, pcie_replay, temperature not supported"
     )
 
 
