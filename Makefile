@@ -13,7 +13,7 @@ INIT := $(BUILD)/bin/ferry-init
 STUBS := ferry/v1/agent_pb2.py agent/criu_pb/rpc_pb2.py
 PYTEST_ARGS ?= --durations=25
 
-.PHONY: all deps proto native criu slurm test unit integration gpu demo bench bench-faults lint doctor install clean
+.PHONY: all deps proto native criu slurm test unit integration gpu demo bench bench-faults bench-stragglers lint doctor install clean
 
 all: deps criu proto native
 
@@ -112,6 +112,11 @@ bench: all etcd
 	$(PY) scripts/bench_ranks.py
 	$(PY) scripts/bench_snapshots.py
 	$(PY) scripts/bench_faults.py
+	$(PY) scripts/bench_stragglers.py
+
+# How fast and how surely a member that holds its group back is found, and what moving it is worth.
+bench-stragglers: all
+	$(PY) scripts/bench_stragglers.py
 
 # The same training run under the same failures with ferry, TorchFT and checkpoint-restart.
 bench-faults: all etcd
