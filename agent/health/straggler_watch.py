@@ -43,10 +43,12 @@ class StragglerWatch:
         events: EventLog,
         ask: Ask,
         observe: Callable[[str, dict[str, float], str], None] = lambda group, busy, new: None,
+        arriving: Callable[[str], str] = lambda job: "",  # why its copy is not whole yet ("": it is)
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.node, self.registry, self.config = node, registry, config
         self.healing, self.events, self.ask, self.observe, self.clock = healing, events, ask, observe, clock
+        self.arriving = arriving
         cfg = config.stragglers
         self.meter = PaceMeter(cfg.window_s + 3 * cfg.sample_s + 2.0, clock=clock)
         self._standing: dict[str, str] = {}  # group → its straggler here whose verdict stands
@@ -75,7 +77,10 @@ class StragglerWatch:
     def local(self, group: str) -> list[pb.MemberPace]:
         out = []
         for r in self._members_here(group):
-            m = pb.MemberPace(job=r.name, node=self.node, running=r.state is JobState.RUNNING)
+            # A member whose post-copy pages still come is still moving: no other member of its
+            # group is judged (and moved) until it has arrived.
+            running = r.state is JobState.RUNNING and not self.arriving(r.name)
+            m = pb.MemberPace(job=r.name, node=self.node, running=running)
             if (rank := r.rank) is not None:
                 m.rank, m.has_rank = rank, True
             m.samples.extend(

@@ -109,19 +109,26 @@ def judge(
             why = f"member {m.job} sampled for {got:.0f} s of the {window_s:.0f} s window"
             return Verdict("", why, paces)
     cand = max(members, key=lambda m: paces[m.job].busy)
-    ref = statistics.median(paces[m.job].busy for m in members if m is not cand)
+    peers = [m for m in members if m is not cand]
+    ref = statistics.median(paces[m.job].busy for m in peers)
     p = paces[cand.job]
     lead = p.busy - ref
-    inside = [s for s in cand.samples if s.t0 >= start - slack / 2 and s.t1 <= now + slack]
-    lowest = min((s.busy for s in inside), default=0.0)
+    # All along: each of its samples against its peers' pace over that same span (a slowdown
+    # that filled part of the window lowers the peers' mean, not their pace beside the rest).
+    leads = [
+        s.busy - statistics.median(window_pace(m.samples, s.t0, s.t1).busy for m in peers)
+        for s in cand.samples
+        if s.t1 > start
+    ]
+    lowest = min(leads, default=0.0)
     if lead < margin:
         why = f"no straggler: the busiest member, {cand.job}, leads its peers by {lead:.0%}"
         why += f" (margin {margin:.0%})"
         return Verdict("", why, paces)
-    if lowest - ref < margin / 2:
+    if lowest < margin / 2:
         return Verdict(
             "", f"no straggler: {cand.job} led by {lead:.0%} on average but not all along (down to "
-            f"{lowest - ref:.0%} in one sample): a passing slowdown",
+            f"{lowest:.0%} in one sample): a passing slowdown",
             paces,
         )  # fmt: skip
     kind = (

@@ -165,6 +165,7 @@ class AgentNode:
                 group, timeout_s
             ),
             observe=self.metrics.pace,
+            arriving=self.targets.arriving,
         )
         self.targets.on_end = self.metrics.target_ended
         #: This node's lease in etcd (`[coordination]`), fencing its members when it cannot renew.

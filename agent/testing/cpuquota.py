@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from agent.jobs import procs
+
 V1 = Path("/sys/fs/cgroup/cpu")
 V2 = Path("/sys/fs/cgroup")
 PERIOD_US = 100_000
@@ -36,8 +38,11 @@ class CpuQuota:
         self.dir.mkdir(exist_ok=True)
         self.lift()
 
-    def add(self, pid: int) -> None:
-        (self.dir / "cgroup.procs").write_text(str(pid))  # every thread of the process
+    def add(self, root: int) -> None:
+        """The process tree under `root` (a ferry job's root is its init; the work is below it)."""
+        for pid in procs.tree_pids(root):
+            with contextlib.suppress(ProcessLookupError):  # one that ended meanwhile
+                (self.dir / "cgroup.procs").write_text(str(pid))  # every thread of the process
 
     def set(self, share: float) -> None:
         quota = max(1000, int(share * PERIOD_US))

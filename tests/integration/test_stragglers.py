@@ -25,7 +25,7 @@ from agent.testing.ranks import start_job as start_ranks
 from tests.integration.jobtools import final_digest, steps_in
 from tests.integration.test_nodes import wait_exited, wait_for
 
-STEPS = 900
+STEPS = 1600
 WINDOW_S = 8.0
 #: An hidden layer this wide makes a step's compute a few tens of milliseconds: a quota shows.
 TRAIN = ["--steps", str(STEPS), "--step-time", "0", "--hidden", "16384"]
@@ -70,6 +70,7 @@ def where_now(nodes: list[BedAgent], name: str) -> BedAgent:
     raise AssertionError(f"{name} runs nowhere")
 
 
+@pytest.mark.timeout(300)  # the job, then its undisturbed reference
 def test_a_slowed_member_is_found_and_moved_and_two_are_moved_one_at_a_time(bed: Bed) -> None:
     n = 5
     a, b, c, d, e = (bed.node(f"node-{x}", config=config(i, n, {4, 5})) for i, x in enumerate("abcde", 1))
@@ -102,24 +103,29 @@ def test_a_slowed_member_is_found_and_moved_and_two_are_moved_one_at_a_time(bed:
         slow_b.set(0.1)
         slow_c.set(0.25)
         text = b.cli("health", "--group", "llm").stdout
-        got = wait_for_event(b, "migration", f"moved job {job[1]} to node", 60)
+        wait_for_event(b, "migration", f"moved job {job[1]} to node", 60)
         found_b = next(x for x in events(b, "straggler") if x["job"] == job[1])
         print(f"--- node-b's member found after {found_b['time'] - slowed:.1f} s: {found_b['message']}")
         moved_c = wait_for_event(c, "migration", f"moved job {job[2]} to node", 90)
         found_c = next(x for x in events(c, "straggler") if x["job"] == job[2])
-        print(f"--- node-c's member found {found_c['time'] - got['time']:.1f} s after node-b's moved")
         assert found_b["time"] - slowed <= WINDOW_S + 6, "the straggler took too long to find"
         assert "waited for a CPU" in found_b["message"] and "holds its group back" in found_b["message"]
-        assert found_c["time"] > got["time"], "node-c's member was judged before node-b's had moved"
-        assert [x for x in events(c, "straggler") if x["time"] < got["time"]] == [], "two at a time"
         where = {name: where_now(nodes, name) for name in job}
         assert {where[job[1]].node, where[job[2]].node} == {"node-d", "node-e"}, where
+        # One at a time: node-c's member was judged only once node-b's ran on its spare, every page
+        # there, and had been sampled there over a whole window. (node-b's own "moved" event comes
+        # seconds later: the source's move also watches the peers' wait after the release.)
+        arrived = where[job[1]].job(job[1])["started_at"]
+        print(f"--- node-c's member judged {found_c['time'] - arrived:.1f} s after node-b's ran on its spare")
+        assert found_c["time"] >= arrived + WINDOW_S - 2, "node-c's member was judged while node-b's moved"
         print(f"--- while both were slowed:\n{text}")
 
         # At the new nodes' pace again: within 10 % of the undisturbed steps.
         after = moved_c["time"] + 3
         time.sleep(5)
-        now = step_time(a.cli("logs", job[0]).stdout, after, time.time())
+        log = a.cli("logs", job[0]).stdout
+        now = step_time(log, after, time.time())
+        assert steps_in(log)[-1] < STEPS - 50, "the job nearly ended before the checks: give it more steps"
         print(f"--- step time: {base * 1000:.1f} ms undisturbed, {now * 1000:.1f} ms after both moves")
         assert now <= base * 1.10, f"{now * 1000:.1f} ms a step after the moves, {base * 1000:.1f} ms before"
     except BaseException:

@@ -120,6 +120,16 @@ def test_a_slowdown_shorter_than_the_window_is_not_a_straggler() -> None:
     assert v.straggler == "" and "not all along" in v.why
 
 
+def test_a_slowdown_over_part_of_the_window_is_judged_against_the_peers_pace_beside_it() -> None:
+    """Slowed over the last half: its peers fell from 50 % to 20 % meanwhile. Against their mean
+    over the window (36 %) its first half (55 %) would look ahead by more than half the margin;
+    beside their pace then, it is not, so no verdict until the slowdown fills the window."""
+    half = N // 2
+    peer = [0.5] * (N - half) + [0.2] * half
+    v = verdict(members(r0=peer, r1=[0.55] * (N - half) + [1.0] * half, r2=peer))
+    assert v.straggler == "" and "not all along" in v.why, v.why
+
+
 def test_of_two_slow_members_the_slowest_is_the_straggler_first() -> None:
     v = verdict(members(r0=[0.2] * N, r1=[0.98] * N, r2=[0.6] * N, r3=[0.25] * N))
     assert v.straggler == "r1"
