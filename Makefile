@@ -86,8 +86,12 @@ proto: $(ETCD_PB)
 $(ETCD_PB): scripts/gen-etcd-proto.sh $(VENV)/.installed
 	scripts/gen-etcd-proto.sh $(PY) $(BUILD)/etcd-proto
 
+# Two tests at a time (each has its own bed, agents, ports and staging), then those marked
+# serial alone (they time a job against itself, or raise a sysctl every agent reads); both
+# parts run, and either failing fails the target.
 test: all slurm etcd
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile -m "not serial" $(PYTEST_ARGS); a=$$?; \
+	$(PY) -m pytest -m serial $(PYTEST_ARGS); b=$$?; exit $$((a || b))
 
 unit: all
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

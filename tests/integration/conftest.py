@@ -12,6 +12,10 @@ from agent import config as ferry_config
 from agent.criu.lazy import LAZY_PIPE_BYTES, lazy_dump_blocker
 
 PIPE_MAX = Path("/proc/sys/fs/pipe-max-size")
+#: Run alone, after the part `make test` runs two at a time: these time a job against itself
+#: (a step time within 10 %, a gap within half a second of a pause, a lease's expiry within a
+#: second), which another test's load would skew.
+SERIAL_MODULES = frozenset({"test_stragglers.py", "test_standin.py", "test_ranks.py", "test_etcd_client.py"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -21,6 +25,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if here in Path(item.fspath).parents:
                 item.add_marker(skip)
+    for item in items:
+        # A test that raises fs.pipe-max-size changes what every agent on the host may do (a
+        # default move goes post-copy), so it runs alone too.
+        fixtures = getattr(item, "fixturenames", ())
+        if here in Path(item.fspath).parents and (
+            Path(item.fspath).name in SERIAL_MODULES or "lazy_pipes" in fixtures
+        ):
+            item.add_marker(pytest.mark.serial)
 
 
 @pytest.fixture(scope="session", autouse=True)
