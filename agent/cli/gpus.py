@@ -86,9 +86,10 @@ def pace_text(gp: Any) -> str:
             rank = str(m.rank) if m.has_rank else "-"
             state = "" if m.running else "  (not running)"
             mark = "  <- straggler" if m.job == gp.straggler else ""
+            gpu = f"  GPU at {m.gpu_clock:.0%} of its max SM clock" if m.gpu_clock >= 0 else ""
             lines.append(
                 f"  {m.job:<20} {rank:>4}  {m.node:<12} {m.busy:>5.0%} {m.ran:>5.0%} {m.waited:>6.0%}  "
-                f"{m.covered_s:.0f} s{state}{mark}"
+                f"{m.covered_s:.0f} s{gpu}{state}{mark}"
             )
     lines.append(("straggler: " if gp.straggler else "") + gp.verdict)
     does = "moves it to a spare" if gp.on_straggler == "migrate" else "records it"

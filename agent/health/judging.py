@@ -53,6 +53,11 @@ _BRAKES = (
 _PCIE_WINDOW_S = 60.0  # PCIe replays are judged per minute, as DCGM does
 
 
+def brakes(nv: Any, reasons: int) -> list[str]:
+    """The clock-event reasons in `reasons` that mean the hardware is slowing itself, in words."""
+    return [text for name, text in _BRAKES if reasons & getattr(nv, "nvmlClocksEventReason" + name, 0)]
+
+
 class Finding(NamedTuple):
     """One condition that holds in this pass; `key` tells it apart from others of its signal."""
 
@@ -277,9 +282,7 @@ class Judge:
         v = p.readings.get("clocks_event_reasons")
         if v is None:
             return []
-        active = [
-            text for name, text in _BRAKES if int(v) & getattr(self._nv, "nvmlClocksEventReason" + name)
-        ]
+        active = brakes(self._nv, int(v))
         if not active:
             tr.throttle_since = None
             return []

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agent.health.judging import XID_TEXT, Judge, Track
+from agent.health.judging import XID_TEXT, Judge, Track, brakes
 from agent.health.signals import Pass, error_code, read, text
 from agent.health.thresholds import HealthConfig
 from agent.health.verdicts import Change, Evidence, GpuHealth, State
@@ -113,6 +113,10 @@ class HealthMonitor:
     def snapshot(self) -> list[GpuHealth]:
         with self._lock:
             return list(self._snapshot)
+
+    def brakes(self, reasons: int) -> list[str]:
+        """The clock-event reasons that mean a GPU slows itself, in words (judging.brakes)."""
+        return brakes(self._nv, reasons)
 
     def get(self, uuid: str) -> GpuHealth | None:
         with self._lock:

@@ -17,6 +17,7 @@ and a job with more threads than its peers is not slower for it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import time
@@ -39,6 +40,8 @@ class Sample:
     busy: float  # the busiest thread's share of the span it wanted a CPU: ran + waited
     ran: float  # of which on a CPU
     waited: float  # of which runnable but waiting for one (throttled, or the CPU was taken)
+    gpu_clock: float = -1.0  # its slowest GPU's SM clock against its maximum at t1 (-1: no GPU)
+    gpu_brakes: str = ""  # why that GPU slows itself, if it does (HW slowdown, power brake, ...)
 
 
 def read_threads(root: int) -> dict[int, tuple[int, int]]:
@@ -95,8 +98,9 @@ class PaceMeter:
         self._meters: dict[str, _Meter] = {}
         self._lock = threading.Lock()
 
-    def sample(self, jobs: dict[str, int]) -> None:
-        """One reading of each job (name → its root pid); jobs not named are forgotten."""
+    def sample(self, jobs: dict[str, int], gpus: dict[str, tuple[float, str]] | None = None) -> None:
+        """One reading of each job (name → its root pid); jobs not named are forgotten. `gpus`:
+        a GPU job's slowest GPU now (its SM clock's share of its maximum, and the brakes on)."""
         now = self.clock()
         readings = {name: self.read(pid) for name, pid in jobs.items() if pid > 0}
         with self._lock:
@@ -108,7 +112,10 @@ class PaceMeter:
                     continue
                 if now - m.at < MIN_SPAN_S:
                     continue
-                m.samples.append(between(m.last, threads, m.at, now))
+                s = between(m.last, threads, m.at, now)
+                if gpus and name in gpus:
+                    s = dataclasses.replace(s, gpu_clock=gpus[name][0], gpu_brakes=gpus[name][1])
+                m.samples.append(s)
                 m.last, m.at = threads, now
                 while m.samples and m.samples[0].t1 < now - self.keep_s:
                     m.samples.popleft()

@@ -104,6 +104,9 @@ class _Reader:
         self.retirement()
         clocks = ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
         _put(r, "clocks_event_reasons", self.ask("clocks", clocks))
+        # The SM clock against its maximum: how fast the GPU computes now (a straggler's pace).
+        _put(r, "sm_clock_mhz", self.ask("sm_clock", "nvmlDeviceGetClockInfo", nv.NVML_CLOCK_SM))
+        _put(r, "sm_clock_max_mhz", self.ask("sm_clock", "nvmlDeviceGetMaxClockInfo", nv.NVML_CLOCK_SM))
         _put(r, "pcie_replay", self.ask("pcie_replay", "nvmlDeviceGetPcieReplayCounter"))
         # The width a link trained to stays; its generation drops when the GPU idles (power
         # saving), so it is read for the record and only the width is judged.

@@ -22,6 +22,7 @@ from agent.health.events import EventLog
 from agent.health.healing import SelfHealing
 from agent.health.pace import PaceMeter, Sample
 from agent.health.stragglers import MemberPace, judge
+from agent.health.verdicts import GpuHealth
 from agent.jobs.record import JobRecord, JobState
 from agent.jobs.registry import JobRegistry
 from agent.rpc import pb
@@ -44,11 +45,12 @@ class StragglerWatch:
         ask: Ask,
         observe: Callable[[str, dict[str, float], str], None] = lambda group, busy, new: None,
         arriving: Callable[[str], str] = lambda job: "",  # why its copy is not whole yet ("": it is)
+        gpus: Callable[[], dict[str, tuple[float, str]]] = dict,  # job → its slowest GPU now (gpu_pace)
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.node, self.registry, self.config = node, registry, config
         self.healing, self.events, self.ask, self.observe, self.clock = healing, events, ask, observe, clock
-        self.arriving = arriving
+        self.arriving, self.gpus = arriving, gpus
         cfg = config.stragglers
         self.meter = PaceMeter(cfg.window_s + 3 * cfg.sample_s + 2.0, clock=clock)
         self._standing: dict[str, str] = {}  # group → its straggler here whose verdict stands
@@ -63,7 +65,7 @@ class StragglerWatch:
 
     def tick(self) -> None:
         members = self._members_here()
-        self.meter.sample({r.name: r.pid for r in members if r.state is JobState.RUNNING})
+        self.meter.sample({r.name: r.pid for r in members if r.state is JobState.RUNNING}, self.gpus())
         for group in sorted({r.group for r in members}):
             if self.healing.draining.is_set():
                 return
@@ -84,7 +86,15 @@ class StragglerWatch:
             if (rank := r.rank) is not None:
                 m.rank, m.has_rank = rank, True
             m.samples.extend(
-                pb.PaceSample(t0=s.t0, t1=s.t1, busy=s.busy, ran=s.ran, waited=s.waited)
+                pb.PaceSample(
+                    t0=s.t0,
+                    t1=s.t1,
+                    busy=s.busy,
+                    ran=s.ran,
+                    waited=s.waited,
+                    gpu_clock=s.gpu_clock,
+                    gpu_brakes=s.gpu_brakes,
+                )
                 for s in self.meter.samples(r.name)
             )
             out.append(m)
@@ -111,7 +121,13 @@ class StragglerWatch:
         verdict = judge(
             [
                 MemberPace(
-                    m.job, m.node, m.running, [Sample(s.t0, s.t1, s.busy, s.ran, s.waited) for s in m.samples]
+                    m.job,
+                    m.node,
+                    m.running,
+                    [
+                        Sample(s.t0, s.t1, s.busy, s.ran, s.waited, s.gpu_clock, s.gpu_brakes)
+                        for s in m.samples
+                    ],
                 )
                 for m in listed
             ],
@@ -122,7 +138,13 @@ class StragglerWatch:
         )
         for m in listed:
             p = verdict.paces[m.job]
-            m.busy, m.ran, m.waited, m.covered_s = p.busy, p.ran, p.waited, p.covered_s
+            m.busy, m.ran, m.waited, m.covered_s, m.gpu_clock = (
+                p.busy,
+                p.ran,
+                p.waited,
+                p.covered_s,
+                p.gpu_clock,
+            )
         out.members.extend(listed)
         out.straggler, out.verdict = verdict.straggler, verdict.why
         return out
@@ -164,3 +186,20 @@ class StragglerWatch:
                 self.events.record("straggler", f"group {group}: {gp.verdict}", job=now)
             migrate = self.config.policy.on_straggler == "migrate"
             self.healing.straggler(here[now], gp.verdict, migrate=migrate)
+
+
+def gpu_pace(
+    holders: dict[str, list[str]], health: list[GpuHealth], brakes: Callable[[int], list[str]]
+) -> dict[str, tuple[float, str]]:
+    """Each job holding GPUs (GPU → its jobs) → its slowest GPU's SM clock against its maximum,
+    as the health monitor last read it, and the brakes on that GPU, in words."""
+    out: dict[str, tuple[float, str]] = {}
+    for g in health:
+        now, top = g.readings.get("sm_clock_mhz"), g.readings.get("sm_clock_max_mhz")
+        if not now or not top:
+            continue
+        why = ", ".join(brakes(int(g.readings.get("clocks_event_reasons", 0))))
+        for job in holders.get(g.uuid, []):
+            if job not in out or now / top < out[job][0]:
+                out[job] = (now / top, why)
+    return out

@@ -68,6 +68,7 @@ class Pace:
     ran: float
     waited: float
     covered_s: float  # how much of the window its samples cover
+    gpu_clock: float = -1.0  # its GPU's SM clock against its maximum (-1: no GPU readings)
 
 
 @dataclass(frozen=True)
@@ -79,16 +80,18 @@ class Verdict:
 
 def window_pace(samples: Sequence[Sample], start: float, end: float) -> Pace:
     """The time-weighted shares of the samples' overlap with [start, end]."""
-    total = busy = ran = waited = 0.0
+    total = busy = ran = waited = clock = clocked = 0.0
     for s in samples:
         w = min(s.t1, end) - max(s.t0, start)
         if w <= 0:
             continue
         total += w
         busy, ran, waited = busy + s.busy * w, ran + s.ran * w, waited + s.waited * w
+        if s.gpu_clock >= 0:
+            clock, clocked = clock + s.gpu_clock * w, clocked + w
     if total <= 0:
         return Pace(0.0, 0.0, 0.0, 0.0)
-    return Pace(busy / total, ran / total, waited / total, total)
+    return Pace(busy / total, ran / total, waited / total, total, clock / clocked if clocked else -1.0)
 
 
 def judge(
@@ -108,6 +111,8 @@ def judge(
             got = paces[m.job].covered_s
             why = f"member {m.job} sampled for {got:.0f} s of the {window_s:.0f} s window"
             return Verdict("", why, paces)
+    if slow := _slow_gpu(members, paces, start, margin):
+        return Verdict(slow[0], slow[1], paces)
     cand = max(members, key=lambda m: paces[m.job].busy)
     peers = [m for m in members if m is not cand]
     ref = statistics.median(paces[m.job].busy for m in peers)
@@ -142,3 +147,25 @@ def judge(
         f"{ref:.0%}, waiting for it; {kind}"
     )
     return Verdict(cand.job, why, paces)
+
+
+def _slow_gpu(
+    members: Sequence[MemberPace], paces: dict[str, Pace], start: float, margin: float
+) -> tuple[str, str] | tuple[()]:
+    """A GPU member whose SM clock ran `margin` of its maximum below its peers' median all along
+    (a GPU that slows itself: HW slowdown, thermal, power brake), with the evidence; or ()."""
+    gpu = [m for m in members if paces[m.job].gpu_clock >= 0]
+    if len(gpu) < 2:
+        return ()
+    cand = min(gpu, key=lambda m: paces[m.job].gpu_clock)
+    ref = statistics.median(paces[m.job].gpu_clock for m in gpu if m is not cand)
+    inside = [s for s in cand.samples if s.t1 > start and s.gpu_clock >= 0]
+    if ref - paces[cand.job].gpu_clock < margin or any(ref - s.gpu_clock < margin / 2 for s in inside):
+        return ()
+    why = {s.gpu_brakes for s in inside if s.gpu_brakes}
+    because = f" ({', '.join(sorted(why))})" if why else ""
+    clock = paces[cand.job].gpu_clock
+    return cand.job, (
+        f"{cand.job} on {cand.node} holds its group back: its GPU ran at {clock:.0%} of its maximum "
+        f"SM clock{because} while its peers' ran at {ref:.0%}"
+    )

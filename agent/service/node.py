@@ -33,7 +33,7 @@ from agent.gpus.quarantine import Entry, Quarantine
 from agent.health.events import EventLog
 from agent.health.healing import Hooks, SelfHealing
 from agent.health.monitor import GpuHealth, HealthMonitor
-from agent.health.straggler_watch import StragglerWatch
+from agent.health.straggler_watch import StragglerWatch, gpu_pace
 from agent.jobs import fence
 from agent.jobs.network import JobNetwork
 from agent.jobs.record import JobRecord, JobState, OnDegraded, Priority, check_job_name
@@ -166,6 +166,11 @@ class AgentNode:
             ),
             observe=self.metrics.pace,
             arriving=self.targets.arriving,
+            gpus=lambda: gpu_pace(
+                {u: [h.job.name for h in hs] for u, hs in self.healing.jobs_by_gpu().items()},
+                self.monitor.snapshot(),
+                self.monitor.brakes,
+            ),
         )
         self.targets.on_end = self.metrics.target_ended
         #: This node's lease in etcd (`[coordination]`), fencing its members when it cannot renew.

@@ -95,6 +95,7 @@ GPU_DEFAULTS: dict[str, Any] = {
     # Memory banks by spare rows left (an H100/H200 reports every bank at "max" when new).
     "remap_banks": {"max": 64, "high": 0, "partial": 0, "low": 0, "none": 0},
     "pcie": {"width": 16, "width_max": 16, "gen": 5, "gen_max": 5},
+    "sm_clock": {"now": 1980, "max": 1980},  # MHz, an H200's boost clock
     "retired_pages": {"single_bit": 0, "double_bit": 0, "pending": False},
     "clocks_event_reasons": 0,
     "pcie_replay": 0,
@@ -419,6 +420,17 @@ class ReplayNvml:
         return pynvml.c_nvmlRowRemapperHistogramValues(
             *(int(b[k]) for k in ("max", "high", "partial", "low", "none"))
         )
+
+    def nvmlDeviceGetClockInfo(self, handle: Any, type: int) -> int:
+        return self._clock(handle, "nvmlDeviceGetClockInfo", type, "now")
+
+    def nvmlDeviceGetMaxClockInfo(self, handle: Any, type: int) -> int:
+        return self._clock(handle, "nvmlDeviceGetMaxClockInfo", type, "max")
+
+    def _clock(self, handle: Any, call: str, type: int, key: str) -> int:
+        if type != pynvml.NVML_CLOCK_SM:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)  # only the SM clock is replayed
+        return int({**GPU_DEFAULTS["sm_clock"], **self._dev(handle, call)["sm_clock"]}[key])
 
     def _pcie(self, handle: Any, call: str, key: str) -> int:
         return int({**GPU_DEFAULTS["pcie"], **self._dev(handle, call)["pcie"]}[key])

@@ -50,6 +50,8 @@ SIGNAL_CALLS = [
     "nvmlDeviceGetCurrPcieLinkGeneration",
     "nvmlDeviceGetMaxPcieLinkGeneration",
     "nvmlDeviceGetRowRemapperHistogram",
+    "nvmlDeviceGetClockInfo",
+    "nvmlDeviceGetMaxClockInfo",
     "nvmlDeviceGetNvLinkState",
 ]
 
@@ -460,7 +462,8 @@ def test_signals_nvml_does_not_support_are_skipped_not_read() -> None:
     assert seen[20].memory_total == int(150e9)
     assert (
         rig.monitor.detail
-        == f"{GPU}: clocks, ecc_corrected, ecc_uncorrected, pcie_link, pcie_replay, temperature not supported"
+        == f"{GPU}: clocks, ecc_corrected, ecc_uncorrected, pcie_link, pcie_replay, sm_clock, "
+        "temperature not supported"
     )
 
 

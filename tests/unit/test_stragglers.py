@@ -5,6 +5,7 @@ tests/integration/test_stragglers.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -14,10 +15,12 @@ import pytest
 
 from agent.agent_config import AgentConfig, PeerSpec, PolicyConfig, parse
 from agent.errors import InvalidArgumentError, RefusedError, UnavailableError
+from agent.health.judging import brakes
 from agent.health.pace import PaceMeter, Sample, between, read_threads
 from agent.health.placement import choose_target
-from agent.health.straggler_watch import StragglerWatch
+from agent.health.straggler_watch import StragglerWatch, gpu_pace
 from agent.health.stragglers import MemberPace, StragglerConfig, judge
+from agent.health.verdicts import GpuHealth, State
 from agent.jobs.record import JobKind, JobRecord, JobState
 from agent.rpc import pb
 from tests.unit.test_healing import FakePeer, Rig
@@ -281,15 +284,66 @@ def test_ferry_health_group_shows_each_member_the_straggler_and_who_did_not_answ
     from agent.cli.gpus import pace_dict, pace_text
 
     gp = pb.GroupPace(group="g", window_s=60, margin=0.3, on_straggler="migrate", straggler="g-r1")
-    gp.members.add(job="g-r0", node="node-a", rank=0, has_rank=True, running=True, busy=0.3, covered_s=60)
-    gp.members.add(job="g-r1", node="node-b", rank=1, has_rank=True, running=True, busy=0.98, waited=0.7)
+    gp.members.add(
+        job="g-r0", node="node-a", rank=0, has_rank=True, running=True, busy=0.3, covered_s=60, gpu_clock=-1
+    )
+    gp.members.add(
+        job="g-r1", node="node-b", rank=1, has_rank=True, running=True, busy=0.98, waited=0.7, gpu_clock=0.55
+    )
     gp.verdict = "g-r1 on node-b holds its group back: ..."
     gp.unreachable.append("c:1: agent c:1 is unreachable")
     text = pace_text(gp).splitlines()
     assert text[0] == "group g: the last 60 s, busiest thread of each member"
     assert text[3].split()[:5] == ["g-r1", "1", "node-b", "98%", "0%"] and text[3].endswith("<- straggler")
-    assert "<- straggler" not in text[2]
+    assert "<- straggler" not in text[2] and "GPU at" not in text[2]
+    assert "GPU at 55% of its max SM clock" in text[3]
     assert "straggler: g-r1 on node-b holds its group back" in text[4]
     assert text[-1] == "not answering: c:1: agent c:1 is unreachable"
     d = pace_dict(gp)
     assert d["straggler"] == "g-r1" and "samples" not in d["members"][0]
+
+
+def gpu_series(clock: list[float], brakes: str = "") -> list[Sample]:
+    """Samples of a GPU member whose CPU pace is its peers' (30 %), its SM clock as given."""
+    return [dataclasses.replace(s, gpu_clock=c, gpu_brakes=brakes if c < 0.9 else "") for s, c in
+            zip(series([0.3] * len(clock)), clock, strict=True)]  # fmt: skip
+
+
+def test_a_gpu_member_whose_gpu_slows_itself_all_along_is_the_straggler_with_the_brakes_named() -> None:
+    ms = [
+        MemberPace("r0", "node-a", True, gpu_series([0.98] * N)),
+        MemberPace("r1", "node-b", True, gpu_series([0.55] * N, "HW power brake")),
+        MemberPace("r2", "node-c", True, gpu_series([0.97] * N)),
+    ]
+    v = verdict(ms)
+    assert v.straggler == "r1", v.why
+    assert "its GPU ran at 55% of its maximum SM clock (HW power brake) while its peers' ran at 98%" in v.why
+    brief = [MemberPace("r1", "node-b", True, gpu_series([0.98] * (N - 3) + [0.5] * 3, "HW slowdown"))]
+    assert verdict([ms[0], *brief, ms[2]]).straggler == ""
+
+
+def test_a_job_s_gpu_pace_is_its_slowest_gpu_as_the_monitor_last_read_it() -> None:
+    def g(uuid: str, now: float, reasons: int = 0) -> GpuHealth:
+        readings = {"sm_clock_mhz": now, "sm_clock_max_mhz": 2000.0, "clocks_event_reasons": float(reasons)}
+        return GpuHealth(uuid, 0, "NVIDIA H200", State.HEALTHY, (), 0.0, 0.0, readings, 0, 0, 0)
+
+    import pynvml
+
+    monitor_brakes = lambda r: brakes(pynvml, r)  # noqa: E731
+    got = gpu_pace(
+        {"GPU-a": ["j1"], "GPU-b": ["j1", "j2"], "GPU-c": []},
+        [g("GPU-a", 1900), g("GPU-b", 1000, int(pynvml.nvmlClocksEventReasonHwSlowdown)), g("GPU-c", 500)],
+        monitor_brakes,
+    )
+    assert got == {"j1": (0.5, "HW slowdown"), "j2": (0.5, "HW slowdown")}
+
+
+def test_the_watch_keeps_a_gpu_member_s_clock_with_its_samples(tmp_path: Path) -> None:
+    rig, watch, _, _ = watch_rig(tmp_path, "alert")
+    watch.meter = PaceMeter(60.0, clock=rig.clock, read=lambda pid: {1: (0, 0)})
+    watch.gpus = lambda: {"g-r1": (0.6, "HW slowdown")}
+    for _ in range(3):
+        watch.tick()
+        rig.clock.advance(1.0)
+    (m,) = watch.local("g")
+    assert [(s.gpu_clock, s.gpu_brakes) for s in m.samples] == [(pytest.approx(0.6), "HW slowdown")] * 2
