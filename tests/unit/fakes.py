@@ -95,6 +95,17 @@ def is_dead(pid: int) -> bool:
     return proc_status(pid) in ("gone", psutil.STATUS_ZOMBIE)
 
 
+def dies(pid: int, within_s: float = 5.0) -> bool:
+    """Whether `pid` is dead within `within_s`: a SIGKILL is sent, not waited for, and a loaded
+    machine may take a moment to deliver it."""
+    deadline = time.monotonic() + within_s
+    while not is_dead(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 class FakePageServer:
     """agent.criu.runner.PageServer without CRIU (and without its TLS): a TCP listener on
     loopback whose one connection is copied into a pages file, as CRIU's would be."""

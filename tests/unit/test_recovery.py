@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 from fake_cuda import CHECKPOINTED, GPU0, RUNNING, CudaWorld, fake_cuda_jobs
-from fakes import SLEEP, FakeCriu, is_dead, is_stopped, launched_record, wait_stopped
+from fakes import SLEEP, FakeCriu, dies, is_dead, is_stopped, launched_record, wait_stopped
 
 from agent.errors import FerryError, NotFoundError, RefusedError, UnavailableError
 from agent.image import build_manifest
@@ -140,7 +140,7 @@ def test_a_source_after_commit_ends_its_copy_when_the_target_runs_the_job(frozen
     deadline = time.monotonic() + 5  # SIGKILLed: gone (or a zombie) once the kernel has run it
     while not is_dead(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert is_dead(proc.pid)
+    assert dies(proc.pid)
     job = registry.get("train")
     assert job.state is JobState.MOVED and job.moved_to == "127.0.0.1:1"
     assert journal.get(SOURCE, "m1").state == "committed"
@@ -298,7 +298,7 @@ def test_the_operator_settles_an_unresolved_migration(action, resumed, frozen, r
     if resumed:
         assert not is_stopped(proc.pid) and registry.get("train").state is JobState.RUNNING
     else:
-        assert is_dead(proc.pid) and registry.get("train").state is JobState.MOVED
+        assert dies(proc.pid) and registry.get("train").state is JobState.MOVED
 
 
 def test_resolve_refuses_a_migration_that_is_not_unresolved(frozen, registry, tmp_path) -> None:
@@ -473,7 +473,7 @@ def test_a_local_operation_whose_image_holds_the_job_ends_the_copy_as_asked(
     image = saved_image(registry, tmp_path / "img")
     journal.save(local_record("restoring", proc, image, kind))
     recovery(registry, journal, ScriptedTarget(None)).recover()
-    assert is_dead(proc.pid)
+    assert dies(proc.pid)
     job = registry.get("train")
     assert job.state is ends and job.checkpoint_dir == str(image)
     assert journal.get(SOURCE, "m1").state == "committed"
