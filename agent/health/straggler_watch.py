@@ -54,7 +54,7 @@ class StragglerWatch:
         cfg = config.stragglers
         self.meter = PaceMeter(cfg.window_s + 3 * cfg.sample_s + 2.0, clock=clock)
         self._standing: dict[str, str] = {}  # group → its straggler here whose verdict stands
-        self._lock = threading.Lock()  # one judgement at a time (the loop, a `ferry health --group`)
+        self._lock = threading.Lock()  # guards _standing
 
     def run(self, stopping: threading.Event) -> None:
         while not stopping.wait(self.config.stragglers.sample_s):

@@ -4,11 +4,12 @@ Every agent samples its group members' pace (agent.health.pace) and, for each gr
 member here, asks the other members' agents for theirs (GetPace) and judges them together
 (`judge`, a pure function of the samples). A member is a **straggler** when, over the whole
 window, its busiest thread wanted a CPU a `margin` larger share of the time than the median of
-its peers', and no sample of the window shows it less than half that margin ahead: a pause
-shorter than the window is not a straggler. No verdict while any member is not running (a move,
-a snapshot round) or has not been sampled for the whole window (a member restored after a move
-starts over), so that a group sees at most one straggler move at a time and the member that
-moved is judged on its new node only.
+its peers', and none of its samples is less than half that margin ahead of its peers' pace
+over the same span: a pause shorter than the window is not a straggler. No verdict while any
+member is not running (a move, its post-copy pages still coming, a snapshot round) or has not
+been sampled for the whole window (a member restored after a move starts over), so that a group
+sees at most one straggler move at a time and the member that moved is judged on its new node
+only. A GPU member is judged first by its GPU's SM clock against its peers' (`_slow_gpu`).
 
 Only the straggler's own agent acts on the verdict, as self-healing acts on its own GPUs:
 `[policy] on_straggler = "alert"` records it (an event, once per episode, and the metrics);
