@@ -53,11 +53,16 @@ NVCC_FLAGS ?= -O2 -std=c++17 -cudart static \
 	-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90 \
 	-Xcompiler -Wall,-Wextra -Werror all-warnings -Xcompiler -static-libstdc++,-static-libgcc
 CUDA_COUNTER := $(BUILD)/bin/cuda-counter
+# The GPU self-test's kernels (agent/gpus/selftest.py), as PTX the driver compiles for its chip.
+SELFTEST_PTX := $(BUILD)/bin/gpu-selftest.ptx
 ifneq ($(NVCC),)
-native: $(CUDA_COUNTER)
+native: $(CUDA_COUNTER) $(SELFTEST_PTX)
 $(CUDA_COUNTER): native/cuda_counter.cu
 	mkdir -p $(dir $@)
 	$(NVCC) $(NVCC_FLAGS) -o $@ $<
+$(SELFTEST_PTX): native/gpu_selftest.cu
+	mkdir -p $(dir $@)
+	$(NVCC) -ptx -arch=compute_80 -O3 -o $@ $<
 else
 native:
 	@echo "nvcc not found: skipping the CUDA counter ($(CUDA_COUNTER)); set NVCC=/path/to/nvcc to build it"

@@ -35,7 +35,7 @@
 #       preinstalled torch and cuda-bindings stay visible; when that is not
 #       possible, installs into /tmp/ferry-device-site on PYTHONPATH instead),
 #       installs the wheels with --no-index, puts the stubs back in ferry/ and
-#       agent/criu_pb/, exports FERRY_CRIU, FERRY_INIT, FERRY_CUDA_COUNTER
+#       agent/criu_pb/, exports FERRY_CRIU, FERRY_INIT, FERRY_CUDA_COUNTER, FERRY_SELFTEST_PTX
 #       (when bundled) and PYTHONPATH (agent/testing/bed.py keeps what these
 #       name visible in each bed node's fresh /tmp), and prints a report header
 #       (host, GPU, python, torch, CRIU). Then it stops at once, with one line
@@ -325,6 +325,11 @@ bundle_mode() {
   else
     log "note: no .ferry/bin/cuda-counter, so the bundle has none"
   fi
+  if [[ -f $REPO/.ferry/bin/gpu-selftest.ptx ]]; then
+    install -m 0644 "$REPO/.ferry/bin/gpu-selftest.ptx" "$tmp/bin/gpu-selftest.ptx"
+  else
+    log "note: no .ferry/bin/gpu-selftest.ptx, so the GPU self-test has no kernels there"
+  fi
 
   log "generated stubs"
   [[ -f $REPO/ferry/v1/agent_pb2.py && -f $REPO/agent/criu_pb/rpc_pb2.py ]] || die "stubs missing: run 'make proto'"
@@ -576,6 +581,7 @@ run_inner() {
     log "the host's glibc cannot run the bundled ferry-init; using the static build"
     FERRY_INIT="$BUNDLE/bin/ferry-init.static"
   fi
+  [[ -f $BUNDLE/bin/gpu-selftest.ptx ]] && export FERRY_SELFTEST_PTX="$BUNDLE/bin/gpu-selftest.ptx"
   if [[ -x $BUNDLE/bin/cuda-counter ]]; then
     export FERRY_CUDA_COUNTER="$BUNDLE/bin/cuda-counter"
     runs_here "$FERRY_CUDA_COUNTER" \

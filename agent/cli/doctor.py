@@ -267,5 +267,30 @@ def _gpu_checks(
     return checks
 
 
+def deep_checks(share: float, timeout_s: float = 180.0, nvml: Nvml | None = None) -> list[Check]:
+    """`ferry doctor --deep`: every GPU's self-test (agent.gpus.selftest), one after the other."""
+    from agent.gpus import selftest
+
+    inv = (nvml or Nvml()).inventory()
+    if not inv.available or not inv.gpus:
+        return [Check("gpu self-test", True, "no GPU to test here", required=False)]
+    out = []
+    for g in inv.gpus:
+        name = f"gpu self-test {g.uuid}"
+        try:
+            t = selftest.run(g.uuid, share, timeout_s)
+        except RuntimeError as e:
+            out.append(Check(name, False, str(e), "see the reason; `make native` builds the kernels"))
+            continue
+        figures = (
+            f"{t.name}: {t.memory_bytes / 2**30:.2f} GiB tested, {t.memory_errors} wrong, "
+            f"{t.memory_gbps:.0f} GB/s; FP32 {t.tflops:.1f} TFLOP/s; {t.took_s:.1f} s"
+        )
+        problems = selftest.judge(t)
+        detail = figures + ("; " + "; ".join(problems) if problems else "")
+        out.append(Check(name, not problems, detail, "take the GPU out of service and have it checked"))
+    return out
+
+
 def can_migrate(checks: list[Check]) -> bool:
     return all(c.ok for c in checks if c.required)

@@ -80,10 +80,14 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from agent import agent_config
-    from agent.cli.doctor import can_migrate, run_checks
+    from agent.cli.doctor import can_migrate, deep_checks, run_checks
 
+    if not 0 < args.share <= 0.9:
+        raise Usage(f"ferry doctor: --share {args.share:g}: expected above 0 and at most 0.9")
     cfg = agent_config.load(args.config)
     checks = run_checks(args.staging_dir, cfg.network, cfg.coordination)
+    if args.deep:
+        checks += deep_checks(args.share)
     ok = can_migrate(checks)
     if args.json:
         print_json({"can_migrate": ok, "checks": [c.__dict__ for c in checks]})

@@ -525,5 +525,18 @@ def build_parser() -> Parser:
         default=None,
         help="the agent's config file, to check its [network] too (the job network's bridge)",
     )
+    dr.add_argument(
+        "--deep",
+        action="store_true",
+        help="also run every GPU's self-test: a device-memory pattern test over --share of its free "
+        "memory and an FP32 throughput test against its chip's expected rate (seconds to a minute "
+        "per GPU; needs `make native`'s kernels, built where nvcc is)",
+    )
+    dr.add_argument(
+        "--share",
+        type=float,
+        default=0.05,
+        help="with --deep: the share of each GPU's free memory the pattern test covers (default %(default)s)",
+    )
     _json_arg(dr)
     return p
