@@ -25,6 +25,9 @@ self-healing policy and the peers it may move jobs to.
     [snapshots]           # agent.snapshots.config.SnapshotConfig: group snapshots (ferry protect)
     dir = "/dev/shm/ferry-snapshots"
 
+    [verify]              # agent.gpus.verify.VerifyConfig: GPU self-tests, the path probe
+    selftest = "auto"
+
     [[peers]]             # other agents, in order of preference
     address = "10.0.0.2:7070"
     spare = true          # an idle node kept for jobs moving off failing GPUs
@@ -42,6 +45,7 @@ from typing import Any
 from agent.coord.config import CoordConfig
 from agent.cuda.jobs import CudaConfig
 from agent.errors import InvalidArgumentError
+from agent.gpus.verify import VerifyConfig
 from agent.health.monitor import HealthConfig
 from agent.health.stragglers import ON_STRAGGLER, StragglerConfig
 from agent.jobs.network import NetworkConfig
@@ -87,6 +91,7 @@ class AgentConfig:
     coordination: CoordConfig = field(default_factory=CoordConfig)
     snapshots: SnapshotConfig = field(default_factory=SnapshotConfig)
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
     path: str = ""  # where it was read from ("" for the defaults)
 
 
@@ -129,7 +134,7 @@ def _read(path: Path) -> str:
 def parse(raw: Mapping[str, Any], where: str = "") -> AgentConfig:
     _known(
         raw,
-        {"health", "policy", "peers", "cuda", "network", "coordination", "snapshots", "stragglers"},
+        {"health", "policy", "peers", "cuda", "network", "coordination", "snapshots", "stragglers", "verify"},
         "top level",
     )
     health = HealthConfig.from_dict(_table(raw, "health"))
@@ -147,7 +152,10 @@ def parse(raw: Mapping[str, Any], where: str = "") -> AgentConfig:
     coordination = from_table(CoordConfig, _table(raw, "coordination"), "coordination").check()
     snapshots = from_table(SnapshotConfig, _table(raw, "snapshots"), "snapshots").check()
     stragglers = from_table(StragglerConfig, _table(raw, "stragglers"), "stragglers").check()
-    return AgentConfig(health, policy, peers, cuda, network, coordination, snapshots, stragglers, where)
+    verify = from_table(VerifyConfig, _table(raw, "verify"), "verify").check()
+    return AgentConfig(
+        health, policy, peers, cuda, network, coordination, snapshots, stragglers, verify, where
+    )
 
 
 def _table(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:

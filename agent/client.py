@@ -45,6 +45,7 @@ DEADLINES = {
     # Suspending a low-priority job writes its whole memory to storage.
     "preempt": 600.0,
     "snapshot": 600.0,  # each call gives its own bound (agent.snapshots.rounds)
+    "path probe": 60.0,  # a few MiB: a path that takes longer is refused anyway
 }
 MAX_MESSAGE = 16 << 20
 #: Keepalive pings find a peer that vanished without a FIN (a cut link) in about 20 s,
@@ -229,6 +230,9 @@ class PeerClient:
 
     def health(self, timeout_s: float) -> pb.HealthReport:
         return self._call("health", self._stub.GetHealth, pb.GetHealthRequest(), timeout_s)  # type: ignore[return-value]
+
+    def probe_path(self, chunks: Iterator[pb.ProbeChunk]) -> pb.ProbeResult:
+        return self._call("path probe", self._stub.ProbePath, chunks)  # type: ignore[return-value]
 
     def pace(self, group: str, timeout_s: float) -> pb.GroupPace:
         """This peer's members of `group` and their pace samples (the straggler watch)."""

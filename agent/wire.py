@@ -121,6 +121,7 @@ EVENT_KINDS: EnumMap[str] = EnumMap(
         "quarantine": pb.EVENT_KIND_QUARANTINE,
         "alert": pb.EVENT_KIND_ALERT,
         "straggler": pb.EVENT_KIND_STRAGGLER,
+        "verify": pb.EVENT_KIND_VERIFY,
     },
 )
 ENUM_MAPS: tuple[EnumMap[Any], ...] = (

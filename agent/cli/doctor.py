@@ -258,6 +258,18 @@ def _gpu_checks(
                 required=False,
             )
         )
+    from agent.gpus import selftest
+
+    why = selftest.unavailable()
+    checks.append(
+        Check(
+            "gpu self-test",
+            not why,
+            why or f"kernels at {selftest.ptx_path()}: a lease's GPUs are tested before a job moves in",
+            'without it GPUs are trusted on NVML alone ([verify] selftest = "auto")',
+            required=False,
+        )
+    )
     if mig := [g.uuid for g in inv.gpus if g.mig]:
         checks.append(
             Check(

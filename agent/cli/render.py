@@ -171,6 +171,7 @@ def result_dict(r: pb.MigrationResult) -> dict[str, Any]:
         # or no member, which group_pause_by "" says).
         "group_pause_s": round(r.group_pause_s, 4) if r.group_pause_by and r.group_pause_s >= 0 else None,
         "group_pause_by": r.group_pause_by,
+        "path_mbps": round(r.path_mbps, 1) if r.path_mbps else None,
     }
 
 
@@ -190,6 +191,8 @@ def summary(r: pb.MigrationResult) -> str:
     )
     if r.transfer_gbps:
         lines.append(f"transfer rate: {r.transfer_gbps:.2f} GB/s")
+    if r.path_mbps:
+        lines.append(f"path probed before the move: {r.path_mbps:.0f} MB/s")
     if r.target_node:
         if r.method:
             lines.append(f"method: {r.method}")
@@ -318,10 +321,38 @@ def health_dict(r: pb.HealthReport) -> dict[str, Any]:
                     {"name": h.job, "priority": priority_word(h.priority_class), "used_bytes": h.used_bytes}
                     for h in g.holders
                 ],
+                "selftest": selftest_dict(g.selftest) if g.selftest.at else None,
             }
             for g in r.gpus
         ],
     }
+
+
+def selftest_dict(v: pb.SelfTestVerdict) -> dict[str, Any]:
+    return {
+        "at": v.at,
+        "passed": not v.problems,
+        "problems": list(v.problems),
+        "untested": v.untested or None,
+        "memory_bytes": v.memory_bytes,
+        "memory_gbps": v.memory_gbps,
+        "tflops": v.tflops,
+        "expected_tflops": v.expected_tflops or None,
+        "took_s": v.took_s,
+    }
+
+
+def selftest_line(uuid: str, v: pb.SelfTestVerdict) -> str:
+    when = f"self-test at {_clock(v.at)}"
+    if v.problems:
+        return f"  {uuid}: {when} FAILED: {'; '.join(v.problems)}"
+    if v.untested:
+        return f"  {uuid}: not self-tested ({v.untested}); taken on its NVML state alone"
+    expected = f" of {v.expected_tflops:g} expected" if v.expected_tflops else ""
+    return (
+        f"  {uuid}: {when} passed: {v.memory_bytes / 2**30:.2f} GiB of memory at {v.memory_gbps:.0f} GB/s, "
+        f"{v.tflops:.1f} TFLOP/s{expected}"
+    )
 
 
 def health_text(r: pb.HealthReport) -> str:
@@ -330,7 +361,7 @@ def health_text(r: pb.HealthReport) -> str:
     head = f"node {r.node_name}: {len(r.gpus)} GPU(s), sampled every {r.interval_s:.0f} s"
     if r.nvml_detail:
         head += f" ({r.nvml_detail})"
-    rows, why = [], []
+    rows, why, tests = [], [], []
     for g in r.gpus:
         temp = g.readings.get("temperature_c")
         word = health_word(g.health_state)
@@ -357,9 +388,13 @@ def health_text(r: pb.HealthReport) -> str:
                 f"  {g.uuid}: quarantined since {_clock(g.quarantined_at)}: {g.quarantine_reason}; "
                 f"`ferry gpus --clear {g.uuid}` once fixed"
             )
+        if g.selftest.at:
+            tests.append(selftest_line(g.uuid, g.selftest))
     lines = [head, table(["GPU", "UUID", "NAME", "STATE", "TEMP", "JOBS"], rows)]
     if why:
         lines += ["why:", *why]
+    if tests:
+        lines += ["self-tests:", *tests]
     return "\n".join(lines)
 
 

@@ -35,6 +35,8 @@ EXPECTED_TFLOPS: dict[str, float] = {
 PATTERNS = (0x5A5A5A5A, 0xA5A5A5A5)  # each word written and checked twice, every bit both ways
 FMA_ITERS = 1 << 14
 THREADS = 256
+#: The child's exit status when this node cannot run the test (kernels or bindings missing).
+UNAVAILABLE_EXIT = 2
 
 
 @dataclass(frozen=True)
@@ -69,8 +71,27 @@ def judge(t: SelfTest, min_ratio: float = 0.5) -> list[str]:
     return out
 
 
+class SelfTestUnavailable(RuntimeError):
+    """This node cannot self-test (no kernels, no cuda-bindings): says nothing about the GPU."""
+
+
+def unavailable() -> str:
+    """Why this node cannot run the self-test ("" if it can): read at each call, cheap."""
+    import importlib.util
+
+    path = ptx_path()
+    if not path.is_file():
+        return f"no self-test kernels at {path} (`make native` where nvcc is)"
+    try:
+        found = importlib.util.find_spec("cuda.bindings") is not None
+    except (ImportError, ValueError):
+        found = False
+    return "" if found else "cuda-bindings is not installed"
+
+
 def run(uuid: str, share: float, timeout_s: float) -> SelfTest:
-    """The self-test of GPU `uuid` in a child process; RuntimeError says why it could not run."""
+    """The self-test of GPU `uuid` in a child process; RuntimeError says why it failed (the GPU's
+    fault), SelfTestUnavailable why it could not run here (the node's)."""
     cmd = [sys.executable, "-m", "agent.gpus.selftest", "--uuid", uuid, "--share", str(share)]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
@@ -78,6 +99,8 @@ def run(uuid: str, share: float, timeout_s: float) -> SelfTest:
         raise RuntimeError(f"the self-test of {uuid} did not end within {timeout_s:g} s (killed)") from None
     if p.returncode != 0:
         said = (p.stderr.strip().splitlines() or ["no output"])[-1]
+        if p.returncode == UNAVAILABLE_EXIT:
+            raise SelfTestUnavailable(f"the self-test cannot run here: {said}")
         raise RuntimeError(f"the self-test of {uuid} failed (exit {p.returncode}): {said}")
     return SelfTest(**json.loads(p.stdout))
 
@@ -203,12 +226,17 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"no self-test kernels at {path} ({e.strerror}): run `make native` where nvcc is", file=sys.stderr
         )
-        return 2
+        return UNAVAILABLE_EXIT
     try:
         from cuda.bindings import driver
     except ImportError as e:
         print(f"cuda-bindings is not installed ({e})", file=sys.stderr)
-        return 2
+        return UNAVAILABLE_EXIT
+    try:
+        driver.cuInit(0)  # loads the driver library: a node without one cannot test, its GPU is not at fault
+    except Exception as e:
+        print(f"the CUDA driver library cannot be loaded ({type(e).__name__}: {e})", file=sys.stderr)
+        return UNAVAILABLE_EXIT
     try:
         got = measure(args.uuid, args.share, ptx, driver)
     except Exception as e:  # the driver's failure, in words, for the parent

@@ -27,7 +27,7 @@ EVENTS_KEPT = 5000
 
 @dataclass(frozen=True)
 class Event:
-    kind: str  # health | decision | migration | preempt | resume | quarantine | alert
+    kind: str  # health | decision | migration | preempt | resume | quarantine | alert | straggler | verify
     message: str
     gpu: str = ""
     job: str = ""

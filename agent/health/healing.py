@@ -13,10 +13,14 @@ and at the jobs that hold it (given by `ferry run --gpu`, or seen on it by NVML)
 Each job is moved by the agent at most once per cooldown, at most `max_moves` moves
 start per window on this node, and a job being moved is never moved again at the same
 time. A GPU that made the agent move a job is quarantined: no job is placed on it until
-`ferry gpus --clear UUID`.
+`ferry gpus --clear UUID`. A target that refuses the move before anything freezes (a spare
+whose GPU fails its self-test, a path too slow, a lease refused) is passed over for the next
+best, at most MAX_TARGETS in all.
 
 The other side, suspending a low-priority job here when a peer asks and resuming it later,
-is agent.health.preemption's (`self.preemptions`).
+is agent.health.preemption's (`self.preemptions`). The rest is one module: the episodes,
+cooldowns, storm guard and the jobs being acted on are one lock's state, which the decisions
+and the moves they start both change.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +52,8 @@ log = logging.getLogger(__name__)
 
 #: The episode key of a straggler verdict (one per job, no GPU).
 STRAGGLER = "straggler"
+#: An automatic move tries at most this many targets that refuse it before anything freezes.
+MAX_TARGETS = 3
 
 
 class HealingPeer(Protocol):
@@ -274,29 +280,21 @@ class SelfHealing:
         failing = g is not None and g.state is State.FAILING
         gpu = g.uuid if g is not None else ""
         tried = False  # a migration was started: on a failing GPU, that was the one try
+        refused: list[str] = []  # targets that refused this move before anything froze
         try:
             rec = self.registry.get(name)
-            placement = self._place(rec, apart=g is None)
-            target = f"target for job {name}: {placement.describe()}"
-            self.events.record("decision", target, gpu=gpu, job=name)
-            # Quarantined once a move off it is on its way; a GPU nobody could take a job off stays open.
-            if g is not None and self.ledger.quarantine_gpu(g.uuid, why):
-                self.events.record("quarantine", f"GPU {g.uuid} quarantined: {why}", gpu=g.uuid, job=name)
-            peer = self.hooks.peer(placement.peer.address)
-            if self.registry.get(name).state is not JobState.RUNNING:
-                raise RefusedError(f"job {name} is no longer running here", step="policy", node=self.node)
-            for victim in placement.preempt:
-                req = pb.PreemptRequest(job=victim, for_job=name, source_node=self.node, reason=why)
-                req.for_group = self.registry.get(name).group
-                peer.preempt(req)
-                self.events.record(
-                    "preempt",
-                    f"node {placement.node} suspended low-priority job {victim} for job {name}",
-                    job=name,
-                )
-            lock = self.config.policy.failing_lock_timeout_s if failing else None
-            tried = True
-            self.hooks.migrate(name, placement.peer.address, f"automatic: {why}", lock)
+            while True:
+                placement = self._place(rec, apart=g is None, skip=refused)
+                target = f"target for job {name}: {placement.describe()}"
+                self.events.record("decision", target, gpu=gpu, job=name)
+                # Quarantined once a move off it is on its way; a GPU nobody could take a job off stays open.
+                if g is not None and self.ledger.quarantine_gpu(g.uuid, why):
+                    self.events.record("quarantine", f"GPU {g.uuid} quarantined: {why}", gpu=g.uuid, job=name)
+                self._preempt(name, placement, why)
+                tried = True
+                if self._try(name, placement, why, failing, last=len(refused) + 1 >= MAX_TARGETS):
+                    break
+                refused.append(placement.peer.address)
             self.registry.update(
                 name, note=f"moved to {placement.node} ({placement.peer.address}) by ferry: {why}"
             )
@@ -341,6 +339,42 @@ class SelfHealing:
             with self._lock:
                 self._acting.discard(name)
 
+    def _preempt(self, name: str, placement: Placement, why: str) -> None:
+        peer = self.hooks.peer(placement.peer.address)
+        if self.registry.get(name).state is not JobState.RUNNING:
+            raise RefusedError(f"job {name} is no longer running here", step="policy", node=self.node)
+        for victim in placement.preempt:
+            req = pb.PreemptRequest(job=victim, for_job=name, source_node=self.node, reason=why)
+            req.for_group = self.registry.get(name).group
+            peer.preempt(req)
+            self.events.record(
+                "preempt",
+                f"node {placement.node} suspended low-priority job {victim} for job {name}",
+                job=name,
+            )
+
+    def _try(self, name: str, placement: Placement, why: str, failing: bool, last: bool) -> bool:
+        """One target: True once the job moved there; False when it refused before anything froze
+        (a spare that failed its self-test, a path too slow, a lease refused) and another may take
+        it (unless this was the `last` of MAX_TARGETS); anything else raises."""
+        lock = self.config.policy.failing_lock_timeout_s if failing else None
+        try:
+            self.hooks.migrate(name, placement.peer.address, f"automatic: {why}", lock)
+            return True
+        except JobBusyError:
+            raise
+        except FerryError as e:
+            # Prepare's refusal leaves the job running here, untouched: another target may do.
+            before_freeze = e.step.startswith("prepare") and self.registry.get(name).state is JobState.RUNNING
+            if not before_freeze or last:
+                raise
+            self.events.record(
+                "decision",
+                f"node {placement.node} did not take job {name} ({e}); choosing another target",
+                job=name,
+            )
+            return False
+
     def _not_started(self, name: str, started: tuple[float | None, float]) -> None:
         last, now = started
         with self._lock:
@@ -359,8 +393,9 @@ class SelfHealing:
         except FerryError:
             pass
 
-    def _place(self, rec: JobRecord, apart: bool = False) -> Placement:
-        """The best peer for `rec`; `apart`: never one that runs a member of its group."""
+    def _place(self, rec: JobRecord, apart: bool = False, skip: Sequence[str] = ()) -> Placement:
+        """The best peer for `rec`; `apart`: never one that runs a member of its group; never
+        one in `skip` (it refused this move already)."""
         needs = self.needs(rec)
 
         def ask(spec: PeerSpec) -> pb.HealthReport | FerryError:
@@ -378,7 +413,11 @@ class SelfHealing:
         def mine(r: pb.HealthReport | FerryError) -> bool:  # this agent is in its own peer list
             return not isinstance(r, FerryError) and bool(r.agent_id) and r.agent_id == me
 
-        views = [(spec, r) for spec, r in zip(self.config.peers, answers, strict=True) if not mine(r)]
+        views = [
+            (spec, r)
+            for spec, r in zip(self.config.peers, answers, strict=True)
+            if not mine(r) and spec.address not in skip
+        ]
         return choose_target(needs, rec.priority, views, self.node, rec.group, apart=apart)
 
     def needs(self, rec: JobRecord) -> list[GpuNeed]:

@@ -90,6 +90,7 @@ class MigrationResult:
     #: wait after its release, agent.migration.peerwait); <0: not measured.
     group_pause_s: float = -1.0
     group_pause_by: str = ""  # how group_pause_s was measured, in words; "" for no member
+    path_mbps: float = 0.0  # the path probe's rate, MB/s (0: a move too small to probe)
 
 
 Emit = Callable[[Progress], None]

@@ -45,6 +45,7 @@ from agent.migration.journal import SOURCE, Journal, JournaledRecord, MigrationR
 from agent.migration.limits import RateLog
 from agent.migration.model import Emit, MigrationResult, MigrationSpec, Peer, Progress
 from agent.migration.pagestream import sent_bytes
+from agent.migration.probe import PathCheck
 from agent.migration.source_abort import AbortPath, _TargetAborted, _Unresolved
 from agent.migration.source_postcopy import PostCopyStep
 from agent.migration.source_prepare import PrepareStep
@@ -73,8 +74,11 @@ class SourceMigration(PrepareStep, PostCopyStep, AbortPath):
         *,
         cuda_jobs: CudaJobs,
         journal: Journal,
+        path_check: PathCheck | None = None,
     ) -> None:
         self.spec = spec
+        #: A large move's path to the target, probed before its Prepare (agent.migration.probe).
+        self.path_check = path_check
         self.journal = journal
         #: CRIU's logs of this migration: kept where the errors say when it fails.
         self.criu_logs = CriuLogs(registry.root.parent)

@@ -30,7 +30,8 @@ from agent.jobs.registry import JobRegistry
 from agent.migration.capture import estimated_bytes, require_host_memory
 from agent.migration.datapath import SourceDataPath
 from agent.migration.limits import RateLog, refuse_long_pause
-from agent.migration.model import Method, MigrationResult, MigrationSpec, Peer
+from agent.migration.model import Emit, Method, MigrationResult, MigrationSpec, Peer, Progress
+from agent.migration.probe import PathCheck
 from agent.rpc import pb
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ class PrepareStep:
     prepare_sent: bool
     direct: bool
     estimated_bytes: int
+    path_check: PathCheck | None
+    emit: Emit
 
     if TYPE_CHECKING:  # SourceMigration's, which this is part of
 
@@ -125,6 +128,14 @@ class PrepareStep:
         self.estimated_bytes = estimated_bytes(rec, self.footprint)
         # A member of a distributed job: its peers wait only so long (agent.migration.limits).
         refuse_long_pause(rec, self.estimated_bytes, self.rates, self.node)
+        if self.path_check is not None:
+            target = info.node_name or self.spec.target
+            rate = self.path_check(self.spec.target, target, rec.name, self.estimated_bytes)
+            if rate is not None:
+                self.result.path_mbps = rate.mbps
+                said = f"the path to {target} carries {rate.mbps:.0f} MB/s"
+                log.info("migration %s: %s", self.spec.migration_id, said)
+                self.emit(Progress("prepare", said))
         req = pb.PrepareRequest(
             migration_id=self.spec.migration_id,
             job=rec.name,

@@ -28,6 +28,7 @@ from agent.criu.logs import CriuLogs
 from agent.criu.runner import Criu
 from agent.cuda.jobs import CudaJobs
 from agent.errors import (
+    FerryError,
     ImageError,
     InvalidArgumentError,
     NotFoundError,
@@ -97,6 +98,9 @@ class TargetMigrations:
         self.ledger = ledger
         #: Told how each incoming migration ended: "committed" (the job runs here) or "aborted".
         self.on_end: Callable[[str], None] = lambda result: None
+        #: Before a lease is granted, its GPUs pass their self-test or the lease is refused
+        #: (agent.gpus.verify.GpuVerifier.require: (GPUs, for what)); the agent sets it.
+        self.verify: Callable[[list[str], str], None] = lambda gpus, what: None
         #: How long an Abort waits for its drop before answering (ABORT_WAIT_S).
         self.abort_wait_s = ABORT_WAIT_S
         #: Where this node's page servers listen for a source's CRIU (the agent's own address).
@@ -119,6 +123,11 @@ class TargetMigrations:
         inc = self.admission.lease(req, caller)
         keys: DataTls | None = None
         try:
+            if inc.gpu_map:  # slow (a self-test per GPU, at once), so before the protocol lock
+                try:
+                    self.verify(list(inc.gpu_map.values()), f"job {req.job} from {req.source_node}")
+                except FerryError as e:
+                    raise e.at(node=self.node) from None
             keys, data_cert = self.admission.keys(req)
             with self.table.lock:
                 if req.migration_id in self._incoming or self.journal.get(TARGET, req.migration_id):

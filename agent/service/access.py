@@ -63,6 +63,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "StoreSnapshot": PEERS,
     "FetchSnapshot": PEERS,
     "Rollback": USERS,
+    # A source measures its path to a target before a large move (agent.migration.probe).
+    "ProbePath": PEERS,
 }
 
 

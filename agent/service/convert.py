@@ -6,6 +6,7 @@ its table in agent.wire.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from agent.coord.liveness import LostMember
@@ -13,6 +14,8 @@ from agent.cuda.driver import DriverInfo
 from agent.errors import InvalidArgumentError
 from agent.gpus.inventory import Inventory
 from agent.gpus.quarantine import Quarantine
+from agent.gpus.selftest import EXPECTED_TFLOPS
+from agent.gpus.verify import Verdict
 from agent.health.events import Event
 from agent.health.monitor import GpuHealth
 from agent.jobs.record import JobRecord, JobState
@@ -113,6 +116,7 @@ def result_pb(r: MigrationResult) -> pb.MigrationResult:
         method=r.method,
         group_pause_s=r.group_pause_s,
         group_pause_by=r.group_pause_by,
+        path_mbps=r.path_mbps,
     )
 
 
@@ -154,8 +158,15 @@ def inventory_pb(inv: Inventory, drv: DriverInfo) -> pb.GpuInventory:
     )
 
 
-def health_pb(g: GpuHealth, holders: list[Holder], quarantine: Quarantine, held: set[str]) -> pb.GpuHealth:
+def health_pb(
+    g: GpuHealth,
+    holders: list[Holder],
+    quarantine: Quarantine,
+    held: set[str],
+    verdicts: Mapping[str, Verdict] | None = None,
+) -> pb.GpuHealth:
     q = quarantine.get(g.uuid)
+    v = (verdicts or {}).get(g.uuid)
     return pb.GpuHealth(
         uuid=g.uuid,
         index=g.index,
@@ -186,6 +197,21 @@ def health_pb(g: GpuHealth, holders: list[Holder], quarantine: Quarantine, held:
             for h in holders
         ],
         held=g.uuid in held,
+        selftest=selftest_pb(v) if v is not None else None,
+    )
+
+
+def selftest_pb(v: Verdict) -> pb.SelfTestVerdict:
+    f = v.figures
+    return pb.SelfTestVerdict(
+        at=v.at,
+        problems=list(v.problems),
+        untested=v.untested,
+        memory_gbps=f.memory_gbps if f else 0.0,
+        tflops=f.tflops if f else 0.0,
+        expected_tflops=EXPECTED_TFLOPS.get(f.name, 0.0) if f else 0.0,
+        memory_bytes=f.memory_bytes if f else 0,
+        took_s=f.took_s if f else 0.0,
     )
 
 

@@ -29,6 +29,7 @@ from agent.migration.model import MigrationResult
 from agent.migration.staging import free_bytes
 
 if TYPE_CHECKING:
+    from agent.gpus.verify import Verdict
     from agent.snapshots.recover import Recovered
     from agent.tls import Identity
     from ferry.v1.agent_pb2 import SnapshotSet
@@ -138,6 +139,22 @@ class AgentMetrics:
             ["group", "job"],
             registry=r,
         )
+        self.selftests = Counter(
+            "ferry_gpu_selftests",
+            "GPU self-tests run here (before a lease or on the idle schedule), by result: passed, "
+            "failed (the GPU is quarantined) or untested (this node cannot run one)",
+            ["result"],
+            registry=r,
+        )
+        self.selftest_tflops = Gauge(
+            "ferry_gpu_selftest_tflops", "Each GPU's FP32 rate in its last self-test", ["gpu"], registry=r
+        )
+        self.selftest_gbps = Gauge(
+            "ferry_gpu_selftest_memory_gbps",
+            "Each GPU's device-memory rate (written and read back) in its last self-test",
+            ["gpu"],
+            registry=r,
+        )
         Info("ferry_build", "This agent's build", registry=r).info(
             {"version": __version__, "node": node, "criu": criu_version}
         )
@@ -184,6 +201,13 @@ class AgentMetrics:
             self.member_busy.labels(group, job).set(share)
         if straggler:
             self.stragglers.labels(group).inc()
+
+    def selftest(self, v: Verdict) -> None:
+        """A GPU's self-test ended (agent.gpus.verify)."""
+        self.selftests.labels("failed" if v.problems else "untested" if v.untested else "passed").inc()
+        if v.figures is not None:
+            self.selftest_tflops.labels(v.uuid).set(v.figures.tflops)
+            self.selftest_gbps.labels(v.uuid).set(v.figures.memory_gbps)
 
     def target_ended(self, result: str) -> None:
         """An incoming migration ran the job here ("committed") or was dropped ("aborted")."""

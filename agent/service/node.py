@@ -30,6 +30,7 @@ from agent.errors import FerryError, InvalidArgumentError, JobBusyError, NotFoun
 from agent.gpus.inventory import Inventory, nvml_module
 from agent.gpus.ledger import GpuLedger
 from agent.gpus.quarantine import Entry, Quarantine
+from agent.gpus.verify import GpuVerifier
 from agent.health.events import EventLog
 from agent.health.healing import Hooks, SelfHealing
 from agent.health.monitor import GpuHealth, HealthMonitor
@@ -43,6 +44,7 @@ from agent.migration.journal import SOURCE, Journal
 from agent.migration.local import Dumped, checkpoint
 from agent.migration.local_restore import restore_image, resume_preempted
 from agent.migration.model import Emit, Method, MigrationResult, MigrationSpec, Progress, Resolution
+from agent.migration.probe import PathCheck
 from agent.migration.recovery import SourceRecovery
 from agent.migration.source import SourceMigration
 from agent.migration.target import TargetMigrations
@@ -173,6 +175,20 @@ class AgentNode:
             ),
         )
         self.targets.on_end = self.metrics.target_ended
+        #: Verify before trust: a lease's GPUs self-test first; idle ones on a schedule.
+        self.verifier = GpuVerifier(
+            self.config.verify,
+            quarantine=self.gpus.quarantine_gpu,
+            record=lambda kind, message, gpu: self.events.record(kind, message, gpu=gpu),
+            observe=self.metrics.selftest,
+        )
+        self.targets.verify = self.verifier.require
+        #: A large move's path, probed before its Prepare.
+        self.path_check = PathCheck(
+            self.config.verify,
+            lambda address: client.PeerClient(address, self.dial).probe_path,
+            lambda kind, message, job: self.events.record(kind, message, job=job),
+        )
         #: This node's lease in etcd (`[coordination]`), fencing its members when it cannot renew.
         coord = self.config.coordination
         self.liveness = for_agent(coord, node, self.registry, self.dial.identity, self.events, self._answers)
@@ -399,6 +415,25 @@ class AgentNode:
         threading.Thread(target=self.monitor.run, args=(self.stopping,), name="health", daemon=True).start()
         watch = self.stragglers.run
         threading.Thread(target=watch, args=(self.stopping,), name="stragglers", daemon=True).start()
+        threading.Thread(target=self._check_spares, args=(self.stopping,), name="spares", daemon=True).start()
+
+    def _check_spares(self, stopping: threading.Event) -> None:
+        """Idle GPUs self-test on a schedule (`[verify] every_s`), so that a spare's verdict is
+        ready before a move needs it and a spare that went bad is quarantined before it is chosen."""
+        cfg = self.config.verify
+        if not cfg.every_s or cfg.selftest == "off":
+            return
+        tick = min(60.0, cfg.every_s / 4)
+        wait = min(tick, 2.0)  # the first round soon after the start, once the monitor has polled
+        while not stopping.wait(wait):
+            wait = tick
+            try:
+                held = self.gpus.unavailable("")  # jobs, claims, holds, quarantine, ill health
+                busy = self.healing.jobs_by_gpu()
+                idle = [g.uuid for g in self.monitor.snapshot() if g.uuid not in held and g.uuid not in busy]
+                self.verifier.idle_round(idle)
+            except Exception:
+                log.exception("the idle GPUs' self-test failed; trying again in %.0f s", tick)
 
     def stop_housekeeping(self) -> None:
         self.stopping.set()
@@ -458,6 +493,7 @@ class AgentNode:
             emit,
             cuda_jobs=self.cuda,
             journal=self.journal,
+            path_check=self.path_check,
         )
 
     def _auto_migrate(self, job: str, target: str, reason: str, lock_timeout_s: float | None) -> object:
@@ -661,6 +697,7 @@ class AgentNode:
             raise NotFoundError(f"no GPU {gpu!r} here; its GPUs: {known}", hint="see `ferry health`")
         self.monitor.clear(gpu)
         self.healing.cleared(gpu)
+        self.verifier.forget(gpu)  # fixed, says the operator: tested again before its next job
         self.monitor.poll()
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry.since)) if entry else ""
         was = f"quarantined since {since}" if entry else "not quarantined"

@@ -13,6 +13,7 @@ from agent.errors import InvalidArgumentError, NotFoundError, PermissionDeniedEr
 from agent.jobs.logs import STDERR, STDOUT, read_logs
 from agent.jobs.record import check_group_name, check_job_name
 from agent.migration.model import MigrationResult, Progress
+from agent.migration.probe import receive_probe
 from agent.rpc import pb, pb_grpc
 from agent.service import access
 from agent.service.convert import (
@@ -213,11 +214,15 @@ class AgentService(pb_grpc.AgentServicer):
         a = self.agent
         holders = a.healing.jobs_by_gpu()
         held = set(a.gpus.held_for())
+        verdicts = a.verifier.verdicts()
         return pb.HealthReport(
             node_name=self.node,
             nvml_available=a.monitor.available,
             nvml_detail=a.monitor.detail,
-            gpus=[health_pb(g, holders.get(g.uuid, []), a.quarantine, held) for g in a.monitor.snapshot()],
+            gpus=[
+                health_pb(g, holders.get(g.uuid, []), a.quarantine, held, verdicts)
+                for g in a.monitor.snapshot()
+            ],
             agent_id=a.agent_id,
             interval_s=a.config.health.interval_s,
             groups=sorted({r.group for r in a.registry.list() if r.group and r.state.active}),
@@ -305,6 +310,12 @@ class AgentService(pb_grpc.AgentServicer):
         self, request_iterator: Iterator[pb.ImageChunk], context: grpc.ServicerContext
     ) -> pb.StoredSnapshot:
         return self.agent.snapshot_store.receive(request_iterator)
+
+    @rpc
+    def ProbePath(
+        self, request_iterator: Iterator[pb.ProbeChunk], context: grpc.ServicerContext
+    ) -> pb.ProbeResult:
+        return receive_probe(request_iterator, self.node)
 
 
 def _grace(timeout_s: float) -> float:

@@ -3,7 +3,8 @@
     python -m agent.testing.agent --nvml-replay FILE agent --listen ... (the usual ferry arguments)
 
 installs `ReplayNvml.from_file(FILE)` with `use_nvml`, so the inventory and the health monitor
-answer from the telemetry file (rewritten to inject faults), and then runs the normal CLI
+answer from the telemetry file (rewritten to inject faults), and the GPU self-test runs against
+a fake of the CUDA driver shaped by the same file (agent.testing.fake_cuda), and then runs the normal CLI
 (agent.cli.main.main) with the rest of the arguments. Production code never chooses a double
 itself, and has no switch for one: only this entry point, or a test calling use_nvml, installs it,
 and neither ships in the installed package (only a checkout has agent.testing).
@@ -18,6 +19,8 @@ from typing import Any
 import pynvml
 
 from agent.cli.main import main as ferry_main
+from agent.gpus import selftest
+from agent.testing.fake_cuda import ReplayedSelfTest
 from agent.testing.nvml_replay import ReplayNvml
 
 log = logging.getLogger(__name__)
@@ -55,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     if not path:
         print(f"{USAGE}\n--nvml-replay needs a file", file=sys.stderr)
         return EXIT_USAGE
-    use_nvml(ReplayNvml.from_file(path), f"the replay of {path}")
+    replay = ReplayNvml.from_file(path)
+    use_nvml(replay, f"the replay of {path}")
+    # The replayed GPUs' self-test: the real measure and judge, the driver faked (no real GPU here).
+    selftest.run = ReplayedSelfTest(replay._now)  # type: ignore[assignment]
+    selftest.unavailable = lambda: ""  # type: ignore[assignment]
     return ferry_main(rest)
 
 

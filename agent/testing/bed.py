@@ -96,6 +96,7 @@ class BedAgent(LocalAgent):
         self.holder: subprocess.Popen[bytes] | None = None  # holds the node's namespaces
         self.cli_cwd = bed.shared
         self.address = f"10.98.0.{index}:7070"
+        self.fabric_link = ""  # the fabric's end of its link (Bed.throttle)
 
     def start(self, prefix: list[str] | None = None, timeout_s: float = 30.0) -> LocalAgent:
         """The agent, in the node's namespaces: a restarted agent finds the node's /dev/shm, /tmp
@@ -200,13 +201,14 @@ class Bed:
         _ip("-n", self.outside_ns, "link", "set", "eth0", "up")
         _ip("-n", self.outside_ns, "link", "set", "lo", "up")
 
-    def _uplink(self, ns: str, inner: str) -> None:
-        """A veth from namespace ns (named inner there) to the fabric's bridge."""
+    def _uplink(self, ns: str, inner: str) -> str:
+        """A veth from namespace ns (named inner there) to the fabric's bridge; its fabric end's name."""
         self._links += 1
         outer = f"{self.tag}l{self._links}"
         _ip("link", "add", outer, "type", "veth", "peer", "name", inner, "netns", ns)
         _ip("link", "set", outer, "netns", self.fabric)
         _ip("-n", self.fabric, "link", "set", outer, "master", "fab0", "up")
+        return outer
 
     def node(
         self, name: str, env: dict[str, str] | None = None, start: bool = True, config: str = ""
@@ -215,7 +217,7 @@ class Bed:
         agent = BedAgent(self, name, index, env, config)
         ns = agent.netns
         _ip("netns", "add", ns)
-        self._uplink(ns, "uplink")
+        agent.fabric_link = self._uplink(ns, "uplink")
         _ip("-n", ns, "link", "add", "ferry0", "type", "bridge")
         _ip("-n", ns, "link", "set", "uplink", "master", "ferry0", "up")
         _ip("-n", ns, "addr", "add", f"10.98.0.{index}/16", "dev", "ferry0")
@@ -302,6 +304,15 @@ class Bed:
     def partition(self, agent: BedAgent) -> None:
         """The node is cut off from everything (the fabric, etcd, its peers); it lives on."""
         _ip("-n", agent.netns, "link", "set", "uplink", "down")
+
+    def throttle(self, agent: BedAgent, mbit: int) -> None:
+        """What reaches the node from the fabric is held to `mbit` Mbit/s (a token bucket on the
+        fabric's end of its link): a link that trained down, a congested path."""
+        subprocess.run(
+            ["tc", "-n", self.fabric, "qdisc", "replace", "dev", agent.fabric_link, "root", "tbf",
+             "rate", f"{mbit}mbit", "burst", "64kb", "latency", "200ms"],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
 
     def heal(self, agent: BedAgent) -> None:
         _ip("-n", agent.netns, "link", "set", "uplink", "up")

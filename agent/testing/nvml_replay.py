@@ -26,7 +26,8 @@ World format (per-GPU keys other than uuid and name are optional)::
                "lost": false,             # every call on this GPU raises GPU_IS_LOST
                "unsupported": [],         # call names that raise NOT_SUPPORTED
                "missing": [],             # call names that raise FUNCTION_NOT_FOUND (an older driver)
-               "processes": [{"pid": 123, "used_bytes": 0}], "mps_processes": []}]}
+               "processes": [{"pid": 123, "used_bytes": 0}], "mps_processes": [],
+               "selftest": {"stuck": 12, "tflops": 20.0, "hang": false}}]}  # agent.testing.fake_cuda
 
 Events: XIDs already in the list when a handle registers are delivered too (a
 replay file may start with a GPU that has already failed); ECC events fire on

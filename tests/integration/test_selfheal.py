@@ -38,12 +38,16 @@ def world(uuid: str, **gpu: object) -> dict:
 def node(agents, tmp_path):
     """Start an agent whose single GPU `uuid` is replayed from a file; peers go in its config."""
 
-    def start(name: str, uuid: str, peers: list[tuple[str, bool]] = ()) -> tuple:
+    def start(
+        name: str, uuid: str, peers: list[tuple[str, bool]] = (), extra: str = "", **gpu: object
+    ) -> tuple:
         telemetry = tmp_path / f"{name}-nvml.json"
-        write_world(telemetry, world(uuid))
+        write_world(telemetry, world(uuid, **gpu))
         config = tmp_path / f"{name}.toml"
         config.write_text(
-            HEALTH + "".join(f'[[peers]]\naddress = "{a}"\nspare = {str(s).lower()}\n' for a, s in peers)
+            HEALTH
+            + extra
+            + "".join(f'[[peers]]\naddress = "{a}"\nspare = {str(s).lower()}\n' for a, s in peers)
         )
         env = {"FERRY_HOUSEKEEPING_S": "1"}
         return agents(name, env=env, config=config, nvml_replay=telemetry), telemetry
@@ -118,6 +122,41 @@ def test_degrading_gpu_moves_its_job_to_the_idle_spare(node):
     assert not health(a)["GPU-a0"]["quarantined"]
     wait_event(a, "quarantine", "GPU-a0 cleared by an operator")
     assert "train" not in {j["name"] for j in json.loads(other.cli("ps", "--json").stdout)}
+
+
+def test_a_spare_whose_gpu_fails_its_self_test_refuses_the_job_and_the_next_spare_takes_it(node):
+    """Verify before trust: the first spare's GPU reads back a word wrong in its self-test at
+    Prepare (no schedule there: [verify] every_s = 0), so it refuses the lease with the evidence
+    and quarantines the GPU; the policy passes it over, and the second spare, whose GPU passed
+    the schedule's self-test while idle, takes the job."""
+    bad, _ = node("node-s", "GPU-s0", extra="[verify]\nevery_s = 0\n", selftest={"stuck": 3})
+    good, _ = node("node-t", "GPU-t0", extra="[verify]\nevery_s = 4\ncache_s = 600\n")
+    a, a_nvml = node("node-a", "GPU-a0", peers=[(bad.address, True), (good.address, True)])
+    deadline = time.monotonic() + 30  # the idle spare's verdict is there before any move needs it
+    while not (tested := health(good)["GPU-t0"]["selftest"]) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert tested and tested["passed"] and tested["tflops"] == pytest.approx(60.0), tested
+    assert health(bad)["GPU-s0"]["selftest"] is None
+    run_on_gpu(a, "train", "GPU-a0", steps=80)
+    wait_steps(a, "train", 6)
+
+    write_world(a_nvml, world("GPU-a0", ecc_corrected=40))
+
+    moved = wait_state(a, "train", "moved", timeout_s=120)
+    assert moved["moved_to"] == good.address
+    refused = wait_event(a, "decision", "node node-s did not take job train")
+    assert "failed their self-test" in refused["message"] and "read back wrong" in refused["message"]
+    s0 = health(bad)["GPU-s0"]
+    assert (
+        s0["quarantined"]
+        and "self-test: 2 word(s) of device memory read back wrong" in s0["quarantine_reason"]
+    )
+    assert s0["selftest"]["passed"] is False
+    wait_event(bad, "verify", "GPU GPU-s0 failed its self-test")
+    assert "train" not in {j["name"] for j in json.loads(bad.cli("ps", "--json").stdout)}
+    assert_completed_exactly_once(good, "train", steps=80)
+    text = good.cli("health").stdout
+    assert "self-tests:" in text and "GPU-t0: self-test at " in text and "67 expected" in text
 
 
 def test_low_priority_job_is_preempted_for_a_failing_gpu_and_resumes_later(node):

@@ -38,7 +38,17 @@ PRODUCT_VALUES: list[tuple[EnumMap, list[str]]] = [
     (HEALTH_STATES, list(State)),
     (
         EVENT_KINDS,
-        ["health", "decision", "migration", "preempt", "resume", "quarantine", "alert", "straggler"],
+        [
+            "health",
+            "decision",
+            "migration",
+            "preempt",
+            "resume",
+            "quarantine",
+            "alert",
+            "straggler",
+            "verify",
+        ],
     ),
 ]
 

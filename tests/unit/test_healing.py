@@ -60,6 +60,7 @@ class Rig:
         self.peers = {"s:1": FakePeer("node-s", idle)}
         self.moves: list[tuple[str, str, str, float | None]] = []
         self.fail_with: Exception | None = None
+        self.refusing: dict[str, Exception] = {}  # target → its refusal at Prepare (nothing froze)
         self.gate: threading.Event | None = None
         cfg = AgentConfig(
             health=HealthConfig(interval_s=1, temperature_sustain_s=60),
@@ -114,6 +115,8 @@ class Rig:
             self.gate.wait(10)
         if self.fail_with is not None:
             raise self.fail_with
+        if target in self.refusing:  # as a real move's Prepare refusal: the job runs on, untouched
+            raise self.refusing[target]
         # As a real move does: MIGRATING while it runs, then MOVED.
         self.registry.begin_move(job, "m-fake", "migration")
         self.registry.update(job, state=JobState.MOVED)
@@ -224,6 +227,53 @@ def test_xid_79_tries_once_with_a_short_lock_then_leaves_the_job_to_the_operator
     alerts = rig.kinds("alert")
     assert len(alerts) == 1 and "is failing and job train could not be moved" in alerts[0]
     assert "leaves it to you" in rig.registry.get("train").note
+
+
+def spares(rig: Rig, *nodes: str) -> None:
+    idle = lambda n: pb.GpuHealth(uuid=f"GPU-{n}0", name=H200, health_state=pb.HEALTH_STATE_HEALTHY)  # noqa: E731
+    rig.peers = {f"{n}:1": FakePeer(f"node-{n}", idle(n)) for n in nodes}
+    peers = tuple(PeerSpec(a, spare=True) for a in rig.peers)
+    rig.healing.config = dataclasses.replace(rig.healing.config, peers=peers)
+
+
+def test_a_spare_that_refuses_before_anything_froze_is_passed_over_for_the_next_even_off_a_failing_gpu(
+    tmp_path,
+):
+    """A spare whose GPU fails its self-test refuses the lease: nothing froze, so the one try of a
+    failing GPU is not spent, and the next spare takes the job."""
+    rig = Rig(tmp_path, [(2.0, "GPU-a0", {"xid": 79})])
+    spares(rig, "s", "t")
+    rig.refusing["s:1"] = RefusedError(
+        "prepare self-test on node-s: 1 GPU(s) failed their self-test before taking job train", step="prepare"
+    )
+    rig.job("train")
+    rig.run(5)
+    assert [m[1] for m in rig.moves] == ["s:1", "t:1"]
+    assert rig.registry.get("train").state is JobState.MOVED
+    passed = [m for m in rig.kinds("decision") if "did not take job train" in m]
+    assert len(passed) == 1 and "failed their self-test" in passed[0]
+    assert rig.kinds("migration") == ["moved job train to node node-t (t:1)"]
+
+
+def test_a_refusal_after_something_froze_is_not_passed_on_to_another_target(tmp_path):
+    rig = Rig(tmp_path, [(2.0, "GPU-a0", {"xid": 79})])
+    spares(rig, "s", "t")
+    rig.refusing["s:1"] = RefusedError("target restore failed", step="restore")
+    rig.job("train")
+    rig.run(5)
+    assert [m[1] for m in rig.moves] == ["s:1"]
+    assert len(rig.kinds("alert")) == 1
+
+
+def test_at_most_three_targets_are_tried_for_one_move(tmp_path):
+    rig = Rig(tmp_path, [(2.0, "GPU-a0", {"remapped": {"pending": True}})], PolicyConfig(cooldown_s=600))
+    spares(rig, "s", "t", "u", "v")
+    for a in rig.peers:
+        rig.refusing[a] = RefusedError("the path is too slow", step="prepare path probe")
+    rig.job("train")
+    rig.run(5)
+    assert len(rig.moves) == 3 and rig.registry.get("train").state is JobState.RUNNING
+    assert any("automatic move of job train failed" in m for m in rig.kinds("migration"))
 
 
 def test_a_failed_move_off_a_degraded_gpu_waits_out_the_cooldown(tmp_path):
