@@ -231,8 +231,14 @@ class PeerClient:
     def health(self, timeout_s: float) -> pb.HealthReport:
         return self._call("health", self._stub.GetHealth, pb.GetHealthRequest(), timeout_s)  # type: ignore[return-value]
 
-    def probe_path(self, chunks: Iterator[pb.ProbeChunk]) -> pb.ProbeResult:
-        return self._call("path probe", self._stub.ProbePath, chunks)  # type: ignore[return-value]
+    def probe_path(self, chunks: Iterator[pb.ProbeChunk]) -> pb.ProbeResult | None:
+        """None from an agent older than the probe (it cannot be probed; the move goes on)."""
+        try:
+            return self._stub.ProbePath(chunks, timeout=DEADLINES["path probe"])  # type: ignore[no-any-return]
+        except grpc.RpcError as e:
+            if hasattr(e, "code") and e.code() is grpc.StatusCode.UNIMPLEMENTED:
+                return None
+            raise from_rpc_error(e, self.address, "path probe", self.dial) from e
 
     def pace(self, group: str, timeout_s: float) -> pb.GroupPace:
         """This peer's members of `group` and their pace samples (the straggler watch)."""

@@ -37,6 +37,9 @@ FMA_ITERS = 1 << 14
 THREADS = 256
 #: The child's exit status when this node cannot run the test (kernels or bindings missing).
 UNAVAILABLE_EXIT = 2
+#: cuInit's answers that mean no real driver is here (CUDA_ERROR_STUB_LIBRARY, _INSUFFICIENT_DRIVER):
+#: the node cannot test, which says nothing against the GPU.
+NOT_A_DRIVER = frozenset({34, 35})
 
 
 @dataclass(frozen=True)
@@ -233,9 +236,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cuda-bindings is not installed ({e})", file=sys.stderr)
         return UNAVAILABLE_EXIT
     try:
-        driver.cuInit(0)  # loads the driver library: a node without one cannot test, its GPU is not at fault
+        (err,) = driver.cuInit(0)  # loads the driver library: a node without one cannot test
     except Exception as e:
         print(f"the CUDA driver library cannot be loaded ({type(e).__name__}: {e})", file=sys.stderr)
+        return UNAVAILABLE_EXIT
+    if int(err) in NOT_A_DRIVER:  # the toolkit's stub, or a driver older than the bindings
+        print(f"no usable CUDA driver here: cuInit returned CUresult {int(err)}", file=sys.stderr)
         return UNAVAILABLE_EXIT
     try:
         got = measure(args.uuid, args.share, ptx, driver)

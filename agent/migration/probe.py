@@ -10,6 +10,7 @@ route the job's memory takes; its rate is gRPC's over TLS, a lower bound of the 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from agent.errors import InvalidArgumentError, RefusedError, TransferError
 from agent.gpus.verify import VerifyConfig
 from agent.rpc import pb
+
+log = logging.getLogger(__name__)
 
 CHUNK = 1 << 20
 #: A probe is not a transfer: a target takes at most this much from one.
@@ -49,8 +52,12 @@ def receive_probe(chunks: Iterator[pb.ProbeChunk], node: str) -> pb.ProbeResult:
     return pb.ProbeResult(bytes=got, seconds=last - first)
 
 
-def probe(send: Callable[[Iterator[pb.ProbeChunk]], pb.ProbeResult], n_bytes: int) -> PathRate:
-    """Send `n_bytes` (incompressible) and time the call to the target's answer."""
+Send = Callable[[Iterator[pb.ProbeChunk]], "pb.ProbeResult | None"]
+
+
+def probe(send: Send, n_bytes: int) -> PathRate | None:
+    """Send `n_bytes` (incompressible) and time the call to the target's answer; None from a
+    target whose agent predates the probe."""
     data = os.urandom(CHUNK)
 
     def chunks() -> Iterator[pb.ProbeChunk]:
@@ -62,6 +69,8 @@ def probe(send: Callable[[Iterator[pb.ProbeChunk]], pb.ProbeResult], n_bytes: in
     began = time.monotonic()
     answer = send(chunks())
     took = time.monotonic() - began
+    if answer is None:
+        return None
     if answer.bytes != n_bytes:
         raise TransferError(f"the path probe sent {n_bytes} bytes and the target counted {answer.bytes}")
     return PathRate(n_bytes, took)
@@ -73,7 +82,7 @@ class PathCheck:
     def __init__(
         self,
         config: VerifyConfig,
-        send: Callable[[str], Callable[[Iterator[pb.ProbeChunk]], pb.ProbeResult]],  # address → ProbePath
+        send: Callable[[str], Send],  # address → its ProbePath
         record: Callable[[str, str, str], None] = lambda kind, message, job: None,  # the event log
     ) -> None:
         self.config = config
@@ -86,6 +95,9 @@ class PathCheck:
         if estimated_bytes < cfg.probe_above_mib << 20:
             return None
         rate = probe(self.send(address), cfg.probe_mib << 20)
+        if rate is None:
+            log.warning("the path to %s is not probed: its agent predates the probe", target)
+            return None
         if rate.mbps >= cfg.path_min_mbps:
             return rate
         would = estimated_bytes / (rate.mbps * 1e6)

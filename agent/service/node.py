@@ -30,7 +30,7 @@ from agent.errors import FerryError, InvalidArgumentError, JobBusyError, NotFoun
 from agent.gpus.inventory import Inventory, nvml_module
 from agent.gpus.ledger import GpuLedger
 from agent.gpus.quarantine import Entry, Quarantine
-from agent.gpus.verify import GpuVerifier
+from agent.gpus.verify import GpuVerifier, Runner
 from agent.health.events import EventLog
 from agent.health.healing import Hooks, SelfHealing
 from agent.health.monitor import GpuHealth, HealthMonitor
@@ -94,6 +94,7 @@ class AgentNode:
         make_cuda: Callable[[GpuLedger], CudaJobs] | None = None,
         dial: client.Dial | None = None,
         config: AgentConfig | None = None,
+        selftest: Runner | None = None,
     ) -> None:
         self.node = node
         #: How this agent reaches peers: its node certificate, or plaintext on loopback (--insecure).
@@ -181,6 +182,7 @@ class AgentNode:
             quarantine=self.gpus.quarantine_gpu,
             record=lambda kind, message, gpu: self.events.record(kind, message, gpu=gpu),
             observe=self.metrics.selftest,
+            runner=selftest,  # tests with a fake CUDA driver give its self-test; None: the real one
         )
         self.targets.verify = self.verifier.require
         #: A large move's path, probed before its Prepare.

@@ -4,7 +4,7 @@
 
 installs `ReplayNvml.from_file(FILE)` with `use_nvml`, so the inventory and the health monitor
 answer from the telemetry file (rewritten to inject faults), and the GPU self-test runs against
-a fake of the CUDA driver shaped by the same file (agent.testing.fake_cuda), and then runs the normal CLI
+a fake of the CUDA driver shaped by the same file (agent.testing.fake_selftest), and then runs the normal CLI
 (agent.cli.main.main) with the rest of the arguments. Production code never chooses a double
 itself, and has no switch for one: only this entry point, or a test calling use_nvml, installs it,
 and neither ships in the installed package (only a checkout has agent.testing).
@@ -20,7 +20,7 @@ import pynvml
 
 from agent.cli.main import main as ferry_main
 from agent.gpus import selftest
-from agent.testing.fake_cuda import ReplayedSelfTest
+from agent.testing.fake_selftest import ReplayedSelfTest
 from agent.testing.nvml_replay import ReplayNvml
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ World format (per-GPU keys other than uuid and name are optional)::
                "unsupported": [],         # call names that raise NOT_SUPPORTED
                "missing": [],             # call names that raise FUNCTION_NOT_FOUND (an older driver)
                "processes": [{"pid": 123, "used_bytes": 0}], "mps_processes": [],
-               "selftest": {"stuck": 12, "tflops": 20.0, "hang": false}}]}  # agent.testing.fake_cuda
+               "selftest": {"stuck": 12, "tflops": 20.0, "hang": false}}]}  # agent.testing.fake_selftest
 
 Events: XIDs already in the list when a handle registers are delivered too (a
 replay file may start with a GPU that has already failed); ECC events fire on

@@ -24,6 +24,7 @@ from agent.cuda.driver import CudaDriver
 from agent.errors import MigrationAbortedError
 from agent.jobs.record import JobState
 from agent.service.node import AgentNode
+from agent.testing.fake_selftest import sound_selftest
 
 PID = 4100
 QUICK = Bounds(copy_s=0.3, call_s=0.3)
@@ -134,7 +135,14 @@ def test_the_agent_records_an_interrupted_call_as_an_event(tmp_path: Path) -> No
     def make_cuda(ledger: object) -> object:
         return fake_cuda_jobs(world, ledger=ledger, calls=calls_in(state / "cuda-calls"))[0]
 
-    node = AgentNode(state, "nodea", tmp_path / "staging", criu=FakeCriu("nodea"), make_cuda=make_cuda)
+    node = AgentNode(
+        state,
+        "nodea",
+        tmp_path / "staging",
+        criu=FakeCriu("nodea"),
+        make_cuda=make_cuda,
+        selftest=sound_selftest,
+    )
     alerts = [e.message for e in node.events.recent()]
     assert any("CUDA restore of pid 4100" in m and "was in flight when the agent ended" in m for m in alerts)
 

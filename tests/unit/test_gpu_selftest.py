@@ -1,5 +1,5 @@
 """The GPU self-test (agent/gpus/selftest.py) against a fake of the CUDA driver API
-(agent.testing.fake_cuda: the calls answer as cuda.bindings documents them, the kernels do what
+(agent.testing.fake_selftest: the calls answer as cuda.bindings documents them, the kernels do what
 native/gpu_selftest.cu does). The real driver runs it in tests/gpu and the device check."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from agent.gpus import selftest
 from agent.gpus.selftest import SelfTest, judge, measure
-from agent.testing.fake_cuda import UUID, FakeDriver
+from agent.testing.fake_selftest import UUID, FakeDriver
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -57,6 +57,7 @@ from agent.migration.model import Method, MigrationResult
 from agent.rpc import pb
 from agent.service.node import AgentNode
 from agent.service.serve import create_server
+from agent.testing.fake_selftest import sound_selftest
 from agent.testing.nvml_replay import FakeClock, ReplayNvml, Timeline
 
 # -- the documented order --------------------------------------------------------------------
@@ -384,7 +385,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
                 cuda_jobs.driver.calls = BoundedCalls(Bounds(), in_flight, node)
                 return cuda_jobs
 
-            svc = AgentNode(state, node, tmp / node / "staging", criu=c, make_cuda=make_cuda)
+            svc = AgentNode(
+                state, node, tmp / node / "staging", criu=c, make_cuda=make_cuda, selftest=sound_selftest
+            )
             instrument(svc, tracker, _nvml_world(*gpus))
             return svc
 

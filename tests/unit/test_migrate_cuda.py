@@ -49,6 +49,7 @@ from agent.migration.model import Method, MigrationResult, MigrationSpec
 from agent.migration.source import SourceMigration
 from agent.migration.target import TargetMigrations
 from agent.rpc import pb
+from agent.testing.fake_selftest import sound_selftest
 
 MID = "feedc0de00000001"
 
@@ -491,7 +492,14 @@ def agent_over(tmp_path: Path, make_cuda: Callable[[Any], Any]) -> Iterator[str]
     from agent.service.serve import create_server
 
     criu = FakeCriu("nodea")
-    svc = AgentNode(tmp_path / "state", "nodea", tmp_path / "staging", criu=criu, make_cuda=make_cuda)
+    svc = AgentNode(
+        tmp_path / "state",
+        "nodea",
+        tmp_path / "staging",
+        criu=criu,
+        make_cuda=make_cuda,
+        selftest=sound_selftest,
+    )
     server, port = create_server("127.0.0.1:0", svc, max_workers=4)
     server.start()
     try:

@@ -1,7 +1,7 @@
 """Verify before trust (agent/gpus/verify.py, agent/migration/probe.py): a GPU's self-test before
 a lease, cached, quarantined on failure; idle GPUs on a schedule; a path probed before a large
 move. The self-tests run the real measure and judge against the fake driver
-(agent.testing.fake_cuda); the real driver runs them in tests/gpu and the device check."""
+(agent.testing.fake_selftest); the real driver runs them in tests/gpu and the device check."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from agent.gpus.quarantine import Quarantine
 from agent.gpus.verify import GpuVerifier, Verdict, VerifyConfig
 from agent.migration.probe import MAX_PROBE_BYTES, PathCheck, probe, receive_probe
 from agent.rpc import pb
-from agent.testing.fake_cuda import ReplayedSelfTest
+from agent.testing.fake_selftest import ReplayedSelfTest
 from agent.testing.nvml_replay import FakeClock
 
 WORLD: dict[str, Any] = {
@@ -222,3 +222,12 @@ def test_a_gpu_cleared_by_hand_is_tested_again_before_its_next_job(tmp_path: Pat
     with pytest.raises(RefusedError):
         rig.verifier.require(["GPU-a1"], "job train")
     assert rig.ran == ["GPU-a1", "GPU-a1"]
+
+
+def test_a_target_whose_agent_predates_the_probe_is_moved_to_unprobed() -> None:
+    def older(chunks: Any) -> None:  # PeerClient.probe_path's answer to UNIMPLEMENTED
+        for _ in chunks:
+            pass
+
+    check = PathCheck(VerifyConfig(probe_above_mib=0, probe_mib=1, path_min_mbps=1e9), lambda a: older)
+    assert check("b:1", "node-b", "train", 1 << 30) is None

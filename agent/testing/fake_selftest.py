@@ -145,6 +145,12 @@ class FakeDriver:
         return (0,)
 
 
+def sound_selftest(uuid: str, share: float, timeout_s: float) -> SelfTest:
+    """`selftest.run` for a rig's fake GPUs (an H200 with nothing wrong): the real measure."""
+    raw = uuid_text(hashlib.sha256(uuid.encode()).digest()[:16])
+    return replace(measure(raw, share, b"PTX", FakeDriver(uuid=raw)), uuid=uuid)
+
+
 class ReplayedSelfTest:
     """`selftest.run` for replayed GPUs: each GPU's "selftest" entry in the world, e.g.
     ``{"stuck": 12, "tflops": 20.0, "gbps": 3000.0, "hang": false}`` (all optional: a sound H200
