@@ -101,9 +101,10 @@ def schedule(
     """A Poisson process over [start_s, span_s] at an MTBF of (span - start) / the middle of
     [lo, hi], redrawn (from the same seed) until it gives lo..hi failures at least spacing_s
     apart; each warned with probability warned_share, on a replica drawn uniformly."""
-    if span_s - start_s < spacing_s * hi:
+    # The fewest asked for must fit: the first half a spacing in, each next a spacing later.
+    if start_s + spacing_s / 2 + (lo - 1) * spacing_s >= span_s:
         raise BenchError(
-            f"{hi} failures {spacing_s:g} s apart do not fit in {span_s - start_s:.0f} s: "
+            f"{lo} failures {spacing_s:g} s apart do not fit in {span_s - start_s:.0f} s: "
             "more steps or fewer failures"
         )
     rng = random.Random(seed)
@@ -120,7 +121,10 @@ def schedule(
                 )
                 for x in times
             ]
-    raise BenchError(f"no schedule of {lo}-{hi} failures {spacing_s:g} s apart within 10000 draws")
+    raise BenchError(
+        f"no schedule of {lo}-{hi} failures {spacing_s:g} s apart in {span_s - start_s:.0f} s within 10000 "
+        "draws: more steps or fewer failures"
+    )
 
 
 def fixed_schedule(text: str, span_s: float) -> list[Failure]:
@@ -977,6 +981,7 @@ def run(args: argparse.Namespace, say: Progress) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.workdir.mkdir(parents=True, exist_ok=True)  # a --workdir named for this run
     say = Progress()
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # the beds come down on SIGTERM too
     try:

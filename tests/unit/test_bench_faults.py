@@ -25,8 +25,14 @@ def test_a_seed_gives_one_schedule_within_the_bounds_and_the_spacing() -> None:
 
 
 def test_a_schedule_that_cannot_fit_is_refused_with_what_to_change() -> None:
-    with pytest.raises(bench.BenchError, match="more steps or fewer failures"):
-        bench.schedule(1, 100.0, 4, 6, 20.0, 0.5, 10.0)
+    with pytest.raises(bench.BenchError, match="4 failures 20 s apart do not fit in 60 s: more steps"):
+        bench.schedule(1, 70.0, 4, 6, 20.0, 0.5, 10.0)
+
+
+def test_the_defaults_fit_a_run_as_short_as_this_machine_s_500_steps() -> None:
+    """500 steps took 119 s here: at most six failures 20 s apart would not fit, four or five do."""
+    a = bench.schedule(1, 119.0, 4, 6, 20.0, 0.5, 10.0)
+    assert 4 <= len(a) <= 5 and a[0].at_s >= 20.0 and a[-1].at_s < 119.0
 
 
 def test_young_daly_interval_in_steps() -> None:
