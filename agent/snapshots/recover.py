@@ -156,7 +156,24 @@ class GroupRecovery:
             if pending_kv is not None:  # its members run where their keys say: nothing is half-way
                 live.client.delete_if(k("groups", group, "pending"), pending_kv.mod_revision)
             return None  # recovered meanwhile, or not lost after all
-        if gone := [m for m in lost if m.buddy_node not in nodes]:
+        # A member that runs on another live node than the snapshot says (an earlier recovery, or a
+        # move, put it there) is rolled back where it runs now: the snapshot's node may be dead.
+        moved = {
+            m.job: cur.agent
+            for m in snap.members
+            if (cur := members.get(m.job)) is not None
+            and m not in lost
+            and cur.node in nodes
+            and cur.agent != m.agent
+        }
+        # Every agent known dead: those the snapshot names on nodes without a lease, and the lost
+        # members' (no rollback step asks them; the lost members' copies went with them).
+        dead = {m.agent for m in snap.members if m.node not in nodes} | {members[m.job].agent for m in lost}
+
+        def fetchable(m: pb.MemberCopy) -> bool:  # its buddy lives, or it runs on its buddy now
+            return m.buddy_node in nodes or moved.get(m.job) == m.buddy_agent
+
+        if gone := [m for m in snap.members if (m in lost or m.job in moved) and not fetchable(m)]:
             self._wait(
                 group, f"member {gone[0].job}'s snapshot copy was on node {gone[0].buddy_node}, dead too"
             )
@@ -187,7 +204,13 @@ class GroupRecovery:
         )
         # A failure keeps `pending`: the next check (here or on any agent) tries again from it.
         t = rollback.roll_back(
-            group, snap, self.call, others, self.hold_s, {j: a for j, (a, _) in place.items()}
+            group,
+            snap,
+            self.call,
+            others,
+            self.hold_s,
+            {**moved, **{j: a for j, (a, _) in place.items()}},
+            dead=dead,
         )
         try:
             live.client.delete_if(k("groups", group, "pending"), marked)

@@ -58,10 +58,12 @@ def roll_back(
     others: list[str],
     hold_s: float,
     place: dict[str, str] | None = None,
+    dead: set[str] | None = None,
 ) -> RollbackTimes:
     """Every member of `snap` back to it; `others`: more agents that may run a copy of a member
     (where members moved since). `place`: job -> the agent to restore it on instead of its
-    snapshot's (a member whose node is dead)."""
+    snapshot's (a member whose node is dead, or one that runs on another node now). `dead`: the
+    agents known dead, never asked (default: the snapshot's agents of the placed members)."""
     if not snap.epoch:
         raise FerryError(f"group {group} has no complete snapshot to roll back to", step="rollback")
     place = place or {}
@@ -94,7 +96,9 @@ def roll_back(
         if errors:
             raise FerryError("; ".join(errors), step=step)
 
-    dead = lost_nodes = {m.agent for m in snap.members if m.job in place}  # a lost member's node
+    if dead is None:
+        dead = {m.agent for m in snap.members if m.job in place}  # a lost member's node
+    lost_nodes = dead
     enders = [
         a
         for a in dict.fromkeys([*where.values(), *(m.agent for m in snap.members), *others])

@@ -322,3 +322,52 @@ def test_a_member_killed_here_by_a_failed_post_copy_is_handed_back_to_its_dead_s
     live.client.delete(PREFIX + "groups/g/members/r2")
     registry.on_post_copy_lost(rec, "f")
     assert Member.parse("g", "r2", live.client.get(PREFIX + "groups/g/members/r2").value).node == "f"  # type: ignore[union-attr]
+
+
+def test_a_second_failure_rolls_the_member_an_earlier_recovery_moved_back_where_it_runs_now(
+    etcd: EtcdServer, pki: Path, tmp_path: Path
+) -> None:
+    """Seen on the fault bench: node b died and its member r1 was recovered onto spare s (which
+    keeps its copy); no round completed after that, so when node a dies the last snapshot still
+    names b for r1. The recovery rolls r1 back on s, where it runs, and never asks b (dead): it
+    used to ask b which members it ran, and failed on every try."""
+    live, _ = liveness(etcd, pki, tmp_path)
+    snap = pb.SnapshotSet(
+        epoch=5,
+        taken_at=1.0,
+        members=[
+            pb.MemberCopy(
+                job=f"r{i}",
+                node=n,
+                agent=n.upper(),
+                buddy_node=k,
+                buddy_agent=k.upper(),
+                dir=f"/keep/g/5/r{i}",
+                local_dir=f"/taken/g/5/r{i}",
+            )
+            for i, (n, k) in enumerate([("a", "t"), ("b", "s"), ("c", "s")])
+        ],
+    )
+    live.client.put(PREFIX + "groups/g/snapshot", json_format.MessageToJson(snap))
+    lease = live.client.grant(30)
+    for node in ("c", "s", "t"):  # nodes a and b died
+        live.client.put(PREFIX + f"nodes/{node}", "{}", lease=lease.id)
+    for job, node in (("r0", "a"), ("r1", "s"), ("r2", "c")):  # r1 recovered onto s before
+        live.client.put(
+            PREFIX + f"groups/g/members/{job}", Member("g", job, node, node.upper(), "", "").value()
+        )
+    agents = Agents(running={"C": ["r2"], "S": ["r1"]}, ended={})
+    fetched: dict[str, tuple[str, str]] = {}
+
+    def call(agent: str, req: pb.SnapshotMemberRequest, timeout_s: float) -> pb.SnapshotMemberResponse:
+        if req.action == pb.SNAPSHOT_ACTION_FETCH:
+            fetched[req.job] = (agent, req.local_dir)
+        return agents(agent, req, timeout_s)
+
+    rec = GroupRecovery(live, lambda: ["S", "T"], lambda a: a.lower(), call, 5, lambda k, m: None)
+    done = rec.recover("g")
+    assert done is not None and done.placed == {"r0": "t"}
+    assert fetched == {"r0": ("T", "/keep/g/5/r0"), "r1": ("S", "/keep/g/5/r1"), "r2": ("C", "/taken/g/5/r2")}
+    assert agents.did("restore") == [("C", "r2"), ("S", "r1"), ("T", "r0")]
+    assert not [a for a, _, _ in agents.log if a in ("A", "B")]  # the dead are never asked
+    assert agents.running == {"C": ["r2"], "S": ["r1"], "T": ["r0"]}
