@@ -21,7 +21,9 @@ recover the group. etcd decides who does (never a home-made consensus):
    the revision read) *before* anything is restored. A copy on a node that was only cut off
    has fenced itself, and once it reaches etcd again it finds its key naming another node
    and ends without running (docs/recovery.md, "Settling a fenced member").
-5. **Rollback** (agent.snapshots.rollback) with the lost member placed on the spare; then
+5. **Rollback** (agent.snapshots.rollback) with the lost member placed on the spare, a member
+   that runs on another live node than the snapshot says rolled back there, and no agent on a
+   node without a lease asked; then
    `pending` goes. A recovery that died half-way (its claim gone with its lease, `pending`
    left) leaves members whose key names a live spare that may run nothing, and members a
    rollback ended: every agent with a record of the group sees `pending` without a claim
