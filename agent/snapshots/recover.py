@@ -160,11 +160,12 @@ class GroupRecovery:
             return None  # recovered meanwhile, or not lost after all
         # A member that runs on another live node than the snapshot says (an earlier recovery, or a
         # move, put it there) is rolled back where it runs now: the snapshot's node may be dead.
+        lost_jobs = {m.job for m in lost}
         moved = {
             m.job: cur.agent
             for m in snap.members
             if (cur := members.get(m.job)) is not None
-            and m not in lost
+            and m.job not in lost_jobs
             and cur.node in nodes
             and cur.agent != m.agent
         }
@@ -175,7 +176,7 @@ class GroupRecovery:
         def fetchable(m: pb.MemberCopy) -> bool:  # its buddy lives, or it runs on its buddy now
             return m.buddy_node in nodes or moved.get(m.job) == m.buddy_agent
 
-        if gone := [m for m in snap.members if (m in lost or m.job in moved) and not fetchable(m)]:
+        if gone := [m for m in snap.members if (m.job in lost_jobs or m.job in moved) and not fetchable(m)]:
             self._wait(
                 group, f"member {gone[0].job}'s snapshot copy was on node {gone[0].buddy_node}, dead too"
             )

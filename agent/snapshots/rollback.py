@@ -80,7 +80,7 @@ def roll_back(
         spare that kept it) the buddy's copy there; one placed elsewhere, or whose copy there is
         gone, fetches its buddy's."""
         local = {m.agent: m.local_dir, m.buddy_agent: m.dir}.get(where[m.job], "")
-        buddy = "" if m.buddy_agent in lost_nodes else m.buddy_agent
+        buddy = "" if m.buddy_agent in gone else m.buddy_agent
         return req(pb.SNAPSHOT_ACTION_FETCH, m.job, buddy, local)
 
     def all_of(calls: list[tuple[str, pb.SnapshotMemberRequest, float]], step: str) -> None:
@@ -96,13 +96,12 @@ def roll_back(
         if errors:
             raise FerryError("; ".join(errors), step=step)
 
-    if dead is None:
-        dead = {m.agent for m in snap.members if m.job in place}  # a lost member's node
-    lost_nodes = dead
+    # Never asked: the given dead, or by default each placed member's snapshot node.
+    gone = dead if dead is not None else {m.agent for m in snap.members if m.job in place}
     enders = [
         a
         for a in dict.fromkeys([*where.values(), *(m.agent for m in snap.members), *others])
-        if a not in dead
+        if a not in gone
     ]
     _every_copy_found(group, snap, call, enders, set(place))
     ended = False  # from the first END on, a failure leaves members with no copy: try again

@@ -145,10 +145,16 @@ class FakeDriver:
         return (0,)
 
 
+def measured(uuid: str, share: float, **gpu: Any) -> SelfTest:
+    """The real measure of GPU `uuid` through a FakeDriver shaped by `gpu` (its fields). Tests and
+    replay files name GPUs briefly ("GPU-a0"); the driver speaks in 16-byte UUIDs."""
+    raw = uuid_text(hashlib.sha256(uuid.encode()).digest()[:16])
+    return replace(measure(raw, share, b"PTX", FakeDriver(uuid=raw, **gpu)), uuid=uuid)
+
+
 def sound_selftest(uuid: str, share: float, timeout_s: float) -> SelfTest:
     """`selftest.run` for a rig's fake GPUs (an H200 with nothing wrong): the real measure."""
-    raw = uuid_text(hashlib.sha256(uuid.encode()).digest()[:16])
-    return replace(measure(raw, share, b"PTX", FakeDriver(uuid=raw)), uuid=uuid)
+    return measured(uuid, share)
 
 
 class ReplayedSelfTest:
@@ -168,13 +174,11 @@ class ReplayedSelfTest:
         spec = g.get("selftest", {})
         if spec.get("hang"):
             raise RuntimeError(f"the self-test of {uuid} did not end within {timeout_s:g} s (killed)")
-        # Replay files name GPUs briefly ("GPU-a0"); the driver speaks in 16-byte UUIDs.
-        raw = uuid_text(hashlib.sha256(uuid.encode()).digest()[:16])
-        drv = FakeDriver(
+        return measured(
+            uuid,
+            share,
             name=str(g.get("name", "NVIDIA H200")),
-            uuid=raw,
             stuck=spec.get("stuck"),
             tflops=float(spec.get("tflops", 60.0)),
             gbps=float(spec.get("gbps", 4000.0)),
         )
-        return replace(measure(raw, share, b"PTX", drv), uuid=uuid)

@@ -226,10 +226,12 @@ def test_a_snapshot_stops_covering_its_group_when_a_member_moves_or_a_copys_node
     assert live.snapshot_stale("g", snap) == "node a, which keeps member r2's copy, has no lease in etcd"
 
 
-def test_a_lost_member_goes_to_the_spare_that_keeps_its_copy_and_reads_it_there(
-    etcd: EtcdServer, pki: Path, tmp_path: Path
-) -> None:
-    live, _ = liveness(etcd, pki, tmp_path)
+def round_five(
+    live: NodeLiveness, copies: list[tuple[str, str]], alive: list[str], keys: list[str]
+) -> tuple[Agents, dict[str, tuple[str, str]], GroupRecovery]:
+    """Round 5 in etcd: member r<i> ran on copies[i][0], its image kept on copies[i][1] (and on
+    its own node); the nodes `alive` hold a lease; r<i>'s key names node keys[i]. The agents (no
+    member running yet), what each FETCH asked for (job → agent, local copy), and a recovery."""
     snap = pb.SnapshotSet(
         epoch=5,
         taken_at=1.0,
@@ -243,18 +245,18 @@ def test_a_lost_member_goes_to_the_spare_that_keeps_its_copy_and_reads_it_there(
                 dir=f"/keep/g/5/r{i}",
                 local_dir=f"/taken/g/5/r{i}",
             )
-            for i, (n, k) in enumerate([("a", "t"), ("c", "s")])
+            for i, (n, k) in enumerate(copies)
         ],
     )
     live.client.put(PREFIX + "groups/g/snapshot", json_format.MessageToJson(snap))
     lease = live.client.grant(30)
-    for node in ("c", "s", "t"):  # node a died
+    for node in alive:
         live.client.put(PREFIX + f"nodes/{node}", "{}", lease=lease.id)
-    for job, node in (("r0", "a"), ("r1", "c")):
+    for i, node in enumerate(keys):
         live.client.put(
-            PREFIX + f"groups/g/members/{job}", Member("g", job, node, node.upper(), "", "").value()
+            PREFIX + f"groups/g/members/r{i}", Member("g", f"r{i}", node, node.upper(), "", "").value()
         )
-    agents = Agents(running={"C": ["r1"]}, ended={})
+    agents = Agents(running={}, ended={})
     fetched: dict[str, tuple[str, str]] = {}
 
     def call(agent: str, req: pb.SnapshotMemberRequest, timeout_s: float) -> pb.SnapshotMemberResponse:
@@ -262,7 +264,20 @@ def test_a_lost_member_goes_to_the_spare_that_keeps_its_copy_and_reads_it_there(
             fetched[req.job] = (agent, req.local_dir)
         return agents(agent, req, timeout_s)
 
-    rec = GroupRecovery(live, lambda: ["S", "T"], lambda a: a.lower(), call, 5, lambda k, m: None)
+    return (
+        agents,
+        fetched,
+        GroupRecovery(live, lambda: ["S", "T"], lambda a: a.lower(), call, 5, lambda k, m: None),
+    )
+
+
+def test_a_lost_member_goes_to_the_spare_that_keeps_its_copy_and_reads_it_there(
+    etcd: EtcdServer, pki: Path, tmp_path: Path
+) -> None:
+    live, _ = liveness(etcd, pki, tmp_path)
+    # node a died; r1's copy is kept on s, r0's on t
+    agents, fetched, rec = round_five(live, [("a", "t"), ("c", "s")], ["c", "s", "t"], ["a", "c"])
+    agents.running = {"C": ["r1"]}
     done = rec.recover("g")
     assert done is not None and done.placed == {"r0": "t"}, "T keeps r0's copy: S comes first otherwise"
     assert fetched == {"r0": ("T", "/keep/g/5/r0"), "r1": ("C", "/taken/g/5/r1")}
@@ -332,39 +347,10 @@ def test_a_second_failure_rolls_the_member_an_earlier_recovery_moved_back_where_
     names b for r1. The recovery rolls r1 back on s, where it runs, and never asks b (dead): it
     used to ask b which members it ran, and failed on every try."""
     live, _ = liveness(etcd, pki, tmp_path)
-    snap = pb.SnapshotSet(
-        epoch=5,
-        taken_at=1.0,
-        members=[
-            pb.MemberCopy(
-                job=f"r{i}",
-                node=n,
-                agent=n.upper(),
-                buddy_node=k,
-                buddy_agent=k.upper(),
-                dir=f"/keep/g/5/r{i}",
-                local_dir=f"/taken/g/5/r{i}",
-            )
-            for i, (n, k) in enumerate([("a", "t"), ("b", "s"), ("c", "s")])
-        ],
-    )
-    live.client.put(PREFIX + "groups/g/snapshot", json_format.MessageToJson(snap))
-    lease = live.client.grant(30)
-    for node in ("c", "s", "t"):  # nodes a and b died
-        live.client.put(PREFIX + f"nodes/{node}", "{}", lease=lease.id)
-    for job, node in (("r0", "a"), ("r1", "s"), ("r2", "c")):  # r1 recovered onto s before
-        live.client.put(
-            PREFIX + f"groups/g/members/{job}", Member("g", job, node, node.upper(), "", "").value()
-        )
-    agents = Agents(running={"C": ["r2"], "S": ["r1"]}, ended={})
-    fetched: dict[str, tuple[str, str]] = {}
-
-    def call(agent: str, req: pb.SnapshotMemberRequest, timeout_s: float) -> pb.SnapshotMemberResponse:
-        if req.action == pb.SNAPSHOT_ACTION_FETCH:
-            fetched[req.job] = (agent, req.local_dir)
-        return agents(agent, req, timeout_s)
-
-    rec = GroupRecovery(live, lambda: ["S", "T"], lambda a: a.lower(), call, 5, lambda k, m: None)
+    # nodes a and b died; r1 was recovered onto s before, which keeps its copy
+    copies = [("a", "t"), ("b", "s"), ("c", "s")]
+    agents, fetched, rec = round_five(live, copies, ["c", "s", "t"], ["a", "s", "c"])
+    agents.running = {"C": ["r2"], "S": ["r1"]}
     done = rec.recover("g")
     assert done is not None and done.placed == {"r0": "t"}
     assert fetched == {"r0": ("T", "/keep/g/5/r0"), "r1": ("S", "/keep/g/5/r1"), "r2": ("C", "/taken/g/5/r2")}
