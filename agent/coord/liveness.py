@@ -326,15 +326,18 @@ class NodeLiveness:
             log.error("coordination: job %s stays fenced: %s", name, e)
 
     def _unsettled(self) -> bool:
-        return any(
-            r.group and r.state is JobState.FENCED and r.name not in self._fenced_under_lease
-            for r in self.registry.list()
-        )
+        return any(self._settles(r) and r.name not in self._fenced_under_lease for r in self.registry.list())
+
+    @staticmethod
+    def _settles(rec: JobRecord) -> bool:
+        """A member this node's liveness fenced; one a rollback fenced is the rollback's to end
+        (settled by its key, it would run again beside the copy the rollback restores)."""
+        return bool(rec.group) and rec.state is JobState.FENCED and not rec.rolled_back_to
 
     def _settle_fenced(self) -> None:
         """After a lost lease: each fenced member's key decides (fail closed: any doubt, it waits)."""
         for rec in self.registry.list():
-            if rec.state is not JobState.FENCED or not rec.group:
+            if not self._settles(rec):
                 continue
             key = self.key("groups", rec.group, "members", rec.name)
             try:

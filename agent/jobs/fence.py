@@ -27,13 +27,16 @@ log = logging.getLogger(__name__)
 STOP_WAIT_S = 0.5
 
 
-def fence(registry: JobRegistry, name: str, why: str) -> JobRecord | None:
-    """Fence a running job (None if it is not running: a move or its end got there first)."""
+def fence(registry: JobRegistry, name: str, why: str, rolled_back_to: int = 0) -> JobRecord | None:
+    """Fence a running job (None if it is not running: a move or its end got there first).
+    `rolled_back_to`: a rollback to that round fences it, to end it; only the rollback settles
+    it (the node's liveness leaves it alone), 0: the node's liveness fences it."""
     with registry.lock:
         rec = registry.get(name)
         if rec.state is not JobState.RUNNING:
             return None
-        rec = registry.update(name, state=JobState.FENCED, note=f"fenced: {why}")
+        note = f"fenced: {why}"
+        rec = registry.update(name, state=JobState.FENCED, note=note, rolled_back_to=rolled_back_to)
     hold(registry, rec)
     log.warning("job %s: fenced (%s)", name, why)
     return rec

@@ -23,6 +23,7 @@ Each member's part is a Restoring, whose RestoreState only moves as RESTORE_TRAN
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
@@ -66,6 +67,9 @@ RESTORE_TRANSITIONS = Transitions(
 
 #: How long an ended copy may take to be gone (its GPU memory freed) before a restore.
 GONE_WAIT_S = 10.0
+#: How long a held restore that END ended may take to unwind (its copy killed, its record
+#: settled) before END answers: the next try's restore of the job must not find it.
+UNWIND_S = 30.0
 #: An image this node fetches may fill its memory up to this much less than all of it.
 RESERVE_BYTES = 256 << 20
 
@@ -80,11 +84,16 @@ class Restoring:
     group: str
     epoch: int
     job: str
-    dir: Path
+    base: Path  # this fetch's own directory: the image and the chain it reads, under root
     state: RestoreState = RestoreState.FETCHED
     error: str = ""
     held: threading.Event = field(default_factory=threading.Event)  # held, or failed
     go: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)  # its restore has returned
+
+    @property
+    def dir(self) -> Path:
+        return self.base / self.group / str(self.epoch) / self.job
 
 
 class MemberRestores:
@@ -96,6 +105,10 @@ class MemberRestores:
         self.fetch_from, self.restore_image = fetch, restore
         self._lock = threading.Lock()
         self._restoring: dict[tuple[str, int, str], Restoring] = {}
+        self._superseded: list[Restoring] = []  # held by an earlier try, fetched again since
+        self._fetches = itertools.count(1)
+        # An earlier agent's fetched images: a restore reads its image only until it returns.
+        shutil.rmtree(root, ignore_errors=True)
 
     def _to(self, r: Restoring, state: RestoreState) -> None:
         r.state = RESTORE_TRANSITIONS.check(r.state, state, f"{r.job} (round {r.epoch} of group {r.group})")
@@ -104,17 +117,28 @@ class MemberRestores:
         """Bring the image here and verify it; its size in bytes (with the chain an increment
         reads). `local`: this node's own copy, linked (the same memory, no copy) when it is
         whole; else the buddy's."""
-        n = self._bring(group, epoch, job, buddy, Path(local) if local else None)
+        # Each fetch has its own directory: a second rollback to the same round restores from
+        # another path than the first's (whose journal record says it was restored, and runs).
+        r = Restoring(group, epoch, job, self.root / f"{os.getpid()}-{next(self._fetches)}")
+        try:
+            n = self._bring(r.base, group, epoch, job, buddy, Path(local) if local else None)
+        except BaseException:
+            shutil.rmtree(r.base, ignore_errors=True)
+            raise
         with self._lock:
-            self._restoring[(group, epoch, job)] = Restoring(
-                group, epoch, job, self.root / group / str(epoch) / job
-            )
+            old = self._restoring.pop((group, epoch, job), None)
+            if old is not None and old.state is RestoreState.HELD:  # an earlier try's: END ends it
+                self._superseded.append(old)
+            self._restoring[(group, epoch, job)] = r
+        if old is not None and old.state is RestoreState.FETCHED:  # an earlier try's, never restored from
+            shutil.rmtree(old.base, ignore_errors=True)
         return n
 
-    def _bring(self, group: str, epoch: int, job: str, buddy: str, local: Path | None, depth: int = 0) -> int:
-        """Round `epoch`'s image of `job` here, after the images it is an increment over."""
-        d = self.root / group / str(epoch) / job
-        shutil.rmtree(d, ignore_errors=True)  # an earlier try's, never restored from
+    def _bring(
+        self, base: Path, group: str, epoch: int, job: str, buddy: str, local: Path | None, depth: int = 0
+    ) -> int:
+        """Round `epoch`'s image of `job` under `base`, after the images it is an increment over."""
+        d = base / group / str(epoch) / job
         d.mkdir(parents=True, mode=0o700)
         if local is not None and (n := self._link(local, d)):
             return n
@@ -137,12 +161,11 @@ class MemberRestores:
             m = intake.finish()
             n = intake.bytes
             if over:  # an increment: what it reads comes first
-                n += self._bring(group, over, job, buddy, None, depth + 1)
+                n += self._bring(base, group, over, job, buddy, None, depth + 1)
                 link_parent(d, over)
             parent_dir(d, m)
         except BaseException:
             intake.close()
-            shutil.rmtree(d, ignore_errors=True)
             raise
         log.info("rollback: job %s's image of round %d is here (%d bytes)", job, epoch, intake.bytes)
         return n
@@ -187,21 +210,36 @@ class MemberRestores:
         the rollback restored and holds included (they never go on); the jobs ended."""
         why = f"rolled back to snapshot round {epoch} of group {group}"
         with self._lock:
-            held = [r for k, r in self._restoring.items() if k[0] == group and r.state is RestoreState.HELD]
+            held = [
+                r
+                for r in [*self._restoring.values(), *self._superseded]
+                if r.group == group and r.state is RestoreState.HELD
+            ]
             for r in held:
                 self._to(r, RestoreState.ENDED)
-                del self._restoring[(r.group, r.epoch, r.job)]
+                if self._restoring.get((r.group, r.epoch, r.job)) is r:
+                    del self._restoring[(r.group, r.epoch, r.job)]
+            self._superseded = [r for r in self._superseded if all(r is not h for h in held)]
+        for r in held:
+            r.go.set()  # its restore unwinds: its copy never went on
         ended = []
         for rec in self.registry.list():
             if rec.group != group or rec.state not in (JobState.RUNNING, JobState.FENCED):
                 continue
             if rec.state is JobState.RUNNING:
-                fence.fence(self.registry, rec.name, why)
+                # Marked as this rollback's: the node's liveness settles only the fences it made.
+                fence.fence(self.registry, rec.name, why, rolled_back_to=epoch)
             if self.registry.end_fenced(rec.name, why, rolled_back_to=epoch) is not None:
                 ended.append(rec.name)
                 _wait_gone(rec)
-        for r in held:
-            r.go.set()  # its restore unwinds: the copy is gone already
+        deadline = time.monotonic() + UNWIND_S
+        if still := [r.job for r in held if not r.done.wait(max(0.0, deadline - time.monotonic()))]:
+            raise FerryError(
+                f"the copy of {', '.join(still)} restored by an earlier try is still being ended",
+                step="rollback end",
+                node=self.node,
+                hint="the rollback tries again; the agent's log says what holds it",
+            )
         return ended
 
     def restore(self, group: str, epoch: int, job: str, hold_s: float) -> Restoring:
@@ -239,7 +277,8 @@ class MemberRestores:
                 log.error("rollback: job %s could not be restored: %s", job, r.error)
             finally:
                 r.held.set()
-                shutil.rmtree(r.dir, ignore_errors=True)  # restored or not, the image has served
+                shutil.rmtree(r.base, ignore_errors=True)  # restored or not, the image has served
+                r.done.set()
 
         threading.Thread(target=run, name=f"rollback-{job}", daemon=True).start()
         r.held.wait()

@@ -115,9 +115,9 @@ class LocalAgent:
                     agent.send_signal(sig)
             try:
                 self.proc.wait(timeout_s)
-            except (
-                subprocess.TimeoutExpired
-            ):  # with its CRIU children (its process group; jobs have their own)
+            except subprocess.TimeoutExpired:
+                self.stacks()  # where it hung, written to its log: a failing test's evidence
+                # Killed with its CRIU children (its process group; jobs have their own).
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()

@@ -10,6 +10,7 @@ and then died too: its claim went with its lease. Nobody's key names a dead node
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from agent.coord.config import CoordConfig
 from agent.coord.etcd import EtcdClient
 from agent.coord.liveness import Member, NodeLiveness
 from agent.errors import FerryError
+from agent.jobs import fence, procs
 from agent.jobs.record import JobKind, JobRecord, JobState
 from agent.jobs.registry import JobRegistry
 from agent.rpc import pb
@@ -357,3 +359,31 @@ def test_a_second_failure_rolls_the_member_an_earlier_recovery_moved_back_where_
     assert agents.did("restore") == [("C", "r2"), ("S", "r1"), ("T", "r0")]
     assert not [a for a, _, _ in agents.log if a in ("A", "B")]  # the dead are never asked
     assert agents.running == {"C": ["r2"], "S": ["r1"], "T": ["r0"]}
+
+
+def test_a_member_a_rollback_fenced_is_left_to_the_rollback_not_settled_by_its_key(
+    etcd: EtcdServer, pki: Path, tmp_path: Path
+) -> None:
+    """A rollback's END fences a member here, then ends it. Its key names this node: had the
+    node's liveness settled it meanwhile (as it settles a member it fenced under a lost lease),
+    the member would have run again beside the copy the rollback restores."""
+    live, registry = liveness(etcd, pki, tmp_path)
+    jobs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        for name, p in zip(("r1", "r2"), jobs, strict=True):
+            rec = JobRecord(name, JobKind.LAUNCHED, JobState.RUNNING, p.pid, ["sleep"], "/", group="g")
+            rec.pid_started = procs.create_time(p.pid)
+            registry.save(rec)
+            live.client.put(PREFIX + f"groups/g/members/{name}", Member("g", name, "c", "C", "", "").value())
+        fence.fence(registry, "r1", "this node's lease in etcd is gone")  # as the liveness fences
+        fence.fence(registry, "r2", "rolled back to snapshot round 7 of group g", rolled_back_to=7)
+        live._settle_fenced()  # as a renewal does while a member it did not fence is fenced
+        assert registry.get("r1").state is JobState.RUNNING  # its key names this node: it runs again
+        assert registry.get("r2").state is JobState.FENCED  # the rollback's: it ends it next
+        assert not live._unsettled()
+        assert registry.end_fenced("r2", "rolled back", rolled_back_to=7) is not None
+        assert jobs[1].wait(5) == -9
+    finally:
+        for p in jobs:
+            p.kill()
+            p.wait()

@@ -28,6 +28,8 @@ from tests.integration.test_nodes import wait_exited, wait_for
 STEPS = 1900
 WINDOW_S = 8.0
 #: An hidden layer this wide makes a step's compute a few tens of milliseconds: a quota shows.
+#: Steps compared with the undisturbed run after the moves: some 10 s of them.
+MEASURED = 300
 TRAIN = ["--steps", str(STEPS), "--step-time", "0", "--hidden", "16384"]
 
 
@@ -120,15 +122,12 @@ def test_a_slowed_member_is_found_and_moved_and_two_are_moved_one_at_a_time(bed:
         assert found_c["time"] >= arrived + WINDOW_S - 2, "node-c's member was judged while node-b's moved"
         print(f"--- while both were slowed:\n{text}")
 
-        # At the new nodes' pace again: within 10 % of the undisturbed steps, over 8 s from 3 s
-        # after the second move.
+        # The step time after the moves is compared below with the undisturbed run's over the same
+        # steps: the pace drifts along a run on two shared cores (its first steps are the slowest).
         after = moved_c["time"] + 3
-        time.sleep(max(0.0, after + 8 - time.time()))
-        log = a.cli("logs", job[0]).stdout
-        now = step_time(log, after, time.time())
-        assert steps_in(log)[-1] < STEPS - 50, "the job nearly ended before the checks: give it more steps"
-        print(f"--- step time: {base * 1000:.1f} ms undisturbed, {now * 1000:.1f} ms after both moves")
-        assert now <= base * 1.10, f"{now * 1000:.1f} ms a step after the moves, {base * 1000:.1f} ms before"
+        time.sleep(max(0.0, after + 1 - time.time()))
+        left = STEPS - steps_in(a.cli("logs", job[0]).stdout)[-1]
+        assert left > MEASURED + 50, f"only {left} steps left after the moves: give the job more steps"
     except BaseException:
         tell({job[0]: a, job[1]: b, job[2]: c}, nodes)
         raise
@@ -151,6 +150,18 @@ def test_a_slowed_member_is_found_and_moved_and_two_are_moved_one_at_a_time(bed:
         assert wait_exited(node, name, timeout_s=240)["exit_code"] == 0
         want.add(final_digest(node.cli("logs", name).stdout))
     assert len(want) == 1 and digests == want
+
+    # At the new nodes' pace again: within 10 % of the undisturbed run's over the same steps, the
+    # MEASURED steps from 3 s after the second move.
+    moved, undisturbed = stamps(a.cli("logs", job[0]).stdout), stamps(a.cli("logs", ref[0]).stdout)
+    first = next(i for i, t in enumerate(moved) if t >= after)
+    now = statistics.median(b - a for a, b in itertools.pairwise(moved[first : first + MEASURED]))
+    was = statistics.median(b - a for a, b in itertools.pairwise(undisturbed[first : first + MEASURED]))
+    print(
+        f"--- steps {first}-{first + MEASURED}: {now * 1000:.1f} ms a step after both moves, "
+        f"{was * 1000:.1f} ms undisturbed (the run's first steps undisturbed: {base * 1000:.1f} ms)"
+    )
+    assert now <= was * 1.10, f"{now * 1000:.1f} ms a step after the moves, {was * 1000:.1f} ms undisturbed"
 
 
 def wait_for_event(node: BedAgent, kind: str, text: str, timeout_s: float) -> dict:

@@ -27,7 +27,12 @@ docs/recovery.md states it and agent.coord.liveness and agent.snapshots.recover 
   Past the fencing deadline the gate refuses too: while X is cut off with its lease valid,
   either may happen.
 
-Checked: at no moment do two copies run; every world where nothing more can happen has exactly
+- A second member, on node Y (which stays up), is rolled back in place: END fences its copy,
+  then ends it (two steps: a fenced copy first), and the restore brings a new copy, held. Y's
+  liveness settles only the copies it fenced itself, never one a rollback fenced: its key names
+  Y, so settling it would run it again beside the restored copy.
+
+Checked: at no moment do two copies of a member run; every world where nothing more can happen has exactly
 one running copy (none only while X is cut off or dead with no spare copy yet: never final).
 Each broken rule must be caught (two copies found), or the model would prove nothing.
 """
@@ -58,6 +63,8 @@ class W:
     seen: tuple[int, ...] = (0, 0)  # the key revision each read
     crashes: int = 1
     cuts: int = 2  # how often X may be cut off (each heal may bump the key's revision)
+    y_old: str = "running"  # Y's member's copy: running | fenced (by a rollback's END) | dead
+    y_new: str = "none"  # its copy a rollback restored: none | held | running | fenced
 
 
 Rules = dict[str, bool]
@@ -67,6 +74,7 @@ SOUND: Rules = {
     "unfence_only_this_leases": True,
     "go_on_only_under_the_freezes_lease": True,
     "take_over_pending": True,
+    "settle_only_own_fences": True,
 }
 #: The rules whose loss strands the member (no copy in a final world) rather than running two.
 LIVENESS_RULES = {"take_over_pending"}
@@ -137,10 +145,19 @@ def steps(w: W, rules: Rules) -> Iterator[tuple[str, W]]:
                 yield f"r{me} swaps the key", at("swapped", key=("S", w.key[1] + 1))
             else:
                 yield f"r{me} loses the swap", at("idle", claim=0)
-        elif pc == "swapped":  # END reaches every copy the rollback knows: S's included
-            yield f"r{me} ends the copy on S", at("ended", spare="none")
+        elif pc == "swapped":  # END fences the running copies on Y first (a restored one too)
+            fenced = {"running": "fenced"}
+            y_old, y_new = fenced.get(w.y_old, w.y_old), fenced.get(w.y_new, w.y_new)
+            yield f"r{me} fences Y's copies", at("fencing", y_old=y_old, y_new=y_new)
+        elif pc == "fencing":  # then ends what is fenced, and every held copy: S's included
+            gone = {"fenced": "dead"}
+            y_new = "none" if w.y_new in ("held", "fenced") else w.y_new
+            yield (
+                f"r{me} ends the copies",
+                at("ended", spare="none", y_old=gone.get(w.y_old, w.y_old), y_new=y_new),
+            )
         elif pc == "ended":
-            yield f"r{me} restores", at("restored", spare="held")
+            yield f"r{me} restores", at("restored", spare="held", y_new="held")
         elif pc == "restored":
             yield f"r{me} resumes", at("done", spare="running")
         elif pc == "done":
@@ -151,10 +168,27 @@ def steps(w: W, rules: Rules) -> Iterator[tuple[str, W]]:
             yield f"r{me}'s lease expires", at("crashed", claim=0)
     if w.spare == "held" and all(pc != "restored" for pc in w.r):
         yield "the spare's hold runs out", dataclasses.replace(w, spare="running")
+    if w.y_new == "held" and all(pc != "restored" for pc in w.r):
+        yield "Y's hold runs out", dataclasses.replace(w, y_new="running")
+    # -- node Y: its liveness settles a fenced copy by its key, which names Y ----------------------
+    if not rules["settle_only_own_fences"]:
+        if w.y_old == "fenced":
+            yield "y settles its old copy", dataclasses.replace(w, y_old="running")
+        if w.y_new == "fenced":
+            yield "y settles its restored copy", dataclasses.replace(w, y_new="running")
+
+
+def x_copies(w: W) -> int:
+    return (w.x_copy == "running") + (w.spare == "running")
+
+
+def y_copies(w: W) -> int:
+    return (w.y_old == "running") + (w.y_new == "running")
 
 
 def running(w: W) -> int:
-    return (w.x_copy == "running") + (w.spare == "running")
+    """The most copies of one member that run: X's member's, or Y's."""
+    return max(x_copies(w), y_copies(w))
 
 
 def explore(rules: Rules) -> tuple[list[str] | None, int, list[W]]:
@@ -190,7 +224,7 @@ def test_no_interleaving_or_crash_runs_two_copies_and_every_end_runs_one() -> No
     assert seen > 200, seen  # the model is not trivially small
     assert ends, "no world ends: the model never settles"
     for w in ends:  # a recoverer that crashed half-way is taken over: never stranded
-        assert running(w) == 1 and not w.pending, w
+        assert x_copies(w) == 1 and y_copies(w) == 1 and not w.pending, w
 
 
 @pytest.mark.parametrize("broken", sorted(set(SOUND) - LIVENESS_RULES))
@@ -202,5 +236,5 @@ def test_the_model_finds_two_copies_when_a_rule_is_broken(broken: str) -> None:
 def test_without_the_takeover_a_recovery_that_crashed_half_way_strands_the_member() -> None:
     two, _, ends = explore({**SOUND, "take_over_pending": False})
     assert two is None
-    stranded = [w for w in ends if running(w) == 0]
+    stranded = [w for w in ends if x_copies(w) == 0]
     assert stranded and all(w.key[0] == "S" and w.pending for w in stranded), stranded[:3]

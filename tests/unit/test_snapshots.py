@@ -819,3 +819,44 @@ def test_a_copy_a_rollback_ended_is_said_ended_for_that_round_until_one_is_resto
     finally:
         job.kill()
         job.wait()
+
+
+def test_a_tries_fetch_gets_its_own_directory_and_its_end_ends_and_waits_for_the_earlier_held_copy(
+    tmp_path: Path,
+) -> None:
+    """A rollback's next try fetches again while the failed try's restored copy is held: END
+    ends that copy and answers only once its restore has unwound (the next RESTORE must not find
+    it still recorded here). Each fetch restores from a path of its own: a second rollback to the
+    same round is not refused as a second restore of the first one's image."""
+    store = SnapshotStore(tmp_path / "store", "node-b")
+    image(store.image_dir("g", 4, "r1"), "r1")
+    dirs: list[Path] = []
+    unwound: list[str] = []
+
+    def restore(d: Path, job: str, hold: Callable[[JobRecord], None], keep_logs: bool) -> JobRecord:
+        dirs.append(d)
+        try:
+            hold(member_rec(job, "1"))
+        except RefusedError:
+            time.sleep(0.3)  # killing the held copy and settling its record take a while
+            unwound.append(job)
+            raise
+        return member_rec(job, "1")
+
+    r = MemberRestores(
+        "node-s",
+        tmp_path / "restore",
+        JobRegistry(tmp_path / "state", "node-s"),
+        lambda buddy, key: image_chunks(store.image_dir(key.group, key.epoch, key.job), key),
+        restore,
+    )
+    r.fetch("g", 4, "r1", "10.0.0.2:7070")
+    first = r.restore("g", 4, "r1", hold_s=30)
+    r.fetch("g", 4, "r1", "10.0.0.2:7070")  # the next try, while the first's copy is held
+    r.end("g", 4)
+    assert first.state is RestoreState.ENDED and unwound == ["r1"]  # END waited for it
+    second = r.restore("g", 4, "r1", hold_s=30)
+    assert r.resume("g", 4) == ["r1"]
+    assert wait_for(lambda: second.state is RestoreState.RUNNING)
+    assert len(set(dirs)) == 2 and not any(d.exists() for d in dirs)  # each its own, removed after
+    assert wait_for(lambda: list((tmp_path / "restore").iterdir()) == [])
