@@ -449,6 +449,14 @@ class NodeLiveness:
         claimed = {kv.key.decode().rsplit("/", 1)[-1] for kv in claims}
         return [a for a in dict.fromkeys(spares) if a in live - claimed and a not in agents]
 
+    def agents_without_lease(self, agents: list[str]) -> set[str]:
+        """Of `agents` (HOST:PORT), those whose node etcd holds no lease for (this one never)."""
+        live = {self.agent}
+        for kv in self.client.get_prefix(self.key("nodes", "")):
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                live.add(str(json.loads(kv.value)["agent"]))
+        return {a for a in agents if a not in live}
+
     def live_nodes(self) -> set[str]:
         """The nodes etcd holds a lease for (`nodes/<node>` goes with its lease)."""
         return {kv.key.decode().rsplit("/", 1)[-1] for kv in self.client.get_prefix(self.key("nodes", ""))}

@@ -224,6 +224,7 @@ class AgentNode:
             # With etcd, live spares keep the images (a recovery onto one then fetches nothing);
             # without it no one can say which spare lives, and the members' ring keeps them.
             keepers=(lambda agents: live.keepers(self._spares(), agents)) if live else lambda agents: [],
+            dead=live.agents_without_lease if live else lambda agents: set(),
             record=lambda kind, message: self.events.record(kind, message),
             observe=self.metrics.snapshot_round,
         )

@@ -116,6 +116,7 @@ class Protections:
         blocked: Callable[[str], str] = lambda group: "",  # why no round may start now (etcd)
         stale: Callable[[str, pb.SnapshotSet], str] = lambda g, s: "",  # why a set no longer covers g
         keepers: Callable[[list[str]], list[str]] = lambda agents: [],  # live spares (etcd), to keep images
+        dead: Callable[[list[str]], set[str]] = lambda agents: set(),  # of agents, those without a lease
         record: Callable[[str, str], None] = lambda kind, message: None,  # the node's events
         observe: Callable[[str, pb.SnapshotSet | None, str], None] = lambda g, s, e: None,  # metrics
     ) -> None:
@@ -123,6 +124,7 @@ class Protections:
         self.node, self.config, self.call = node, config, call
         self.members, self.record, self.observe = members, record, observe
         self.blocked, self.claims, self.stale, self.keepers = blocked, claims, stale, keepers
+        self.dead = dead
         self._groups: dict[str, Protected] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -432,8 +434,16 @@ class Protections:
                 log.warning("snapshots: agent %s did not drop group %s's older images: %s", agent, p.group, e)
 
         # At once, and briefly: a dead node in the last set must not hold the next round back.
+        # One etcd says has no lease is not asked at all: its memory went with it, and the call
+        # would wait out its bound while a recovered member's only copy lies beside it.
         kept = [a for m in p.last.members for a in (m.agent, m.buddy_agent) if a]
-        targets = dict.fromkeys([*agents, *kept])
+        targets = list(dict.fromkeys([*agents, *kept]))
+        try:
+            gone = self.dead(targets)
+        except FerryError as e:  # etcd cannot say: every one is asked, within the bound
+            log.info("snapshots: cannot tell which of group %s's agents live: %s", p.group, e)
+            gone = set()
+        targets = [a for a in targets if a not in gone]
         with ThreadPoolExecutor(max(1, len(targets))) as pool:
             pool.map(one, targets)
 

@@ -18,6 +18,7 @@ snapshot. The round's result is the snapshot set; it counts once it is returned.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -102,9 +103,7 @@ def take(
     t0 = time.monotonic()
     try:
         held = each(pb.SNAPSHOT_ACTION_HOLD, HOLD_CALL_S + hold_s)
-    except GivenUp:
-        raise  # its releases could not be sent either: each hold ends by itself
-    except FerryError:
+    except FerryError:  # given up too: a hold its release misses ends by itself at hold_s
         _release_all(agents, group, epoch, call)
         raise
     times.hold_s = time.monotonic() - t0
@@ -168,11 +167,12 @@ def _whole(group: str, held: list[pb.SnapshotMemberResponse]) -> None:
 
 
 def _release_all(agents: list[str], group: str, epoch: int, call: Call) -> None:
-    """Best effort after a failed hold: an agent that this misses releases by itself at hold_s."""
+    """Best effort after a failed hold: an agent that this misses releases by itself at hold_s.
+    Not waited for: a dead agent's call would hold the round's coordinator (and the next round,
+    or a recovery's) for its connect timeout. A late RELEASE is harmless: epochs are never reused."""
     req = pb.SnapshotMemberRequest(group=group, epoch=epoch, action=pb.SNAPSHOT_ACTION_RELEASE)
-    with ThreadPoolExecutor(len(agents)) as pool:
-        for a in agents:
-            pool.submit(_quietly, call, a, req)
+    for a in agents:
+        threading.Thread(target=_quietly, args=(call, a, req), name="snapshot-release", daemon=True).start()
 
 
 def _quietly(call: Call, agent: str, req: pb.SnapshotMemberRequest) -> None:

@@ -387,3 +387,15 @@ def test_a_member_a_rollback_fenced_is_left_to_the_rollback_not_settled_by_its_k
         for p in jobs:
             p.kill()
             p.wait()
+
+
+def test_the_agents_without_a_lease_are_those_no_node_key_names(
+    etcd: EtcdServer, pki: Path, tmp_path: Path
+) -> None:
+    live, _ = liveness(etcd, pki, tmp_path)
+    lease = live.client.grant(30)
+    live.client.put(PREFIX + "nodes/s", json.dumps({"agent": "S", "node": "s"}), lease=lease.id)
+    live.client.put(PREFIX + "nodes/t", "{not json", lease=lease.id)  # unreadable: no agent named
+    assert live.agents_without_lease(["C", "S", "T", "A"]) == {"T", "A"}  # C is this node's
+    live.client.revoke(lease.id)
+    assert live.agents_without_lease(["C", "S"]) == {"S"}
