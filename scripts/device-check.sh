@@ -11,9 +11,12 @@
 #                      loader included, and criu/criu, a wrapper that runs it
 #                      through that loader: the GPU machine's glibc may be
 #                      older than the build machine's.
+#         iproute/     ip (iproute2), the same way: the bed builds its nodes
+#                      with it, and a GPU machine may have no iproute2
 #         bin/         ferry-init, a static ferry-init for hosts whose glibc is
 #                      too old for the dynamic one, cuda-counter when
-#                      .ferry/bin/cuda-counter exists, and criu -> ../criu/criu
+#                      .ferry/bin/cuda-counter exists, criu -> ../criu/criu
+#                      and ip -> ../iproute/ip
 #         stubs/       the generated (git-ignored) ferry/ and agent/criu_pb/
 #         wheels/      CPython 3.10-3.13 manylinux x86_64 wheels of grpcio,
 #                      grpcio-health-checking, grpcio-reflection, protobuf,
@@ -94,9 +97,9 @@ PKGS=(grpcio grpcio-health-checking grpcio-reflection protobuf psutil nvidia-ml-
 # Only Python 3.10 needs these (pytest's backports); .venv (3.11) has none to pin to.
 PY310_EXTRAS=("exceptiongroup>=1" "tomli>=2")
 PLATFORMS=(manylinux2014_x86_64 manylinux_2_17_x86_64 manylinux_2_28_x86_64)
-# With cryptography, about 57 MiB: wheels 41 MiB (grpcio 7 MiB a version), CRIU and its libraries
-# 12 MiB, pip 2 MiB, bin/ 2 MiB.
-SIZE_WARN_MIB=60
+# With cryptography and ip, about 61 MiB: wheels 41 MiB (grpcio 7 MiB a version), CRIU and its libraries
+# 12 MiB, ip and its libraries 4 MiB, pip 2 MiB, bin/ 2 MiB.
+SIZE_WARN_MIB=62
 SIZE_MAX_MIB=64
 
 log() { echo "device-check: $*" >&2; }
@@ -125,23 +128,24 @@ glibcxx_needed() {
   done | paste -sd ' ' -
 }
 
-# Copy CRIU and every shared object it loads, the loader included, into $1.
-bundle_criu() {
-  local dest=$1 src interp line name path
-  src="$(readlink -f "$REPO/.ferry/criu/bin/criu")"
+# Copy a binary ($1) and every shared object it loads, the loader included, into $2, with $2/$3,
+# a wrapper that runs it as $3 through that loader (the GPU machine's glibc may be older).
+bundle_elf() {
+  local src dest=$2 tool=$3 interp line name path
+  src="$(readlink -f "$1")"
   mkdir -p "$dest/lib"
   if command -v strip >/dev/null; then
-    strip --strip-debug -o "$dest/criu.bin" "$src"
+    strip --strip-debug -o "$dest/$tool.bin" "$src"
   else
-    cp "$src" "$dest/criu.bin"
+    cp "$src" "$dest/$tool.bin"
   fi
-  chmod 0755 "$dest/criu.bin"
+  chmod 0755 "$dest/$tool.bin"
   interp="$(readelf -l "$src" | sed -n 's/.*Requesting program interpreter: \(.*\)\]/\1/p')"
-  [[ -n $interp && -f $interp ]] || die "cannot find CRIU's program interpreter (${interp:-none})"
+  [[ -n $interp && -f $interp ]] || die "cannot find $tool's program interpreter (${interp:-none})"
   cp -L "$interp" "$dest/lib/$(basename "$interp")"
   while read -r line; do
     case $line in
-      *"=> not found"*) die "CRIU needs a library this machine lacks: $line" ;;
+      *"=> not found"*) die "$tool needs a library this machine lacks: $line" ;;
       *" => /"*)
         name="${line%% =>*}"
         path="${line#*=> }"
@@ -153,16 +157,17 @@ bundle_criu() {
   [[ -f $dest/lib/libc.so.6 ]] || die "ldd did not list libc.so.6 for $src"
   chmod 0644 "$dest"/lib/*
   chmod 0755 "$dest/lib/$(basename "$interp")"
-  # The wrapper: CRIU under its own loader, which never reads /etc/ld.so.cache
-  # and ignores LD_LIBRARY_PATH; what CRIU execs (ip, iptables, sh, tar) gets
-  # the environment untouched and runs on the host's own libraries.
-  cat >"$dest/criu" <<EOF
+  # The wrapper: the tool under its own loader, which never reads /etc/ld.so.cache
+  # and ignores LD_LIBRARY_PATH; what it execs (CRIU: ip, iptables, sh, tar) gets
+  # the environment untouched and runs on the host's own libraries (or on the
+  # bundle's wrappers, first on PATH).
+  cat >"$dest/$tool" <<EOF
 #!/bin/sh
-# CRIU $(criu_version "$src") with the glibc and libraries it was built with (ferry's device bundle).
+# $tool with the glibc and libraries it was built with (ferry's device bundle).
 dir=\$(dirname -- "\$(readlink -f -- "\$0")")
-exec "\$dir/lib/$(basename "$interp")" --inhibit-cache --library-path "\$dir/lib" --argv0 criu "\$dir/criu.bin" "\$@"
+exec "\$dir/lib/$(basename "$interp")" --inhibit-cache --library-path "\$dir/lib" --argv0 $tool "\$dir/$tool.bin" "\$@"
 EOF
-  chmod 0755 "$dest/criu"
+  chmod 0755 "$dest/$tool"
 }
 
 os_name() {
@@ -313,8 +318,14 @@ bundle_mode() {
   mkdir -p "$tmp/bin" "$tmp/stubs/agent"
 
   log "criu and its libraries"
-  bundle_criu "$tmp/criu"
+  bundle_elf "$REPO/.ferry/criu/bin/criu" "$tmp/criu" criu
   ln -s ../criu/criu "$tmp/bin/criu"
+  # The bed (agent/testing/bed.py) builds its nodes with ip; a GPU machine may have no iproute2.
+  log "ip (iproute2) and its libraries"
+  command -v ip >/dev/null || die "ip is missing here (iproute2): the bundle carries it for the GPU machine"
+  bundle_elf "$(command -v ip)" "$tmp/iproute" ip
+  "$tmp/iproute/ip" -V >/dev/null || die "the bundled ip does not run through its wrapper"
+  ln -s ../iproute/ip "$tmp/bin/ip"
 
   log "ferry-init (dynamic, and static for an older glibc)"
   install -m 0755 "$REPO/.ferry/bin/ferry-init" "$tmp/bin/ferry-init"

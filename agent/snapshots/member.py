@@ -16,6 +16,9 @@ A round's coordinator (agent.snapshots.rounds) asks each member's agent, in orde
 - DROP: the images of every round but the committed one are forgotten (and those it is an
   increment over).
 
+One module: HOLD, RELEASE, SHIP, DROP and a rollback's abandon all change the same Helds under
+one lock, and their races (a DROP that reaches a round still holding a member) are read here.
+
 Where the kernel tracks dirty memory (soft-dirty; `criu check --feature mem_dirty_track`) and
 `[snapshots] incremental` is on, every dump clears the bits, and a member's next dump is an
 increment over its last one: only the pages written since (CRIU's --prev-images-dir). It is
@@ -374,7 +377,9 @@ class MemberSnapshots:
 
     def drop(self, group: str, keep: int) -> None:
         """Forget every round of `group` but round `keep`, and their images here (those a restarted
-        agent left too); a round whose digests are still being computed goes once they are."""
+        agent left too); a round whose digests are still being computed goes once they are. A
+        member a dropped round holds goes on now (EXPIRED): forgotten, no RELEASE or rollback
+        could find it, and it stayed frozen until hold_s (a recovery refused for 8 s)."""
         with self._lock:
             pending = set()
             gdir = self.root / group
@@ -386,8 +391,12 @@ class MemberSnapshots:
                     h.dropped = True
                     if h.done.is_set():
                         shutil.rmtree(h.out_dir, ignore_errors=True)
-                    else:
-                        pending.add(h.epoch)
+                        continue
+                    pending.add(h.epoch)
+                    if h.state is HeldState.HELD:
+                        self._to(h, HeldState.EXPIRED)
+                        log.warning("snapshot: job %s goes on: its round %d was dropped", h.job, h.epoch)
+                    h.go.set()
             busy = pending | {k[1] for k in self._held if k[0] == group}
             busy |= kept
             for d in gdir.iterdir() if gdir.is_dir() else []:

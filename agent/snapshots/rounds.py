@@ -34,6 +34,8 @@ Call = Callable[[str, pb.SnapshotMemberRequest, float], pb.SnapshotMemberRespons
 HOLD_CALL_S = 600.0
 SHIP_CALL_S = 1800.0
 RELEASE_CALL_S = 150.0
+#: How long a failed round waits for its best-effort releases (agent.snapshots.rounds._release_all).
+RELEASE_WAIT_S = 5.0
 #: How often a round's coordinator asks whether it may go on while it waits for the agents.
 GO_ON_EVERY_S = 0.5
 
@@ -168,11 +170,20 @@ def _whole(group: str, held: list[pb.SnapshotMemberResponse]) -> None:
 
 def _release_all(agents: list[str], group: str, epoch: int, call: Call) -> None:
     """Best effort after a failed hold: an agent that this misses releases by itself at hold_s.
-    Not waited for: a dead agent's call would hold the round's coordinator (and the next round,
-    or a recovery's) for its connect timeout. A late RELEASE is harmless: epochs are never reused."""
+    Waited for only RELEASE_WAIT_S: a live agent answers at once (the next round must find its
+    members running again), a dead one's call would hold the round's coordinator (and the next
+    round, or a recovery) for its connect timeout. A late RELEASE is harmless: epochs are never
+    reused."""
     req = pb.SnapshotMemberRequest(group=group, epoch=epoch, action=pb.SNAPSHOT_ACTION_RELEASE)
-    for a in agents:
-        threading.Thread(target=_quietly, args=(call, a, req), name="snapshot-release", daemon=True).start()
+    calls = [
+        threading.Thread(target=_quietly, args=(call, a, req), name="snapshot-release", daemon=True)
+        for a in agents
+    ]
+    for t in calls:
+        t.start()
+    deadline = time.monotonic() + RELEASE_WAIT_S
+    for t in calls:
+        t.join(max(0.0, deadline - time.monotonic()))
 
 
 def _quietly(call: Call, agent: str, req: pb.SnapshotMemberRequest) -> None:

@@ -161,11 +161,13 @@ def test_a_spare_whose_gpu_fails_its_self_test_refuses_the_job_and_the_next_spar
 
 def test_low_priority_job_is_preempted_for_a_failing_gpu_and_resumes_later(node):
     spare, _ = node("node-s", "GPU-s0")
-    run_on_gpu(spare, "scavenger", "GPU-s0", 60, "--priority", "low")
-    wait_steps(spare, "scavenger", 5)
     a, a_nvml = node("node-a", "GPU-a0", peers=[(spare.address, True)])
-    run_on_gpu(a, "train", "GPU-a0", steps=40)
+    run_on_gpu(a, "train", "GPU-a0", steps=150)
     wait_steps(a, "train", 5)
+    # Both long enough, the low-priority one started last: on a loaded machine it once ended
+    # before the move needed its GPU, and nothing was preempted.
+    run_on_gpu(spare, "scavenger", "GPU-s0", 120, "--priority", "low")
+    wait_steps(spare, "scavenger", 5)
 
     # A row remap is pending: degraded, and no idle GPU anywhere but the low-priority job's.
     write_world(a_nvml, world("GPU-a0", remapped={"pending": True}))
@@ -178,8 +180,8 @@ def test_low_priority_job_is_preempted_for_a_failing_gpu_and_resumes_later(node)
     wait_event(a, "decision", "after suspending low-priority job scavenger")
     wait_event(spare, "preempt", "suspended low-priority job scavenger")
     # The job that needed the GPU finishes there as if never moved ...
-    assert_completed_exactly_once(spare, "train", steps=40)
+    assert_completed_exactly_once(spare, "train", steps=150)
     # ... and the suspended one resumes once the GPU is free, nothing lost.
     wait_event(spare, "resume", "resumed preempted job scavenger on GPU-s0")
-    assert_completed_exactly_once(spare, "scavenger", steps=60)
+    assert_completed_exactly_once(spare, "scavenger", steps=120)
     assert job(spare, "scavenger")["priority"] == "low"

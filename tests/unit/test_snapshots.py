@@ -156,6 +156,23 @@ def test_a_member_no_release_reaches_goes_on_by_itself_and_never_ships(tmp_path:
         m.ship("g", 1, "10.0.0.2:7070")
 
 
+def test_a_member_a_dropped_round_holds_goes_on_at_once_and_never_ships(tmp_path: Path) -> None:
+    """A round given up keeps the last complete one: its DROP reaches a member the round holds.
+    Forgotten but still held, it stayed frozen until hold_s, and a recovery's LIST, which
+    abandons the rounds it finds, found none and was refused ("being moved or saved")."""
+    save = FakeSave()
+    m = members_here(SnapshotStore(tmp_path / "s", "b"), save, tmp_path / "taken")
+    m.hold("g", 1, 30)
+    m.release("g", 1)
+    (h,) = m.hold("g", 2, 30)
+    m.drop("g", 1)
+    assert h.done.wait(5) and save.resumed == ["r0", "r0"]
+    assert h.state is HeldState.EXPIRED and wait_for(lambda: not h.out_dir.exists())
+    assert m.abandon("g") == []
+    with pytest.raises(NotFoundError, match="no round 2 of group g"):
+        m.ship("g", 2, "10.0.0.2:7070")
+
+
 def test_a_member_that_cannot_be_saved_fails_the_hold_and_the_others_go_on(tmp_path: Path) -> None:
     save = FakeSave(fail={"r1"})
     m = members_here(SnapshotStore(tmp_path / "s", "b"), save, tmp_path / "taken", names=("r0", "r1"))
@@ -260,9 +277,31 @@ def test_a_hold_that_fails_releases_every_member_held(tmp_path: Path) -> None:
     cl = Cluster(tmp_path, fail={"10.0.0.3:7070": "hold"})
     with pytest.raises(FerryError, match="it broke"):
         rounds.take("g", 1, list(cl.stores), cl.call, 30)
-    # The releases are not waited for (a dead agent's would hold the coordinator): they land soon.
-    assert wait_for(lambda: sorted(s.resumed[0] for s in cl.saves.values() if s.resumed) == ["r0", "r1"])
+    assert sorted(s.resumed[0] for s in cl.saves.values() if s.resumed) == ["r0", "r1"]
     assert "ship" not in {a for _, a in cl.log}
+
+
+def test_a_failed_holds_releases_wait_for_the_live_agents_and_not_long_for_a_dead_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next round must find the live agents' members running again; a dead agent's call
+    would wait out its connect timeout."""
+    monkeypatch.setattr(rounds, "RELEASE_WAIT_S", 0.5)
+    cl = Cluster(tmp_path, fail={"10.0.0.3:7070": "hold"})
+    gone = threading.Event()
+    real = cl.call
+
+    def call(agent: str, req: pb.SnapshotMemberRequest, timeout_s: float) -> pb.SnapshotMemberResponse:
+        if req.action == pb.SNAPSHOT_ACTION_RELEASE and agent == "10.0.0.3:7070":
+            gone.wait(10)  # its link is cut
+        return real(agent, req, timeout_s)
+
+    t0 = time.monotonic()
+    with pytest.raises(FerryError, match="it broke"):
+        rounds.take("g", 1, list(cl.stores), call, 30)
+    assert time.monotonic() - t0 < 3.0
+    assert sorted(s.resumed[0] for s in cl.saves.values() if s.resumed) == ["r0", "r1"]
+    gone.set()
 
 
 def test_a_group_on_one_node_has_no_buddy(tmp_path: Path) -> None:
@@ -729,7 +768,7 @@ def test_a_round_that_misses_a_rank_of_the_job_is_no_snapshot(tmp_path: Path) ->
     with pytest.raises(RefusedError, match=r"rank\(s\) \[1\] were not"):
         rounds.take("g", 1, list(cl.stores), cl.call, 30)
     assert "ship" not in {a for _, a in cl.log}
-    assert wait_for(lambda: all(s.resumed for s in cl.saves.values()))
+    assert all(s.resumed for s in cl.saves.values())
 
 
 def test_a_rollback_abandons_a_round_that_holds_members(tmp_path: Path) -> None:
