@@ -441,21 +441,23 @@ class NodeLiveness:
         none of `agents`' members and that no recovery claimed (a claimed spare is a group's
         node now, which a warned failure may empty and kill next): where a round's images may
         be kept."""
-        live = set()
-        for kv in self.client.get_prefix(self.key("nodes", "")):
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                live.add(str(json.loads(kv.value)["agent"]))
+        live = self._live_agents()
         claims = self.client.get_prefix(self.key("spares", ""))
         claimed = {kv.key.decode().rsplit("/", 1)[-1] for kv in claims}
         return [a for a in dict.fromkeys(spares) if a in live - claimed and a not in agents]
 
     def agents_without_lease(self, agents: list[str]) -> set[str]:
         """Of `agents` (HOST:PORT), those whose node etcd holds no lease for (this one never)."""
-        live = {self.agent}
+        live = self._live_agents() | {self.agent}
+        return {a for a in agents if a not in live}
+
+    def _live_agents(self) -> set[str]:
+        """The agents (HOST:PORT) that `nodes/<node>` keys name: their nodes hold a lease."""
+        live = set()
         for kv in self.client.get_prefix(self.key("nodes", "")):
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 live.add(str(json.loads(kv.value)["agent"]))
-        return {a for a in agents if a not in live}
+        return live
 
     def live_nodes(self) -> set[str]:
         """The nodes etcd holds a lease for (`nodes/<node>` goes with its lease)."""

@@ -713,9 +713,20 @@ def test_a_member_placed_on_the_spare_that_keeps_its_copy_reads_it_there_and_sur
     assert fetched == {"r0": ("A", "/taken/r0", "S"), "r1": ("S", "/keep/r1", "S")}
 
 
-def test_a_restored_member_is_held_until_resumed_or_goes_on_by_itself(tmp_path: Path) -> None:
+def restores_on_s(tmp_path: Path, restore: Callable[..., JobRecord]) -> MemberRestores:
+    """node-s's part of a rollback, fetching from a buddy store that keeps r1's image of round 4."""
     store = SnapshotStore(tmp_path / "store", "node-b")
     image(store.image_dir("g", 4, "r1"), "r1")
+    return MemberRestores(
+        "node-s",
+        tmp_path / "restore",
+        JobRegistry(tmp_path / "state", "node-s"),
+        lambda buddy, key: image_chunks(store.image_dir(key.group, key.epoch, key.job), key),
+        restore,
+    )
+
+
+def test_a_restored_member_is_held_until_resumed_or_goes_on_by_itself(tmp_path: Path) -> None:
     went_on: list[str] = []
 
     def restore(d: Path, job: str, hold: Callable[[JobRecord], None], keep_logs: bool) -> JobRecord:
@@ -725,13 +736,7 @@ def test_a_restored_member_is_held_until_resumed_or_goes_on_by_itself(tmp_path: 
         went_on.append(job)
         return rec
 
-    r = MemberRestores(
-        "node-s",
-        tmp_path / "restore",
-        JobRegistry(tmp_path / "state", "node-s"),
-        lambda buddy, key: image_chunks(store.image_dir(key.group, key.epoch, key.job), key),
-        restore,
-    )
+    r = restores_on_s(tmp_path, restore)
     assert r.fetch("g", 4, "r1", "10.0.0.2:7070") > 0
     held = r.restore("g", 4, "r1", hold_s=5)
     time.sleep(0.2)
@@ -868,8 +873,6 @@ def test_a_tries_fetch_gets_its_own_directory_and_its_end_ends_and_waits_for_the
     ends that copy and answers only once its restore has unwound (the next RESTORE must not find
     it still recorded here). Each fetch restores from a path of its own: a second rollback to the
     same round is not refused as a second restore of the first one's image."""
-    store = SnapshotStore(tmp_path / "store", "node-b")
-    image(store.image_dir("g", 4, "r1"), "r1")
     dirs: list[Path] = []
     unwound: list[str] = []
 
@@ -883,13 +886,7 @@ def test_a_tries_fetch_gets_its_own_directory_and_its_end_ends_and_waits_for_the
             raise
         return member_rec(job, "1")
 
-    r = MemberRestores(
-        "node-s",
-        tmp_path / "restore",
-        JobRegistry(tmp_path / "state", "node-s"),
-        lambda buddy, key: image_chunks(store.image_dir(key.group, key.epoch, key.job), key),
-        restore,
-    )
+    r = restores_on_s(tmp_path, restore)
     r.fetch("g", 4, "r1", "10.0.0.2:7070")
     first = r.restore("g", 4, "r1", hold_s=30)
     r.fetch("g", 4, "r1", "10.0.0.2:7070")  # the next try, while the first's copy is held
