@@ -4,8 +4,9 @@
  *   ferry-init [OPTIONS] -- CMD [ARGS...]
  *
  *   --private      own mount namespace (private propagation) with fresh tmpfs
- *                  on /tmp, /dev/shm and /run: the node's are detached there,
- *                  so neither the job sees them nor CRIU dumps them
+ *                  on /tmp, /dev/shm and /run and a /proc of the job's PID
+ *                  namespace: the node's are detached there, so neither the
+ *                  job sees them nor CRIU dumps them
  *   --keep PATH    a path under the node's /tmp the job still needs (its code,
  *                  cwd, logs): bound into the fresh /tmp at the same place
  *   --netns        (with --private) own network namespace too, loopback up;
@@ -379,6 +380,7 @@ static int tmpfs_at(const char *path, const char *opts)
 /*
  * Our own mount namespace (and network namespace, with --netns), in steps that never lose
  * what the job needs:
+ *   0. /proc: the node's detached, one of the job's PID namespace mounted (own_proc);
  *   1. /dev/shm: the node's detached, a fresh tmpfs; it also holds the staging below.
  *   2. the new /run and /tmp are built in /dev/shm: /run with the log directory bound at
  *      LOG_MOUNT, /tmp with every --keep path bound at its place;
@@ -404,6 +406,23 @@ static int stage_dir(const char *path, const char *opts)
 	return tmpfs_at(path, opts);
 }
 
+/*
+ * A /proc of the job's own PID namespace in place of the node's: in the node's, /proc/<getpid()>
+ * names another process (PID 1 here is the node's init there), which confuses what reads its
+ * own entries by PID (the CUDA driver among them, by the first device check), and every process
+ * of the node is listed to the job. Mounted by PID 1 of the new namespace, so it is that
+ * namespace's; the node's /proc and its submounts are detached first, so CRIU dumps one proc
+ * mount, which it mounts fresh in the restored namespace.
+ */
+static int own_proc(void)
+{
+	detach_all("/proc");
+	if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) == 0)
+		return 0;
+	fprintf(stderr, "ferry-init: cannot mount the job's own /proc: %s\n", strerror(errno));
+	return 126;
+}
+
 static int private_world(const struct opts *o, int stdio[3])
 {
 	static const char run_stage[] = "/dev/shm/.ferry-run", tmp_stage[] = "/dev/shm/.ferry-tmp";
@@ -424,6 +443,8 @@ static int private_world(const struct opts *o, int stdio[3])
 		return fail("cannot create the job's namespaces");
 	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
 		return fail("cannot make the job's mounts private");
+	if ((ret = own_proc()) != 0)
+		return ret;
 	/* Held by fd from here: the paths may lie on mounts that are detached below. */
 	logs = open(o->logs, O_PATH | O_DIRECTORY | O_CLOEXEC);
 	if (logs < 0) {

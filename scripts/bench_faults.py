@@ -76,7 +76,7 @@ from agent.testing.nvml_replay import one_gpu, write_world  # noqa: E402
 OUT = Path("bench-results") / "faults.json"
 TRAIN = SCRIPTS / "workloads" / "train_faults.py"
 WORLD = 3
-STEP_LINE = re.compile(r"^step (\d+) loss (\S+) at (\d+\.\d+)$", re.M)
+STEP_LINE = re.compile(r"^step (\d+) loss (\S+) at (\d+\.\d+)(?: rank (\d+))?$", re.M)
 DIGEST = re.compile(r"^final digest (\w+)$", re.M)
 #: Where the rendezvous store and TorchFT's lighthouse live: the bed's outside host, which no
 #: failure takes down (a cluster's are on hosts of their own).
@@ -152,6 +152,16 @@ def steps_of(logs: list[str]) -> list[tuple[float, int]]:
     return sorted((float(m[3]), int(m[1])) for log in logs for m in STEP_LINE.finditer(log))
 
 
+def steps_by_rank(logs: list[str]) -> dict[int | None, list[tuple[float, int]]]:
+    """Each rank's step lines, (time, step), in time order (None: lines that name no rank). A
+    member's lines may lie in several logs: one on every node it ran on."""
+    out: dict[int | None, list[tuple[float, int]]] = {}
+    for log in logs:
+        for m in STEP_LINE.finditer(log):
+            out.setdefault(None if m[4] is None else int(m[4]), []).append((float(m[3]), int(m[1])))
+    return {r: sorted(pts) for r, pts in out.items()}
+
+
 def frontier(points: list[tuple[float, int]], t: float) -> int:
     """The highest step any rank had finished by time t (-1: none)."""
     return max((s for x, s in points if x <= t), default=-1)
@@ -178,10 +188,18 @@ class Struck:
     back_at: float | None = None  # when the job first passed the step it had reached
 
 
-def judge(points: list[tuple[float, int]], struck: Struck, step_s: float) -> None:
+def judge(
+    points: list[tuple[float, int]],
+    struck: Struck,
+    step_s: float,
+    by_rank: dict[int | None, list[tuple[float, int]]] | None = None,
+) -> None:
     """The failure's cost: from its warning (or its kill) until the job first finishes a step past
     the one it had reached at the kill, less the steps it made in that time at step_s each; and
-    how many steps it did again (the reached step + 1 less the first step logged after the kill)."""
+    how many steps it did again: the most any one rank did (its reached step + 1 less the first
+    step it logged after the kill). Per rank, since ranks log one step a few milliseconds apart:
+    a rank frozen by a move across the kill logs after it the step its peers logged before it,
+    which it did once."""
     start = struck.warned_at if struck.warned_at is not None else struck.killed_at
     reached = frontier(points, struck.killed_at)
     after = [(t, s) for t, s in points if t > struck.killed_at]
@@ -192,7 +210,11 @@ def judge(points: list[tuple[float, int]], struck: Struck, step_s: float) -> Non
     made = reached - frontier(points, start) + 1
     struck.back_at = past
     struck.lost_s = (past - start) - made * step_s
-    struck.recomputed = max(0, reached + 1 - min(s for _, s in after))
+    again = 0
+    for pts in (by_rank or {None: points}).values():
+        if later := [s for t, s in pts if t > struck.killed_at]:
+            again = max(again, frontier(pts, struck.killed_at) + 1 - min(later))
+    struck.recomputed = again
 
 
 def steady_step(points: list[tuple[float, int]], windows: list[tuple[float, float]]) -> float:
@@ -713,9 +735,9 @@ def run_method(method: Method, failures: list[Failure], args: argparse.Namespace
 def summarise(
     o: Outcome, args: argparse.Namespace, base_step: float, base_digests: list[str] | None
 ) -> dict[str, Any]:
-    points = steps_of(o.logs)
+    points, by_rank = steps_of(o.logs), steps_by_rank(o.logs)
     for s in o.struck:
-        judge(points, s, base_step)
+        judge(points, s, base_step, by_rank)
     windows = [(s.warned_at or s.killed_at, s.back_at or math.inf) for s in o.struck]
     digests = sorted(m for log in o.logs for m in DIGEST.findall(log))[-WORLD:]
     out: dict[str, Any] = {

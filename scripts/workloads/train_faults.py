@@ -11,7 +11,7 @@ checkpoint, a replica healed from a peer and a process restored by ferry all see
 undisturbed run saw. Each rank also holds --ballast-mb of live state (a tensor the loop updates
 from the parameters every step, identical on every rank as they are), so that moving or saving a
 rank moves real memory. Every rank prints "rank R pid P of W" when it starts, "step S loss L at
-T" after each step (T: the wall time) and, at the end, "final digest D" over its parameters,
+T rank R" after each step (T: the wall time) and, at the end, "final digest D" over its parameters,
 optimizer state and ballast.
 
 plain: torch.distributed's DistributedDataParallel, unmodified. With --save-every K, rank 0
@@ -100,8 +100,8 @@ def digest(model: nn.Module, opt: torch.optim.Optimizer, ballast: torch.Tensor) 
     return h.hexdigest()[:16]
 
 
-def said(step: int, loss: torch.Tensor) -> None:
-    print(f"step {step} loss {loss.item():.6f} at {time.time():.3f}", flush=True)
+def said(step: int, loss: torch.Tensor, rank: int) -> None:
+    print(f"step {step} loss {loss.item():.6f} at {time.time():.3f} rank {rank}", flush=True)
 
 
 def plain(args: argparse.Namespace) -> int:
@@ -134,7 +134,7 @@ def plain(args: argparse.Namespace) -> int:
         loss.backward()
         opt.step()
         touch(ballast, net, step)
-        said(step, loss)
+        said(step, loss, rank)
         if newest is not None and args.save_every and (step + 1) % args.save_every == 0 and rank == 0:
             part = newest.with_suffix(".part")  # renamed once whole: a crash mid-write loses nothing
             torch.save(
@@ -191,7 +191,7 @@ def torchft(args: argparse.Namespace) -> int:
             # A replica that healed this step took a peer's state and step count in its quorum:
             # the step it committed is the manager's, not the one it read before.
             touch(ballast, net, now - 1)
-            said(now - 1, loss)
+            said(now - 1, loss, replica)
         time.sleep(args.step_time)
     print(f"final digest {digest(net, inner, ballast)}", flush=True)
     manager.shutdown()

@@ -1,15 +1,15 @@
 """CUDA inside the small world ferry-init gives a launched job (native/ferry-init.c): its own PID
-namespace, and with --private its own mount namespace (fresh /tmp, /dev/shm and /run), with
---netns its own network namespace, with --no-io-uring a seccomp filter. Every launched job of the
-agent gets all of them.
+namespace, and with --private its own mount namespace (fresh /tmp, /dev/shm and /run, a /proc of
+its PID namespace), with --netns its own network namespace, with --no-io-uring a seccomp filter.
+Every launched job of the agent gets all of them.
 
 On the first device check (an H200, driver 580), every launched CUDA job failed its first call
 (cudaSetDevice: "OS call failed or operation not supported on this OS", error 304) while the same
-binary ran outside ferry-init. Inside the PID namespace, /proc is still the node's: a process's
-/proc/<getpid()> names another one. This test runs the CUDA counter for one step under each part
-of the sandbox alone and under all of them, and in a PID namespace with and without a /proc of
-its own, records which fail for the device report, and asserts that CUDA works under the whole
-sandbox, as a job needs.
+binary ran outside ferry-init. Inside the PID namespace, /proc was then the node's: a process's
+/proc/<getpid()> named another one (ferry-init --private now mounts the job's own). This test
+runs the CUDA counter for one step under each part of the sandbox alone and under all of them,
+and in a PID namespace with and without a /proc of its own, records which fail for the device
+report, and asserts that CUDA works under the whole sandbox, as a job needs.
 """
 
 from __future__ import annotations

@@ -78,6 +78,34 @@ def test_a_warned_failure_is_counted_from_its_warning_and_a_move_recomputes_noth
     assert s.lost_s == pytest.approx(2.5)
 
 
+def ranked(rank: int, *pairs: tuple[int, float]) -> str:
+    return "".join(f"step {s} loss 0.5 at {t:.3f} rank {rank}\n" for s, t in pairs)
+
+
+def test_a_step_counts_as_done_again_only_when_the_same_rank_logs_it_twice() -> None:
+    # Rank 0 logs step 5 at 5.00; rank 1, frozen by a move across the kill at 5.02, logs its
+    # step 5 at 7.0 once restored: the step was done once by each rank.
+    logs = [
+        ranked(0, *[(s, float(s)) for s in range(6)], (6, 7.1)),
+        ranked(1, *[(s, float(s) + 0.01) for s in range(5)], (5, 7.0), (6, 7.1)),
+    ]
+    s = bench.Struck(bench.Failure(5.0, "warned", 1), "node-b", 3.0, 5.02)
+    bench.judge(bench.steps_of(logs), s, 1.0, bench.steps_by_rank(logs))
+    assert s.recomputed == 0
+    # Across ranks without their names the same lines looked like step 5 done again.
+    s = bench.Struck(bench.Failure(5.0, "warned", 1), "node-b", 3.0, 5.02)
+    bench.judge(bench.steps_of(logs), s, 1.0)
+    assert s.recomputed == 1
+    # Rolled back to a snapshot taken after step 2, rank 1 logs steps 3 and 4 again: two steps.
+    logs = [
+        ranked(0, *[(s, float(s)) for s in range(6)], (6, 9.1)),
+        ranked(1, *[(s, float(s) + 0.01) for s in range(5)], (3, 8.0), (4, 8.5), (5, 9.0), (6, 9.1)),
+    ]
+    s = bench.Struck(bench.Failure(5.0, "hard", 1), "node-b", None, 5.02)
+    bench.judge(bench.steps_of(logs), s, 1.0, bench.steps_by_rank(logs))
+    assert s.recomputed == 2
+
+
 def test_a_failure_the_run_never_got_past_has_no_cost_to_report() -> None:
     pts = bench.steps_of([lines((0, 0.0), (1, 1.0))])
     s = bench.Struck(bench.Failure(1.0, "hard", 0), "node-a", None, 1.5)
