@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import select
 import socket
 import struct
@@ -106,6 +107,7 @@ class StandIn:
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
+        self._wake: tuple[int, int] | None = None  # a pipe: stop() wakes the loop's select at once
 
     def start(self) -> None:
         """Raises OSError if the bridge cannot be listened on (the caller goes on without it)."""
@@ -127,26 +129,34 @@ class StandIn:
             sk.close()
             raise
         self._sock = sk
+        self._wake = os.pipe()
         self._thread = threading.Thread(target=self._run, name=f"standin-{self.address}", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        """Ends at once (the job's release waits on it before the job goes on)."""
         self._stop.set()
+        if self._wake is not None:
+            os.write(self._wake[1], b"x")
         if self._thread is not None:
             self._thread.join(5.0)
         if self._sock is not None:
             self._sock.close()  # drops the promiscuous membership with it
+        if self._wake is not None:
+            for fd in self._wake:
+                os.close(fd)
+            self._wake = None
         if self.answered:
             log.info(
                 "stand-in for %s on %s: %d peer segments answered", self.address, self.bridge, self.answered
             )
 
     def _run(self) -> None:
-        sk = self._sock
-        assert sk is not None
+        sk, wake = self._sock, self._wake
+        assert sk is not None and wake is not None
         second, sent = int(time.monotonic()), 0
         while not self._stop.is_set():
-            if not select.select([sk], [], [], 0.1)[0]:
+            if sk not in select.select([sk, wake[0]], [], [], 1.0)[0]:
                 continue
             try:
                 frame, addr = sk.recvfrom(_SNAP)

@@ -16,6 +16,7 @@ stopped and cut off, FENCED, and etcd settles it like any fenced member (docs/re
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -59,6 +60,7 @@ class Resumed:
     undone: cuda.UndoReport  # what of the CUDA freeze could not be undone (falsy: all of it was)
     problems: tuple[str, ...] = ()  # what else could not be put back (its link, say)
     fenced: str = ""  # why it stays frozen, fenced, instead of going on ("": it went on)
+    continued_at: float = 0.0  # monotonic: when it went on, CUDA unlocked (0: it did not)
 
     def summary(self) -> str:
         """ "" when all went back; else what did not, for the job's note and the error."""
@@ -102,17 +104,20 @@ def resume(
     except FerryError as e:
         problems.append(f"its link could not be put back on the bridge ({e.cause})")
         log.error("job %s: cannot put its link back: %s", copy.rec.name, e)
-    else:
+    procs.resume(copy.pids)  # before the CUDA undo: the driver's restore thread must run
+    undone = undo_cuda(driver, copy.cuda_pids, copy.cuda_left)
+    continued_at = time.monotonic()  # a CUDA job's kernels wait for the undo's unlock
+    if not problems and copy.rec.address and registry.network is not None:
         # A target that restored the job held it on its own bridge with the job's MAC, and the
         # segment may have learnt that port: without a word from here, the peers' frames would
         # go there until the switch forgets it (minutes), if this copy only waits to receive.
-        if copy.rec.address and registry.network is not None:
-            registry.network.announce(copy.rec.pid, copy.rec.address)
-    procs.resume(copy.pids)  # before the CUDA undo: the driver's restore thread must run
-    undone = undo_cuda(driver, copy.cuda_pids, copy.cuda_left)
+        # Said once the job runs: its two requests, 50 ms apart, are no part of its pause.
+        registry.network.announce(copy.rec.pid, copy.rec.address)
     if not undone:
         cuda_back()
-    out = Resumed(procs.alive(copy.rec.pid, copy.rec.pid_started), undone, tuple(problems))
+    out = Resumed(
+        procs.alive(copy.rec.pid, copy.rec.pid_started), undone, tuple(problems), continued_at=continued_at
+    )
     current = registry.get(copy.rec.name).state
     # Its process gone, a record that already says how the job ended keeps that.
     state = JobState.RUNNING if out.running else gone if current.active else current

@@ -251,6 +251,14 @@ class MemberSnapshots:
                 for o in old:
                     restore_priority(o)
             h.cuda_checkpoint_s = res.phases.get("cuda checkpoint", 0.0)
+            log.info(
+                "snapshot of job %s (round %d of group %s): frozen %.2f s (%s)",
+                h.job,
+                h.epoch,
+                h.group,
+                h.frozen_s,
+                ", ".join(f"{k} {v:.3f} s" for k, v in res.phases.items()),
+            )
             if track:  # its dirty bits are clear from this dump on: the next may be an increment
                 with self._lock:
                     self._chains[(h.group, h.job)] = Chain(h.incarnation, h.epoch, length + 1)
