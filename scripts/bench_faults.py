@@ -194,16 +194,23 @@ def judge(
     step_s: float,
     by_rank: dict[int | None, list[tuple[float, int]]] | None = None,
 ) -> None:
-    """The failure's cost: from its warning (or its kill) until the job first finishes a step past
-    the one it had reached at the kill, less the steps it made in that time at step_s each; and
-    how many steps it did again: the most any one rank did (its reached step + 1 less the first
-    step it logged after the kill). Per rank, since ranks log one step a few milliseconds apart:
-    a rank frozen by a move across the kill logs after it the step its peers logged before it,
-    which it did once."""
+    """The failure's cost: from its warning (or its kill) until every rank has finished a step
+    past the one the job had reached at the kill, less the steps it made in that time at step_s
+    each; and how many steps it did again: the most any one rank did (the steps it logged from
+    the kill until the job was back that it had logged before). Per rank, since ranks log one
+    step a few milliseconds apart: the survivors may finish the step in flight at the kill (the dead rank
+    had given its part), which is not the job being back; and a rank frozen by a move across
+    the kill logs after it the step its peers logged before it, which it did once."""
     start = struck.warned_at if struck.warned_at is not None else struck.killed_at
     reached = frontier(points, struck.killed_at)
-    after = [(t, s) for t, s in points if t > struck.killed_at]
-    past = next((t for t, s in after if s > reached), None)
+    past: float | None = None
+    for pts in (by_rank or {None: points}).values():
+        first = next((t for t, s in pts if t > struck.killed_at and s > reached), None)
+        if first is None and any(t > struck.killed_at for t, _ in pts):
+            past = None  # a rank that went on but never got past: the job never did
+            break
+        if first is not None:
+            past = first if past is None else max(past, first)
     if past is None:
         struck.lost_s, struck.back_at = math.nan, None
         return
@@ -212,8 +219,13 @@ def judge(
     struck.lost_s = (past - start) - made * step_s
     again = 0
     for pts in (by_rank or {None: points}).values():
-        if later := [s for t, s in pts if t > struck.killed_at]:
-            again = max(again, frontier(pts, struck.killed_at) + 1 - min(later))
+        done: set[int] = set()
+        twice = 0
+        for t, s in pts:  # in time order
+            if struck.killed_at < t <= past and s in done:
+                twice += 1
+            done.add(s)
+        again = max(again, twice)
     struck.recomputed = again
 
 

@@ -92,10 +92,10 @@ def test_a_step_counts_as_done_again_only_when_the_same_rank_logs_it_twice() -> 
     s = bench.Struck(bench.Failure(5.0, "warned", 1), "node-b", 3.0, 5.02)
     bench.judge(bench.steps_of(logs), s, 1.0, bench.steps_by_rank(logs))
     assert s.recomputed == 0
-    # Across ranks without their names the same lines looked like step 5 done again.
+    # Across ranks without their names the same lines looked like steps 5 and 6 done again.
     s = bench.Struck(bench.Failure(5.0, "warned", 1), "node-b", 3.0, 5.02)
     bench.judge(bench.steps_of(logs), s, 1.0)
-    assert s.recomputed == 1
+    assert s.recomputed == 2
     # Rolled back to a snapshot taken after step 2, rank 1 logs steps 3 and 4 again: two steps.
     logs = [
         ranked(0, *[(s, float(s)) for s in range(6)], (6, 9.1)),
@@ -104,6 +104,24 @@ def test_a_step_counts_as_done_again_only_when_the_same_rank_logs_it_twice() -> 
     s = bench.Struck(bench.Failure(5.0, "hard", 1), "node-b", None, 5.02)
     bench.judge(bench.steps_of(logs), s, 1.0, bench.steps_by_rank(logs))
     assert s.recomputed == 2
+
+
+def test_the_job_is_back_when_every_rank_is_past_the_step_reached_not_at_the_step_in_flight() -> None:
+    # Rank 1 dies at 5.5 having given its part of step 6: rank 0 logs step 6 at 5.51. Both
+    # come back rolled back to step 3 at 10.0 and pass step 6 (rank 0's reached) at 13.0.
+    logs = [
+        ranked(0, *[(s, float(s)) for s in range(6)], (6, 5.51), (4, 10.0), (5, 11.0), (6, 12.0), (7, 13.0)),
+        ranked(1, *[(s, float(s)) for s in range(6)], (4, 10.0), (5, 11.0), (6, 12.0), (7, 13.0)),
+    ]
+    s = bench.Struck(bench.Failure(5.5, "hard", 1), "node-b", None, 5.5)
+    bench.judge(bench.steps_of(logs), s, 1.0, bench.steps_by_rank(logs))
+    assert s.back_at == 12.0  # rank 1 past step 5, the job's frontier at the kill
+    assert s.lost_s == pytest.approx(12.0 - 5.5 - 1.0)
+    assert s.recomputed == 3  # rank 0: steps 4-6 again
+    # Over all ranks at once, rank 0's step in flight looked like the job being back at once.
+    s = bench.Struck(bench.Failure(5.5, "hard", 1), "node-b", None, 5.5)
+    bench.judge(bench.steps_of(logs), s, 1.0)
+    assert s.back_at == 5.51 and s.lost_s < 0
 
 
 def test_a_failure_the_run_never_got_past_has_no_cost_to_report() -> None:
