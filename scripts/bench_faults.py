@@ -154,11 +154,12 @@ def steps_of(logs: list[str]) -> list[tuple[float, int]]:
 
 def steps_by_rank(logs: list[str]) -> dict[int | None, list[tuple[float, int]]]:
     """Each rank's step lines, (time, step), in time order (None: lines that name no rank). A
-    member's lines may lie in several logs: one on every node it ran on."""
-    out: dict[int | None, list[tuple[float, int]]] = {}
+    member's lines may lie in several logs, one on every node it ran on, and a log that moved
+    with it holds its earlier lines again: a line is counted once."""
+    out: dict[int | None, set[tuple[float, int]]] = {}
     for log in logs:
         for m in STEP_LINE.finditer(log):
-            out.setdefault(None if m[4] is None else int(m[4]), []).append((float(m[3]), int(m[1])))
+            out.setdefault(None if m[4] is None else int(m[4]), set()).add((float(m[3]), int(m[1])))
     return {r: sorted(pts) for r, pts in out.items()}
 
 

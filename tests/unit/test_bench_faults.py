@@ -92,6 +92,11 @@ def test_a_step_counts_as_done_again_only_when_the_same_rank_logs_it_twice() -> 
     s = bench.Struck(bench.Failure(5.0, "warned", 1), "node-b", 3.0, 5.02)
     bench.judge(bench.steps_of(logs), s, 1.0, bench.steps_by_rank(logs))
     assert s.recomputed == 0
+    # The log that moved with rank 1 holds its earlier lines again, on the node it moved to.
+    moved = [*logs, ranked(1, *[(s, float(s) + 0.01) for s in range(5)], (5, 7.0), (6, 7.1))]
+    s = bench.Struck(bench.Failure(5.0, "warned", 1), "node-b", 3.0, 5.02)
+    bench.judge(bench.steps_of(moved), s, 1.0, bench.steps_by_rank(moved))
+    assert s.recomputed == 0
     # Across ranks without their names the same lines looked like steps 5 and 6 done again.
     s = bench.Struck(bench.Failure(5.0, "warned", 1), "node-b", 3.0, 5.02)
     bench.judge(bench.steps_of(logs), s, 1.0)
