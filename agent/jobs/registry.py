@@ -605,7 +605,10 @@ class JobRegistry:
         def run() -> None:
             code: int | None = None
             if callable(wait):
-                code = wait()
+                try:
+                    code = wait()
+                except ChildProcessError:  # reaped by another waiter: what its PID 1 wrote, if it did
+                    code = exit_status(rec)
             else:
                 while procs.alive(pid, started):
                     time.sleep(0.5)

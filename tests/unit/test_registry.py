@@ -157,3 +157,24 @@ def test_an_adopted_jobs_log_directory_is_never_read_or_cleaned_for_a_status(
     proc.kill()
     wait_for(lambda: registry.get("mine").state is JobState.EXITED, what="its end recorded")
     assert users.read_text() == "3\n" and registry.get("mine").exit_code == -9
+
+
+def test_a_child_reaped_by_another_waiter_still_has_its_end_recorded_from_its_pid1(
+    registry: JobRegistry, sleeper: Sleeper
+) -> None:
+    """waitpid raises ChildProcessError when something else in the agent's process reaped the
+    child first: the end is still recorded, with the status its PID 1 wrote."""
+    proc, out, err = sleeper()
+    rec = launched_record("train", proc, out, err)
+    rec.private = True  # under ferry-init --private: its log directory is the agent's
+    registry.save(rec)
+    proc.kill()
+    proc.wait()  # the other waiter
+
+    def wait() -> int:
+        (out.parent / STATUS_FILE).write_text("137\n")  # PID 1's record of the kill
+        raise ChildProcessError(10, "No child processes")
+
+    registry._watch(rec, wait)
+    wait_for(lambda: registry.get("train").state is JobState.EXITED, what="its end recorded")
+    assert registry.get("train").exit_code == 137
