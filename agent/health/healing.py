@@ -341,7 +341,11 @@ class SelfHealing:
 
     def _preempt(self, name: str, placement: Placement, why: str) -> None:
         peer = self.hooks.peer(placement.peer.address)
-        if self.registry.get(name).state is not JobState.RUNNING:
+        rec = self.registry.get(name)
+        if rec.state is JobState.MIGRATING:  # a snapshot round holds it: nothing tried, try again
+            doing = f"job {name} is being saved or moved (migration {rec.migration_id})"
+            raise JobBusyError(doing, step="policy", node=self.node)
+        if rec.state is not JobState.RUNNING:
             raise RefusedError(f"job {name} is no longer running here", step="policy", node=self.node)
         for victim in placement.preempt:
             req = pb.PreemptRequest(job=victim, for_job=name, source_node=self.node, reason=why)

@@ -309,6 +309,32 @@ def test_a_move_that_finds_the_job_busy_is_tried_again_once_it_ends_with_no_cool
     assert rig.kinds("migration")[-1].startswith("moved job train to node node-s")
 
 
+def test_a_job_a_snapshot_round_holds_when_its_target_is_chosen_is_moved_once_the_round_ends(tmp_path):
+    """The round froze the job between the decision and the move's start (seen on the fault
+    bench: the move failed as "no longer running here", its cooldown then kept it from trying
+    again, and the node died with the job on it): nothing was tried, so no cooldown."""
+    rig = Rig(tmp_path, [(1.0, "GPU-a0", {"remapped": {"pending": True}})], PolicyConfig(cooldown_s=600))
+    rig.job("train")
+
+    rounds = ["snapshot-1"]
+
+    class RoundBegins(dict):  # the target asked for as the move starts: a round freezes the job then
+        def __getitem__(self, address: str) -> FakePeer:
+            if rounds:
+                rig.registry.begin_move("train", rounds.pop(), "snapshot")
+            return super().__getitem__(address)
+
+    rig.peers = RoundBegins(rig.peers)
+    rig.run(3)
+    busy = [m for m in rig.kinds("decision") if "is busy" in m]
+    assert len(busy) == 1 and "being saved or moved (migration snapshot-1)" in busy[0]
+    assert not [m for m in rig.kinds("migration") if "failed" in m] and rig.moves == []
+    rig.registry.update("train", state=JobState.RUNNING, migration_id="")  # the round released it
+    rig.run(2)
+    assert rig.registry.get("train").state is JobState.MOVED
+    assert rig.kinds("migration")[-1].startswith("moved job train to node node-s")
+
+
 def test_a_job_is_never_moved_twice_at_once(tmp_path):
     rig = Rig(tmp_path, [(1.0, "GPU-a0", {"remapped": {"pending": True}})], PolicyConfig(cooldown_s=0))
     rig.job("train")
