@@ -194,6 +194,7 @@ def judge(
     struck: Struck,
     step_s: float,
     by_rank: dict[int | None, list[tuple[float, int]]] | None = None,
+    counted_until: float = -math.inf,
 ) -> None:
     """The failure's cost: from its warning (or its kill) until every rank has finished a step
     past the one the job had reached at the kill, less the steps it made in that time at step_s
@@ -201,7 +202,9 @@ def judge(
     the kill until the job was back that it had logged before). Per rank, since ranks log one
     step a few milliseconds apart: the survivors may finish the step in flight at the kill (the dead rank
     had given its part), which is not the job being back; and a rank frozen by a move across
-    the kill logs after it the step its peers logged before it, which it did once."""
+    the kill logs after it the step its peers logged before it, which it did once. A step done
+    again before `counted_until` (an earlier failure's job back) is that failure's: its replay
+    may run past this one's kill."""
     start = struck.warned_at if struck.warned_at is not None else struck.killed_at
     reached = frontier(points, struck.killed_at)
     past: float | None = None
@@ -223,7 +226,7 @@ def judge(
         done: set[int] = set()
         twice = 0
         for t, s in pts:  # in time order
-            if struck.killed_at < t <= past and s in done:
+            if max(struck.killed_at, counted_until) < t <= past and s in done:
                 twice += 1
             done.add(s)
         again = max(again, twice)
@@ -749,8 +752,10 @@ def summarise(
     o: Outcome, args: argparse.Namespace, base_step: float, base_digests: list[str] | None
 ) -> dict[str, Any]:
     points, by_rank = steps_of(o.logs), steps_by_rank(o.logs)
+    back = -math.inf
     for s in o.struck:
-        judge(points, s, base_step, by_rank)
+        judge(points, s, base_step, by_rank, counted_until=back)
+        back = max(back, s.back_at or -math.inf)
     windows = [(s.warned_at or s.killed_at, s.back_at or math.inf) for s in o.struck]
     digests = sorted(m for log in o.logs for m in DIGEST.findall(log))[-WORLD:]
     out: dict[str, Any] = {

@@ -129,6 +129,22 @@ def test_the_job_is_back_when_every_rank_is_past_the_step_reached_not_at_the_ste
     assert s.back_at == 5.51 and s.lost_s < 0
 
 
+def test_a_replay_that_runs_past_the_next_kill_is_the_earlier_failures() -> None:
+    # Killed at 5.5 (hard), back from step 3 at 7.0, the replay passes step 5 at 9.5; a warned
+    # node dies at 8.5, during the replay: its step 5 again is the hard failure's.
+    logs = [ranked(0, *[(s, float(s)) for s in range(6)], (3, 7.0), (4, 8.0), (5, 9.0), (6, 9.5), (7, 10.0))]
+    pts, br = bench.steps_of(logs), bench.steps_by_rank(logs)
+    hard = bench.Struck(bench.Failure(5.5, "hard", 0), "node-b", None, 5.5)
+    bench.judge(pts, hard, 1.0, br)
+    assert hard.recomputed == 3 and hard.back_at == 9.5
+    warned = bench.Struck(bench.Failure(8.5, "warned", 1), "node-c", 7.5, 8.5)
+    bench.judge(pts, warned, 1.0, br, counted_until=hard.back_at)
+    assert warned.recomputed == 0
+    warned = bench.Struck(bench.Failure(8.5, "warned", 1), "node-c", 7.5, 8.5)
+    bench.judge(pts, warned, 1.0, br)
+    assert warned.recomputed == 1  # step 5 at 9.0, counted again without the bound
+
+
 def test_a_failure_the_run_never_got_past_has_no_cost_to_report() -> None:
     pts = bench.steps_of([lines((0, 0.0), (1, 1.0))])
     s = bench.Struck(bench.Failure(1.0, "hard", 0), "node-a", None, 1.5)
