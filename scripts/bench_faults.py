@@ -200,15 +200,16 @@ def judge(
     past the one the job had reached at the kill, less the steps it made in that time at step_s
     each; and how many steps it did again: the most any one rank did (the steps it logged from
     the kill until the job was back that it had logged before). Per rank, since ranks log one
-    step a few milliseconds apart: the survivors may finish the step in flight at the kill (the dead rank
-    had given its part), which is not the job being back; and a rank frozen by a move across
-    the kill logs after it the step its peers logged before it, which it did once. A step done
-    again before `counted_until` (an earlier failure's job back) is that failure's: its replay
-    may run past this one's kill."""
+    step a few milliseconds apart: the survivors may finish the step in flight at the kill (the
+    dead rank had given its part), which is not the job being back; and a rank frozen by a move
+    across the kill logs after it the step its peers logged before it, which it did once. A step
+    done again before `counted_until` (an earlier failure's job back) is that failure's: its
+    replay may run past this one's kill."""
     start = struck.warned_at if struck.warned_at is not None else struck.killed_at
     reached = frontier(points, struck.killed_at)
+    ranks = by_rank or {None: points}
     past: float | None = None
-    for pts in (by_rank or {None: points}).values():
+    for pts in ranks.values():
         first = next((t for t, s in pts if t > struck.killed_at and s > reached), None)
         if first is None and any(t > struck.killed_at for t, _ in pts):
             past = None  # a rank that went on but never got past: the job never did
@@ -221,12 +222,12 @@ def judge(
     made = reached - frontier(points, start) + 1
     struck.back_at = past
     struck.lost_s = (past - start) - made * step_s
-    again = 0
-    for pts in (by_rank or {None: points}).values():
+    again, since = 0, max(struck.killed_at, counted_until)
+    for pts in ranks.values():
         done: set[int] = set()
         twice = 0
         for t, s in pts:  # in time order
-            if max(struck.killed_at, counted_until) < t <= past and s in done:
+            if since < t <= past and s in done:
                 twice += 1
             done.add(s)
         again = max(again, twice)
