@@ -4,8 +4,10 @@ FERRY_FAULTS=point[,point...] makes those points fail. Points: prepare, dump,
 transfer, commit (source side); checkpoint, checkpoint-dumped (the image written, its
 manifest not yet), checkpoint-saved (the image complete; a `ferry checkpoint` without
 --leave-running or a suspend about to end the job); target-prepare, target-transfer, target-restore,
-target-restored, target-pages (target side; the last breaks a post-copy transfer
-after 16 MiB have arrived). Two more corrupt the stream the source sends:
+target-restored, target-pages (target side; it breaks a post-copy transfer
+after 16 MiB have arrived), target-lazy-gone (a post-copy target's lazy-pages daemon
+dies after the restored tasks handed it their memory, before CRIU's restore ends).
+Two more corrupt the stream the source sends:
 corrupt-chunk (one byte of the first data chunk flipped after its digest) and
 truncate-image (the stream ends before the manifest).
 

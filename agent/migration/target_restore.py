@@ -86,6 +86,8 @@ class Restorer:
             with self.table.lock:
                 inc.criu_pid, inc.criu_started = pid, procs.create_time(pid)
                 self.table.save_locked(inc)
+            if isinstance(stream, LazyTargetPages):
+                stream.criu_started(pid)
 
         try:
             faults.check("target-restore", self.node)

@@ -66,6 +66,28 @@ def test_a_dataloader_job_moves_to_a_node_with_its_own_tmp_and_shm(bed: Bed) -> 
     assert j["address"] == address  # the job's address went with it
 
 
+@pytest.mark.usefixtures("lazy_pipes")
+def test_a_post_copy_restore_whose_lazy_pages_daemon_dies_is_undone_and_the_source_goes_on(bed: Bed) -> None:
+    """The daemon dies after the tasks handed it their memory: CRIU's restore fails at its end and
+    kills the tree it made, whose init (ferry-init, PID 1 of the job) waited on CRIU's other
+    tracees while CRIU waited on it alone, so the restore never answered (native/criu/restore-reap.patch)."""
+    a, b = bed.node("node-a"), bed.node("node-b", env={"FERRY_FAULTS": "target-lazy-gone"})
+    a.cli("run", "--name", "loader", "--", sys.executable, str(WORKLOAD), *train_args(40, workers=2))
+    wait_for(a, "loader", r"^step 5 ")
+
+    p = a.cli("migrate", "loader", "--to", b.address, "--post-copy", check=False, timeout_s=120)
+
+    assert p.returncode == 1, p.stdout
+    assert "Failed sending restore finished indication" in p.stderr, p.stderr
+    assert "keeps running on node-a" in p.stderr, p.stderr
+    assert "loader" not in {j["name"] for j in json.loads(b.cli("ps", "--json").stdout)}
+    j = wait_exited(a, "loader")
+    out = a.cli("logs", "loader").stdout
+    assert j["exit_code"] == 0, a.cli("logs", "loader").stderr[-2000:]
+    assert steps_in(out) == list(range(40))
+    assert final_digest(out) == reference_digest(40, workers=2)
+
+
 def test_shared_memory_of_parent_and_child_moves_with_the_job(bed: Bed) -> None:
     a, b = bed.node("node-a"), bed.node("node-b")
     cmd = [sys.executable, str(WORKLOADS / "shm_counter.py"), "--steps", "40"]
