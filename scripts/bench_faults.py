@@ -195,22 +195,24 @@ def judge(
     step_s: float,
     by_rank: dict[int | None, list[tuple[float, int]]] | None = None,
     counted_until: float = -math.inf,
+    until: float = math.inf,
 ) -> None:
     """The failure's cost: from its warning (or its kill) until every rank has finished a step
-    past the one the job had reached at the kill, less the steps it made in that time at step_s
-    each; and how many steps it did again: the most any one rank did (the steps it logged from
-    the kill until the job was back that it had logged before). Per rank, since ranks log one
-    step a few milliseconds apart: the survivors may finish the step in flight at the kill (the
-    dead rank had given its part), which is not the job being back; and a rank frozen by a move
-    across the kill logs after it the step its peers logged before it, which it did once. A step
-    done again before `counted_until` (an earlier failure's job back) is that failure's: its
-    replay may run past this one's kill."""
+    past the one the job had reached at the kill, for good, less the steps it made in that time
+    at step_s each; and how many steps it did again: the most any one rank did (the steps it
+    logged from the kill until the job was back that it had logged before). Per rank, since
+    ranks log one step a few milliseconds apart: the ranks may finish the step in flight at the
+    kill (the dead rank may log it too before its SIGKILL lands), which is not the job being
+    back when a rollback follows; and a rank frozen by a move across the kill logs after it the
+    step its peers logged before it, which it did once. A step done again before
+    `counted_until` (an earlier failure's job back) is that failure's: its replay may run past
+    this one's kill. `until`: the next failure's kill, whose rollback is not this one's."""
     start = struck.warned_at if struck.warned_at is not None else struck.killed_at
     reached = frontier(points, struck.killed_at)
     ranks = by_rank or {None: points}
     past: float | None = None
     for pts in ranks.values():
-        first = next((t for t, s in pts if t > struck.killed_at and s > reached), None)
+        first = past_for_good(pts, struck.killed_at, reached, until)
         if first is None and any(t > struck.killed_at for t, _ in pts):
             past = None  # a rank that went on but never got past: the job never did
             break
@@ -232,6 +234,22 @@ def judge(
             done.add(s)
         again = max(again, twice)
     struck.recomputed = again
+
+
+def past_for_good(pts: list[tuple[float, int]], after: float, reached: int, until: float) -> float | None:
+    """When a rank logged, after `after`, a step past `reached` with no step at or below it
+    since (a rollback starts the count again); the scan stops at `until` once the rank is past."""
+    first: float | None = None
+    for t, s in pts:
+        if t <= after:
+            continue
+        if t > until and first is not None:
+            break
+        if s <= reached:
+            first = None
+        elif first is None:
+            first = t
+    return first
 
 
 def steady_step(points: list[tuple[float, int]], windows: list[tuple[float, float]]) -> float:
@@ -754,8 +772,9 @@ def summarise(
 ) -> dict[str, Any]:
     points, by_rank = steps_of(o.logs), steps_by_rank(o.logs)
     back = -math.inf
-    for s in o.struck:
-        judge(points, s, base_step, by_rank, counted_until=back)
+    for i, s in enumerate(o.struck):
+        until = o.struck[i + 1].killed_at if i + 1 < len(o.struck) else math.inf
+        judge(points, s, base_step, by_rank, counted_until=back, until=until)
         back = max(back, s.back_at or -math.inf)
     windows = [(s.warned_at or s.killed_at, s.back_at or math.inf) for s in o.struck]
     digests = sorted(m for log in o.logs for m in DIGEST.findall(log))[-WORLD:]

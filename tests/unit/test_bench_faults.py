@@ -123,10 +123,41 @@ def test_the_job_is_back_when_every_rank_is_past_the_step_reached_not_at_the_ste
     assert s.back_at == 12.0  # rank 1 past step 5, the job's frontier at the kill
     assert s.lost_s == pytest.approx(12.0 - 5.5 - 1.0)
     assert s.recomputed == 3  # rank 0: steps 4-6 again
-    # Over all ranks at once, rank 0's step in flight looked like the job being back at once.
+    # Over all ranks at once the rollback after the step in flight says the same; the steps
+    # done again are then every rank's together.
     s = bench.Struck(bench.Failure(5.5, "hard", 1), "node-b", None, 5.5)
     bench.judge(bench.steps_of(logs), s, 1.0)
-    assert s.back_at == 5.51 and s.lost_s < 0
+    assert s.back_at == 12.0 and s.recomputed == 6
+
+
+def test_a_step_every_rank_logs_just_after_the_kill_is_not_the_job_back_when_a_rollback_follows() -> None:
+    # The defaults' run at e17002b: node-a killed at 5.5 while every rank finished step 6, the
+    # dead one too before its SIGKILL landed (5.51); the group rolled back to step 3 at 8.0 and
+    # passed step 5 again at 11.0. The next failure (a kill at 20.0) rolls back below step 5.
+    logs = [
+        ranked(
+            r,
+            *[(s, float(s)) for s in range(6)],
+            (6, 5.51),
+            (4, 8.0),
+            (5, 9.0),
+            (6, 10.0),
+            (7, 11.0),
+            (8, 12.0),
+            (3, 21.0),
+            (4, 22.0),
+        )
+        for r in range(3)
+    ]
+    s = bench.Struck(bench.Failure(5.5, "hard", 0), "node-a", None, 5.5)
+    bench.judge(bench.steps_of(logs), s, 1.0, bench.steps_by_rank(logs), until=20.0)
+    assert s.back_at == 10.0  # step 6 again, after the rollback, not step 6 in flight at 5.51
+    assert s.lost_s == pytest.approx(10.0 - 5.5 - 1.0)
+    assert s.recomputed == 3  # steps 4-6 again
+    # Without the bound, the next failure's rollback below step 5 would count as this one's.
+    s = bench.Struck(bench.Failure(5.5, "hard", 0), "node-a", None, 5.5)
+    bench.judge(bench.steps_of(logs), s, 1.0, bench.steps_by_rank(logs))
+    assert s.back_at is None or s.back_at > 20.0
 
 
 def test_a_replay_that_runs_past_the_next_kill_is_the_earlier_failures() -> None:
