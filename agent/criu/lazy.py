@@ -15,11 +15,14 @@ is ready. Errors come from the logs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
 import select
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 from agent.criu import child
@@ -220,3 +223,26 @@ class LazyPagesDaemon:
 
     def kill(self) -> None:
         child.kill(self.proc)
+
+
+def gone_before_restore_end(criu_pid: int, daemon: LazyPagesDaemon) -> None:
+    """The fault point target-lazy-gone (tests only): once the daemon logs its first task, stop
+    CRIU's restore (criu_pid), give every task time to hand its userfaultfd over, kill the
+    daemon, and let CRIU go on to the end of its restore, where it tells a daemon gone."""
+    deadline = time.monotonic() + 30.0
+    while b"Received PID" not in _read(daemon.log_path):
+        if time.monotonic() > deadline or daemon.proc.poll() is not None:
+            return
+        time.sleep(0.001)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(criu_pid, signal.SIGSTOP)
+        time.sleep(0.5)
+        daemon.kill()
+        os.kill(criu_pid, signal.SIGCONT)
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""

@@ -27,16 +27,14 @@ import contextlib
 import logging
 import os
 import queue
-import signal
 import threading
-import time
 from collections.abc import Callable, Generator, Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
 from agent import faults
 from agent.client import split_address
-from agent.criu.lazy import LazyPagesDaemon
+from agent.criu.lazy import LazyPagesDaemon, gone_before_restore_end
 from agent.criu.options import TlsFiles
 from agent.criu.runner import Criu, PageServer
 from agent.errors import FerryError, StepTimeoutError, TransferError
@@ -336,7 +334,7 @@ class LazyTargetPages:
         is done; CRIU is held meanwhile, so that its end of the restore meets a daemon gone."""
         if "target-lazy-gone" in faults.active() and self.daemon is not None:
             args = (criu_pid, self.daemon)
-            threading.Thread(target=_lazy_gone, args=args, name="lazy-gone", daemon=True).start()
+            threading.Thread(target=gone_before_restore_end, args=args, name="lazy-gone", daemon=True).start()
 
     def watch(self, pid: int) -> None:
         """The restored job runs as pid: the fault point (tests only) cuts its transfer once
@@ -411,25 +409,3 @@ class LazyTargetPages:
             self._changed.notify_all()
         if daemon is not None:
             daemon.kill()
-
-
-def _lazy_gone(criu_pid: int, daemon: LazyPagesDaemon) -> None:
-    """target-lazy-gone: once the daemon logs its first task, stop CRIU's restore, give every task
-    time to hand its userfaultfd over, kill the daemon, and let CRIU go on to its end."""
-    deadline = time.monotonic() + 30.0
-    while b"Received PID" not in _read(daemon.log_path):
-        if time.monotonic() > deadline or daemon.proc.poll() is not None:
-            return
-        time.sleep(0.001)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(criu_pid, signal.SIGSTOP)
-        time.sleep(0.5)
-        daemon.kill()
-        os.kill(criu_pid, signal.SIGCONT)
-
-
-def _read(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError:
-        return b""
