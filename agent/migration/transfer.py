@@ -11,7 +11,8 @@ from pathlib import Path
 from agent import faults
 from agent.durable import write_all
 from agent.errors import ImageError, TransferError
-from agent.image import MANIFEST, FileEntry, Manifest, check_name, image_files
+from agent.image import MANIFEST, PAGES_PREFIX, FileEntry, Manifest, check_name, image_files
+from agent.migration import delta
 from agent.rpc import pb
 
 CHUNK_BYTES = 1 << 20
@@ -26,6 +27,12 @@ class SendStats:
     entries: list[FileEntry] = field(default_factory=list)
 
 
+def _blocks(path: Path) -> Iterator[delta.Piece]:
+    with open(path, "rb") as f:
+        while data := f.read(CHUNK_BYTES):
+            yield delta.Piece(data=data)
+
+
 def send_image(
     migration_id: str,
     image_dir: Path,
@@ -33,13 +40,17 @@ def send_image(
     stats: SendStats,
     progress: Callable[[int], None] = lambda n: None,
     digests: dict[str, str] | None = None,
+    base_dir: Path | None = None,
 ) -> Iterator[pb.ImageChunk]:
     """Yield the image as chunks, digesting each file on the way; the manifest goes last.
 
     Digesting while sending reads every byte once; the manifest is built from
     those digests, so it can only be sent after the files it describes. `digests`: an image
     whose manifest is written already sends its files' digests as they are (the receiver
-    checks every byte against them), and spends no time hashing them again.
+    checks every byte against them), and spends no time hashing them again. `base_dir`: an
+    image the receiver holds too (a snapshot's keeper, agent.snapshots.delta): each pages file
+    of known digest with a namesake there goes as ranges of it where the bytes are the same.
+    `stats.bytes` counts what crossed.
     """
     first = True
     corrupt = "corrupt-chunk" in faults.active()
@@ -48,33 +59,39 @@ def send_image(
     for path in paths:
         h = hashlib.sha256()
         known = (digests or {}).get(path.name)
+        base = base_dir / path.name if base_dir is not None and known is not None else None
+        if base is None or not path.name.startswith(PAGES_PREFIX) or not base.is_file():
+            base = None
         size = 0
-        with open(path, "rb") as f:
-            data = f.read(CHUNK_BYTES)
-            while True:
-                nxt = f.read(CHUNK_BYTES) if data else b""
-                if known is None:
-                    h.update(data)
-                size += len(data)
-                last = not nxt
-                if corrupt and data:  # the digest above saw the true bytes
-                    data, corrupt = bytes([data[0] ^ 0xFF]) + data[1:], False
-                yield pb.ImageChunk(
-                    migration_id=migration_id if first else "",
-                    file=path.name,
-                    data=data,
-                    last=last,
-                    sha256=(known or h.hexdigest()) if last else "",
-                    files=listing if first else (),
-                )
-                if first:
-                    faults.check("source-transferring")
-                first = False
-                stats.bytes += len(data)
-                progress(stats.bytes)
-                if last:
-                    break
-                data = nxt
+        parts = delta.pieces(path, base) if base is not None else _blocks(path)
+        piece = next(parts, delta.Piece())
+        while True:
+            nxt = next(parts, None)
+            data = piece.data
+            if known is None:
+                h.update(data)
+            size += len(data) + piece.base_length
+            last = nxt is None
+            if corrupt and data:  # the digest above saw the true bytes
+                data, corrupt = bytes([data[0] ^ 0xFF]) + data[1:], False
+            yield pb.ImageChunk(
+                migration_id=migration_id if first else "",
+                file=path.name,
+                data=data,
+                last=last,
+                sha256=(known or h.hexdigest()) if last else "",
+                files=listing if first else (),
+                base_offset=piece.base_offset,
+                base_length=piece.base_length,
+            )
+            if first:
+                faults.check("source-transferring")
+            first = False
+            stats.bytes += len(data)
+            progress(stats.bytes)
+            if nxt is None:
+                break
+            piece = nxt
         stats.entries.append(FileEntry(path.name, size, known or h.hexdigest()))
     if "truncate-image" in faults.active():
         return
@@ -101,8 +118,18 @@ class Intake:
     from an image that has not passed it.
     """
 
-    def __init__(self, staging: Path, max_bytes: int, node: str = "", max_files: int = MAX_FILES) -> None:
+    def __init__(
+        self,
+        staging: Path,
+        max_bytes: int,
+        node: str = "",
+        max_files: int = MAX_FILES,
+        base: Path | None = None,
+    ) -> None:
         self.staging = staging
+        #: An image this node holds whose files a chunk may copy ranges of (a snapshot's delta).
+        self.base = base
+        self.sent = 0  # what crossed the wire; `bytes` is what was written
         self.max_bytes = max_bytes
         self.max_files = max_files
         self.node = node
@@ -128,14 +155,17 @@ class Intake:
             self._open(chunk.file)
         elif self._fd < 0:
             raise self._fail("a chunk arrived without a file name")
-        self.bytes += len(chunk.data)
-        self._size += len(chunk.data)
-        if self.bytes > self.max_bytes:
-            raise self._fail(f"image exceeds the lease's cap of {self.max_bytes} bytes")
-        if self._size > self._limit(self._name):
-            raise self._fail(f"file {self._name!r} is larger than listed ({self._limit(self._name)} bytes)")
-        write_all(self._fd, chunk.data)  # the digest below must cover only bytes on disk
-        self._hash.update(chunk.data)
+        if chunk.base_length and chunk.data:
+            raise self._fail("a chunk carries both bytes and a range of its base image")
+        self.sent += len(chunk.data)
+        self._take(len(chunk.data) + chunk.base_length)
+        if chunk.base_length:
+            for data in self._from_base(chunk.base_offset, chunk.base_length):
+                write_all(self._fd, data)
+                self._hash.update(data)
+        else:
+            write_all(self._fd, chunk.data)  # the digest below must cover only bytes on disk
+            self._hash.update(chunk.data)
         if chunk.last:
             os.close(self._fd)
             self._fd = -1
@@ -145,6 +175,33 @@ class Intake:
             if self._name != MANIFEST and self._size != self._limit(self._name):
                 raise self._fail(f"file {self._name!r} is shorter than announced (truncated)")
             self.received[self._name] = FileEntry(self._name, self._size, digest)
+
+    def _take(self, n: int) -> None:
+        self.bytes += n
+        self._size += n
+        if self.bytes > self.max_bytes:
+            raise self._fail(f"image exceeds the lease's cap of {self.max_bytes} bytes")
+        if self._size > self._limit(self._name):
+            raise self._fail(f"file {self._name!r} is larger than listed ({self._limit(self._name)} bytes)")
+
+    def _from_base(self, offset: int, length: int) -> Iterator[bytes]:
+        """The base image's bytes of the current file at [offset, offset + length), in blocks."""
+        if self.base is None or self._name == MANIFEST:
+            raise self._fail(f"a chunk of {self._name!r} copies from a base image the stream did not name")
+        try:
+            fd = os.open(self.base / self._name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise self._fail(f"the base image has no {self._name!r} to copy from: {e.strerror}") from e
+        try:
+            end = offset + length
+            while offset < end:
+                data = os.pread(fd, min(CHUNK_BYTES, end - offset), offset)
+                if not data:
+                    raise self._fail(f"the base image's {self._name!r} ends before byte {end}")
+                offset += len(data)
+                yield data
+        finally:
+            os.close(fd)
 
     def _announce(self, files: list[pb.ImageFile]) -> None:
         if not files:

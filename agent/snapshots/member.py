@@ -335,9 +335,9 @@ class MemberSnapshots:
             try:
                 with in_background():
                     try:
-                        stored = self._push_chain(h, buddy, self._unshipped(h, buddy))
-                    except NotFoundError:  # the buddy lacks a link it had: the whole chain
-                        stored = self._push_chain(h, buddy, links(h.out_dir))
+                        stored = self._push_chain(h, buddy, self._unshipped(h, buddy), self._base(h, buddy))
+                    except NotFoundError:  # the buddy lacks a link or the base it had: the whole chain
+                        stored = self._push_chain(h, buddy, links(h.out_dir), None)
             except Exception as e:
                 with self._lock:
                     self._to(h, HeldState.FAILED)
@@ -356,13 +356,24 @@ class MemberSnapshots:
             to, epoch = self._shipped.get((h.group, h.job), ("", 0))
         return unshipped(links(h.out_dir), epoch if to == buddy else 0)
 
-    def _push_chain(self, h: Held, buddy: str, chain: list[Path]) -> pb.StoredSnapshot:
+    def _base(self, h: Held, buddy: str) -> Path | None:
+        """h's image of the last round `buddy` verified, when both are whole and it is still here:
+        the new one then goes as what changed since (agent.migration.delta)."""
+        with self._lock:
+            to, epoch = self._shipped.get((h.group, h.job), ("", 0))
+        base = self.root / h.group / str(epoch) / h.job
+        whole = parent_epoch(h.out_dir) == 0
+        if to != buddy or epoch == h.epoch or not whole or not (base / MANIFEST).is_file():
+            return None
+        return base if parent_epoch(base) == 0 else None
+
+    def _push_chain(self, h: Held, buddy: str, chain: list[Path], base: Path | None) -> pb.StoredSnapshot:
         stored = pb.StoredSnapshot()
         for d in chain:
-            stored = self.push(buddy, self._chunks(h, d))
+            stored = self.push(buddy, self._chunks(h, d, base if d == h.out_dir else None))
         return stored
 
-    def _chunks(self, h: Held, image: Path) -> Iterator[pb.ImageChunk]:
+    def _chunks(self, h: Held, image: Path, base: Path | None = None) -> Iterator[pb.ImageChunk]:
         m = read_manifest(image)
         digests = {f.name: f.sha256 for f in m.files}
 
@@ -374,10 +385,14 @@ class MemberSnapshots:
             return m
 
         key = pb.SnapshotKey(
-            group=h.group, epoch=int(image.parent.name), job=h.job, parent_epoch=parent_epoch(image)
+            group=h.group,
+            epoch=int(image.parent.name),
+            job=h.job,
+            parent_epoch=parent_epoch(image),
+            base_epoch=int(base.parent.name) if base is not None else 0,
         )
         first = True
-        for chunk in send_image("", image, same, SendStats(), digests=digests):
+        for chunk in send_image("", image, same, SendStats(), digests=digests, base_dir=base):
             if first:
                 chunk.snapshot.CopyFrom(key)
                 first = False

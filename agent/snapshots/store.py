@@ -57,6 +57,7 @@ class SnapshotStore:
         final = self.image_dir(key.group, key.epoch, key.job)
         part = final.parent / f".{key.job}.part"
         parent = self.image_dir(key.group, key.parent_epoch, key.job) if key.parent_epoch else None
+        base = self.image_dir(key.group, key.base_epoch, key.job) if key.base_epoch else None
         with self._lock:
             if parent is not None and not (parent / MANIFEST).is_file():
                 raise NotFoundError(
@@ -66,9 +67,18 @@ class SnapshotStore:
                     node=self.node,
                     hint="send the chain, oldest first",
                 )
+            if base is not None and (key.base_epoch == key.epoch or not (base / MANIFEST).is_file()):
+                raise NotFoundError(
+                    f"this node holds no image of round {key.base_epoch} of job {key.job} for its image "
+                    f"of round {key.epoch} to copy from",
+                    step="snapshot store",
+                    node=self.node,
+                    hint="send the image whole",
+                )
             shutil.rmtree(part, ignore_errors=True)  # a stream cut before: never restored from
             part.mkdir(parents=True, mode=0o700)
-        intake = Intake(part, self._room(), node=self.node)
+        # A DROP keeps the last complete round, the base of the round after it, until that completes.
+        intake = Intake(part, self._room(), node=self.node, base=base)
         try:
             with in_background():  # this node's own members come first
                 intake.feed(first)
@@ -94,7 +104,13 @@ class SnapshotStore:
             shutil.rmtree(part, ignore_errors=True)
             raise
         log.info(
-            "snapshot store: job %s's image of round %d of group %s is here", key.job, key.epoch, key.group
+            "snapshot store: job %s's image of round %d of group %s is here (%d bytes, %d sent%s)",
+            key.job,
+            key.epoch,
+            key.group,
+            intake.bytes,
+            intake.sent,
+            f", the rest from round {key.base_epoch}'s" if base is not None else "",
         )
         return pb.StoredSnapshot(node_name=self.node, dir=str(final), bytes=intake.bytes)
 

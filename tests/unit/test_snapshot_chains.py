@@ -211,3 +211,26 @@ def test_a_drop_while_a_dump_reads_its_parent_keeps_the_chain(tmp_path: Path) ->
     n.m.release("g", 2)
     (h,) = n.m.ship("g", 2, B1)
     assert h.parent == 1 and verify(n.stores[B1].image_dir("g", 2, "r0")).parent
+
+
+def test_without_tracking_a_whole_image_goes_as_what_changed_since_the_buddys_copy(tmp_path: Path) -> None:
+    n = Node(tmp_path, tracks=False)
+    sent: list[tuple[int, int, int]] = []  # epoch, base epoch, bytes of data
+
+    def push(buddy: str, chunks: Iterator[pb.ImageChunk]) -> pb.StoredSnapshot:
+        got = list(chunks)
+        sent.append((got[0].snapshot.epoch, got[0].snapshot.base_epoch, sum(len(c.data) for c in got)))
+        return n.stores[buddy].receive(iter(got))
+
+    n.m.push = push
+    for e in (1, 2, 3):
+        n.round(e)
+    pages = os.path.getsize(n.root / "g" / "1" / "r0" / "pages-1.img")
+    assert [(e, b) for e, b, _ in sent] == [(1, 0), (2, 1), (3, 2)]
+    assert sent[1][2] <= sent[0][2] - pages, "the pages the buddy's copy holds are not sent again"
+    for e in (2, 3):  # each whole, rebuilt from the copy before it and verified
+        assert verify(n.stores[B1].image_dir("g", e, "r0")).parent == ""
+    shutil.rmtree(n.stores[B1].image_dir("g", 3, "r0"))  # the buddy lost its copy: refused, then whole
+    n.round(4)
+    assert [(e, b) for e, b, _ in sent[3:]] == [(4, 3), (4, 0)]
+    verify(n.stores[B1].image_dir("g", 4, "r0"))
