@@ -48,7 +48,7 @@ def send_image(
     those digests, so it can only be sent after the files it describes. `digests`: an image
     whose manifest is written already sends its files' digests as they are (the receiver
     checks every byte against them), and spends no time hashing them again. `base_dir`: an
-    image the receiver holds too (a snapshot's keeper, agent.snapshots.delta): each pages file
+    image the receiver holds too (a snapshot's keeper, agent.migration.delta): each pages file
     of known digest with a namesake there goes as ranges of it where the bytes are the same.
     `stats.bytes` counts what crossed.
     """
