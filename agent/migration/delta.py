@@ -91,32 +91,31 @@ def pieces(new: Path, base: Path) -> Iterator[Piece]:
         while block := f.read(BLOCK):
             # Unchanged where the last page was found (in place, or shifted by a mapping): the usual case.
             whole = next((at for at in {off + shift, off} if src.at(at, len(block)) == block), None)
+            # Each part: where base holds its bytes (None: nowhere), and the bytes.
             if whole is not None:
-                parts: list[tuple[int, bytes]] = [(whole, b"")]
-                lengths = [len(block)]
+                parts: list[tuple[int | None, bytes]] = [(whole, block)]
             elif misses >= GIVE_UP:  # memory the job rewrote: not worth a lookup a page
-                parts, lengths = [(-1, block)], [len(block)]
+                parts = [(None, block)]
             else:
-                parts, lengths = [], []
+                parts = []
                 for i in range(0, len(block), PAGE):
                     page = block[i : i + PAGE]
                     at = src.find(page, off + i + shift) if len(page) == PAGE else None
                     if at is not None:
                         shift = at - (off + i)
-                    parts.append((at, page) if at is not None else (-1, page))
-                    lengths.append(len(page))
-                misses = 0 if any(at >= 0 for at, _ in parts) else misses + 1
-            for (at, page), length in zip(parts, lengths, strict=True):
-                if at is not None and at >= 0:
+                    parts.append((at, page))
+                misses = 0 if any(at is not None for at, _ in parts) else misses + 1
+            for at, data in parts:
+                if at is not None:
                     yield from flush_lit()
-                    if run_len and at == run_at + run_len and run_len + length <= MAX_COPY:
-                        run_len += length
+                    if run_len and at == run_at + run_len and run_len + len(data) <= MAX_COPY:
+                        run_len += len(data)
                     else:
                         yield from flush_run()
-                        run_at, run_len = at, length
+                        run_at, run_len = at, len(data)
                 else:
                     yield from flush_run()
-                    lit += page
+                    lit += data
                     if len(lit) >= BLOCK:
                         yield from flush_lit()
             off += len(block)

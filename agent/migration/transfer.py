@@ -60,7 +60,7 @@ def send_image(
         h = hashlib.sha256()
         known = (digests or {}).get(path.name)
         base = base_dir / path.name if base_dir is not None and known is not None else None
-        if base is None or not path.name.startswith(PAGES_PREFIX) or not base.is_file():
+        if not path.name.startswith(PAGES_PREFIX) or (base is not None and not base.is_file()):
             base = None
         size = 0
         parts = delta.pieces(path, base) if base is not None else _blocks(path)
