@@ -58,6 +58,13 @@ def step_time(log: str, since: float, until: float) -> float:
     return statistics.median(b - a for a, b in itertools.pairwise(t))
 
 
+def mean_step(log: str, since: float, until: float) -> float:
+    """The mean time a step took within [since, until]; the whole span when fewer than two steps
+    were stamped in it (a group held back that far is slower than any bar here)."""
+    t = [x for x in stamps(log) if since <= x <= until]
+    return (t[-1] - t[0]) / (len(t) - 1) if len(t) >= 2 else until - since
+
+
 def events(node: BedAgent, kind: str) -> list[dict]:
     return [
         e for e in json.loads(node.cli("events", "--json", "--limit", "1000").stdout) if e["kind"] == kind
@@ -107,6 +114,7 @@ def test_a_slowed_member_is_found_and_moved_and_two_are_moved_one_at_a_time(bed:
         text = b.cli("health", "--group", "llm").stdout
         wait_for_event(b, "migration", f"moved job {job[1]} to node", 60)
         found_b = next(x for x in events(b, "straggler") if x["job"] == job[1])
+        slow = mean_step(a.cli("logs", job[0]).stdout, slowed + 1, found_b["time"])
         print(f"--- node-b's member found after {found_b['time'] - slowed:.1f} s: {found_b['message']}")
         moved_c = wait_for_event(c, "migration", f"moved job {job[2]} to node", 90)
         found_c = next(x for x in events(c, "straggler") if x["job"] == job[2])
@@ -151,17 +159,21 @@ def test_a_slowed_member_is_found_and_moved_and_two_are_moved_one_at_a_time(bed:
         want.add(final_digest(node.cli("logs", name).stdout))
     assert len(want) == 1 and digests == want
 
-    # At the new nodes' pace again: within 10 % of the undisturbed run's over the same steps, the
-    # MEASURED steps from 3 s after the second move.
+    # At the new nodes' pace again, the MEASURED steps from 3 s after the second move against the
+    # undisturbed run's same steps: within 25 %, where a member left on its slowed node makes every
+    # step several times slower. The undisturbed run's own median over the same steps has been
+    # 38-41 ms from one run to the next on two shared cores, the moved run's 38-43 ms.
     moved, undisturbed = stamps(a.cli("logs", job[0]).stdout), stamps(a.cli("logs", ref[0]).stdout)
     first = next(i for i, t in enumerate(moved) if t >= after)
     now = statistics.median(b - a for a, b in itertools.pairwise(moved[first : first + MEASURED]))
     was = statistics.median(b - a for a, b in itertools.pairwise(undisturbed[first : first + MEASURED]))
     print(
         f"--- steps {first}-{first + MEASURED}: {now * 1000:.1f} ms a step after both moves, "
-        f"{was * 1000:.1f} ms undisturbed (the run's first steps undisturbed: {base * 1000:.1f} ms)"
+        f"{was * 1000:.1f} ms undisturbed (the run's first steps undisturbed: {base * 1000:.1f} ms; "
+        f"{slow * 1000:.0f} ms while node-b's member was slowed)"
     )
-    assert now <= was * 1.10, f"{now * 1000:.1f} ms a step after the moves, {was * 1000:.1f} ms undisturbed"
+    assert slow >= was * 2, f"{slow * 1000:.0f} ms a step while slowed: the quota did not slow the group"
+    assert now <= was * 1.25, f"{now * 1000:.1f} ms a step after the moves, {was * 1000:.1f} ms undisturbed"
 
 
 def wait_for_event(node: BedAgent, kind: str, text: str, timeout_s: float) -> dict:
