@@ -145,6 +145,14 @@ def format_report(runs: dict[str, dict[str, Any]], projections: dict[str, list[P
             f"{r['step_s']:.2f} s = {r['peers_pause_s']:.2f} s; target <= frozen {r['frozen_s']:.2f} s "
             f"+ {PAUSE_SLACK_S} s: {'met' if r['pause_target_met'] else 'NOT met'}",
         ]
+        if (own := r.get("moved_gap_s")) is not None:
+            within = r["peers_gap_s"] <= own + PAUSE_SLACK_S
+            lazy = str(r.get("method", "")).startswith("post-copy")
+            lines.append(
+                f"  the moved rank's own longest step gap {own:.2f} s: its peers' is "
+                + (f"within it + {PAUSE_SLACK_S} s" if within else f"{r['peers_gap_s'] - own:.2f} s longer")
+                + (" (post-copy: it steps again once its next step's pages are in)" if lazy else "")
+            )
     for title, rows in projections.items():
         lines += [
             "",
@@ -248,6 +256,9 @@ class Runs:
         logs = self.finish(names, where)
         # The answer comes once the group's pause was measured (up to 12 s after the move).
         gap = max(longest_gap(logs[r], asked, answered) for r in (0, 2))
+        # The moved rank's own (its log came with it): after a post-copy release it steps again
+        # only once the pages its next step touches are in, and its peers cannot step before it.
+        own = longest_gap(logs[1], asked, answered)
         step = max(median_step(stamps(logs[r])) for r in (0, 2))
         pause, met = pause_target(gap, step, moved["frozen_s"])
         return {
@@ -256,6 +267,7 @@ class Runs:
             "group_pause_s": moved.get("group_pause_s"),
             "group_pause_by": moved.get("group_pause_by", ""),
             "peers_gap_s": gap,
+            "moved_gap_s": own,
             "step_s": step,
             "peers_pause_s": pause,
             "pause_target_met": met,

@@ -107,6 +107,11 @@ def test_the_report_says_the_groups_pause_and_whether_the_target_was_met() -> No
     )
     unmet = bench.format_report({"ferry": {**moved, "group_pause_s": None, "pause_target_met": False}}, {})
     assert "reported it: not measured" in unmet and "NOT met" in unmet
+    assert "own longest step gap" not in text  # a run from before the figure was kept
+    post = bench.format_report({"ferry": {**moved, "moved_gap_s": 1.1, "method": "post-copy"}}, {})
+    assert "the moved rank's own longest step gap 1.10 s: its peers' is within it + 0.5 s (post-copy:" in post
+    late = bench.format_report({"ferry": {**moved, "moved_gap_s": 0.5}}, {})
+    assert "own longest step gap 0.50 s: its peers' is 0.80 s longer" in late
 
 
 def test_the_model_width_reaches_the_workload() -> None:
