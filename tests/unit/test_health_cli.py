@@ -13,9 +13,10 @@ import pytest
 from fakes import SLEEP, wait_for
 
 from agent.cli import main as cli
-from agent.gpus import inventory
+from agent.gpus import inventory, selftest
 from agent.rpc import pb, pb_grpc
 from agent.testing import agent as entry
+from agent.testing.fake_selftest import ReplayedSelfTest
 from agent.testing.nvml_replay import ReplayNvml
 
 
@@ -197,6 +198,9 @@ def test_the_test_entry_point_replays_nvml_then_runs_the_usual_cli(tmp_path: Pat
         return 7
 
     monkeypatch.setattr(entry, "ferry_main", ferry_main)
+    # The entry point installs the replayed GPUs' self-test for the process it is: put back after.
+    monkeypatch.setattr(selftest, "run", selftest.run)
+    monkeypatch.setattr(selftest, "unavailable", selftest.unavailable)
     try:
         assert (
             entry.main(["--nvml-replay", str(telemetry), "agent", "--listen", "127.0.0.1:0", "--help"]) == 7
@@ -213,3 +217,4 @@ def test_the_test_entry_point_replays_nvml_then_runs_the_usual_cli(tmp_path: Pat
     for bad in ([], ["health"], ["--nvml-replay"], ["--nvml-replay=", "health"]):
         assert entry.main(bad) == 2
     assert len(seen) == 2
+    assert isinstance(selftest.run, ReplayedSelfTest)  # what the put-back above undoes
