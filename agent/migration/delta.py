@@ -27,6 +27,10 @@ MAX_COPY = 64 << 20
 #: Blocks in a row without a page of base after which pages are no longer looked up one by one
 #: (a block is still compared whole, where the last page was found and in place).
 GIVE_UP = 4
+#: The largest base whose pages are indexed (a dict entry a page: some 25 MB of the agent's
+#: memory a GiB). A larger one (a GPU member's image holds its device memory) is compared in
+#: place and where the last page was found only, so a mapping that shifts the rest goes whole.
+INDEX_MAX_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,8 @@ class _Base:
 
     def _build(self) -> dict[int, int]:
         index: dict[int, int] = {}
+        if self.size > INDEX_MAX_BYTES:
+            return index
         for off in range(0, self.size - self.size % PAGE, BLOCK):
             block = os.pread(self.fd, BLOCK, off)
             for i in range(0, len(block) - len(block) % PAGE, PAGE):
@@ -94,6 +100,7 @@ def pieces(new: Path, base: Path) -> Iterator[Piece]:
             # Each part: where base holds its bytes (None: nowhere), and the bytes.
             if whole is not None:
                 parts: list[tuple[int | None, bytes]] = [(whole, block)]
+                misses = 0
             elif misses >= GIVE_UP:  # memory the job rewrote: not worth a lookup a page
                 parts = [(None, block)]
             else:

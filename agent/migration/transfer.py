@@ -10,7 +10,7 @@ from pathlib import Path
 
 from agent import faults
 from agent.durable import write_all
-from agent.errors import ImageError, TransferError
+from agent.errors import ImageError, NotFoundError, TransferError
 from agent.image import MANIFEST, PAGES_PREFIX, FileEntry, Manifest, check_name, image_files
 from agent.migration import delta
 from agent.rpc import pb
@@ -63,8 +63,16 @@ def send_image(
         if not path.name.startswith(PAGES_PREFIX) or (base is not None and not base.is_file()):
             base = None
         size = 0
-        parts = delta.pieces(path, base) if base is not None else _blocks(path)
-        piece = next(parts, delta.Piece())
+        try:
+            parts = delta.pieces(path, base) if base is not None else _blocks(path)
+            piece = next(parts, delta.Piece())
+        except OSError:
+            if base is None:
+                raise
+            # The base went (a DROP) between the check above and its open: this file goes whole.
+            # (Once open, a base removed meanwhile stays readable to the end.)
+            parts = _blocks(path)
+            piece = next(parts, delta.Piece())
         while True:
             nxt = next(parts, None)
             data = piece.data
@@ -140,6 +148,7 @@ class Intake:
         self._fd = -1
         self._hash = hashlib.sha256()
         self._size = 0
+        self._base_fd = -1  # the current file's namesake in base, opened at its first range
 
     def _fail(self, cause: str) -> TransferError:
         return TransferError(cause, step="transfer intake", node=self.node)
@@ -167,6 +176,7 @@ class Intake:
             write_all(self._fd, chunk.data)  # the digest below must cover only bytes on disk
             self._hash.update(chunk.data)
         if chunk.last:
+            self._close_base()
             os.close(self._fd)
             self._fd = -1
             digest = self._hash.hexdigest()
@@ -188,20 +198,30 @@ class Intake:
         """The base image's bytes of the current file at [offset, offset + length), in blocks."""
         if self.base is None or self._name == MANIFEST:
             raise self._fail(f"a chunk of {self._name!r} copies from a base image the stream did not name")
-        try:
-            fd = os.open(self.base / self._name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as e:
-            raise self._fail(f"the base image has no {self._name!r} to copy from: {e.strerror}") from e
-        try:
-            end = offset + length
-            while offset < end:
-                data = os.pread(fd, min(CHUNK_BYTES, end - offset), offset)
-                if not data:
-                    raise self._fail(f"the base image's {self._name!r} ends before byte {end}")
-                offset += len(data)
-                yield data
-        finally:
-            os.close(fd)
+        if self._base_fd < 0:
+            try:
+                self._base_fd = os.open(self.base / self._name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError as e:  # gone since the stream began (a DROP): the sender sends it whole
+                raise NotFoundError(
+                    f"the base image has no {self._name!r} to copy from: {e.strerror}",
+                    step="transfer intake",
+                    node=self.node,
+                    hint="send the image whole",
+                ) from e
+        end = offset + length
+        if end > (have := os.fstat(self._base_fd).st_size):
+            raise self._fail(f"a chunk copies up to byte {end} of the base's {self._name!r} ({have} bytes)")
+        while offset < end:
+            data = os.pread(self._base_fd, min(CHUNK_BYTES, end - offset), offset)
+            if not data:
+                raise self._fail(f"the base image's {self._name!r} ends before byte {end}")
+            offset += len(data)
+            yield data
+
+    def _close_base(self) -> None:
+        if self._base_fd >= 0:
+            os.close(self._base_fd)
+            self._base_fd = -1
 
     def _announce(self, files: list[pb.ImageFile]) -> None:
         if not files:
@@ -238,6 +258,7 @@ class Intake:
         self._fd = os.open(self.staging / name, flags, 0o600)
 
     def close(self) -> None:
+        self._close_base()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

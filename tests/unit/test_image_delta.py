@@ -4,12 +4,13 @@ the pieces, and the keeper rebuilding the image from them and its copy, checked 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
-from agent.errors import TransferError
+from agent.errors import NotFoundError, TransferError
 from agent.image import MANIFEST, JobSpec, build_manifest, read_manifest, verify
 from agent.migration import delta
 from agent.migration.transfer import Intake, SendStats, send_image
@@ -135,9 +136,75 @@ def test_a_range_without_a_base_or_past_its_end_is_refused(tmp_path: Path) -> No
         Intake(tmp_path / "a", 1 << 20).feed(copy)
     short = image(tmp_path / "short", {"pages-1.img": b"x" * 100})
     (tmp_path / "b").mkdir()
-    with pytest.raises(TransferError, match="ends before byte"):
+    with pytest.raises(
+        TransferError, match=re.escape("copies up to byte 4096 of the base's 'pages-1.img' (100 bytes)")
+    ):
         Intake(tmp_path / "b", 1 << 20, base=short).feed(copy)
+    far = pb.ImageChunk(file="pages-1.img", base_offset=1 << 63, base_length=1, last=True, files=listing)
+    (tmp_path / "d").mkdir()
+    with pytest.raises(TransferError, match="copies up to byte"):  # never an OverflowError
+        Intake(tmp_path / "d", 1 << 20, base=short).feed(far)
     both = pb.ImageChunk(file="pages-1.img", data=b"x", base_length=PAGE, files=listing)
     (tmp_path / "c").mkdir()
     with pytest.raises(TransferError, match="both bytes and a range"):
         Intake(tmp_path / "c", 1 << 20, base=short).feed(both)
+
+
+def test_a_base_gone_from_the_keeper_is_not_found_so_the_image_goes_whole(tmp_path: Path) -> None:
+    old = pages(20)
+    base = image(tmp_path / "r1", {"pages-1.img": b"".join(old)})
+    img = image(tmp_path / "r2", {"pages-1.img": b"".join(old[:19] + pages(1))})
+    keeper_copy = tmp_path / "keeper-r1"
+    shutil.copytree(base, keeper_copy)
+    (keeper_copy / "pages-1.img").unlink()  # a DROP removed it after the stream began
+    with pytest.raises(NotFoundError, match=re.escape("no 'pages-1.img' to copy from")):
+        ship(img, base, tmp_path / "got", keeper_copy)
+
+
+def test_a_base_gone_from_the_source_before_its_open_sends_the_file_whole(tmp_path: Path) -> None:
+    old = pages(20)
+    base = image(tmp_path / "r1", {"pages-1.img": b"".join(old)})
+    img = image(tmp_path / "r2", {"pages-1.img": b"".join(old[:19] + pages(1))})
+    real = delta.pieces
+
+    def gone(new: Path, b: Path):  # the file was there at the check, not at the open
+        b.unlink(missing_ok=True)
+        return real(new, b)
+
+    delta.pieces = gone  # type: ignore[assignment]
+    try:
+        intake = ship(img, base, tmp_path / "got", None)
+    finally:
+        delta.pieces = real  # type: ignore[assignment]
+    assert (tmp_path / "got" / "pages-1.img").read_bytes() == (img / "pages-1.img").read_bytes()
+    assert intake.sent >= 20 * PAGE
+
+
+def test_a_block_found_whole_ends_a_row_of_misses(tmp_path: Path) -> None:
+    # Rewritten blocks far apart, then a mapping that shifts the rest: the shifted pages are
+    # still found, since the unchanged blocks between ended each row of misses.
+    blk = delta.BLOCK // PAGE
+    parts = [pages(blk) for _ in range(12)]
+    base, new = tmp_path / "base", tmp_path / "new"
+    base.write_bytes(b"".join(b"".join(p) for p in parts))
+    rewritten = [pages(blk) if i % 2 == 0 and i < 10 else p for i, p in enumerate(parts)]
+    new.write_bytes(
+        b"".join(b"".join(p) for p in rewritten[:10])
+        + b"".join(pages(3))
+        + b"".join(b"".join(p) for p in rewritten[10:])
+    )
+    raw, sent = rebuilt(new, base)
+    assert raw == new.read_bytes()
+    assert sent == (5 * blk + 3) * PAGE  # the five rewritten blocks and the three new pages
+
+
+def test_a_base_over_the_index_limit_is_compared_in_place_only(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(delta, "INDEX_MAX_BYTES", 4 * PAGE)
+    old = pages(8)
+    base, new = tmp_path / "base", tmp_path / "new"
+    base.write_bytes(b"".join(old))
+    new.write_bytes(b"".join(pages(1) + old))  # shifted by a page: found only through the index
+    raw, sent = rebuilt(new, base)
+    assert raw == new.read_bytes() and sent == 9 * PAGE
+    monkeypatch.setattr(delta, "INDEX_MAX_BYTES", 1 << 30)
+    assert rebuilt(new, base)[1] == PAGE
