@@ -9,11 +9,12 @@ PREFIX ?= /opt/ferry
 UNIT_DIR ?= /etc/systemd/system
 CRIU := $(BUILD)/criu/bin/criu
 CRIU_PROTO := $(BUILD)/criu/share/criu/proto
+CRIU_PATCHES := $(BUILD)/criu-patches.sha256
 INIT := $(BUILD)/bin/ferry-init
 STUBS := ferry/v1/agent_pb2.py agent/criu_pb/rpc_pb2.py
 PYTEST_ARGS ?= --durations=25
 
-.PHONY: all deps proto native criu slurm test unit integration gpu demo bench bench-faults bench-stragglers lint doctor install clean
+.PHONY: FORCE all deps proto native criu slurm test unit integration gpu demo bench bench-faults bench-stragglers lint doctor install clean
 
 all: deps criu proto native
 
@@ -26,9 +27,15 @@ $(VENV)/.installed: pyproject.toml
 
 # CRIU >= 4.2.1: the system's when it works, else built from Debian's source tarball.
 criu: $(CRIU)
-$(CRIU) $(CRIU_PROTO)/rpc.proto: scripts/install-criu.sh $(wildcard native/criu/*.patch)
+$(CRIU) $(CRIU_PROTO)/rpc.proto: scripts/install-criu.sh $(CRIU_PATCHES)
 	scripts/install-criu.sh $(BUILD)/criu
-	touch -h $(CRIU)
+	touch -h $(CRIU) $(CRIU_PROTO)/rpc.proto
+# The patches' names and digests: one removed, added or changed rebuilds CRIU. Rewritten only
+# when it differs, so that an unchanged set rebuilds nothing.
+$(CRIU_PATCHES): FORCE
+	@mkdir -p $(BUILD) && sha256sum native/criu/*.patch > $@.new && \
+	  if cmp -s $@.new $@; then rm $@.new; else mv $@.new $@; fi
+FORCE:
 
 # Generated stubs: ferry's API and CRIU's RPC/stats protos (never committed).
 proto: $(STUBS)
