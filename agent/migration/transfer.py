@@ -63,9 +63,9 @@ def send_image(
         if not path.name.startswith(PAGES_PREFIX) or (base is not None and not base.is_file()):
             base = None
         size = 0
+        parts = delta.pieces(path, base) if base is not None else _blocks(path)
         try:
-            parts = delta.pieces(path, base) if base is not None else _blocks(path)
-            piece = next(parts, delta.Piece())
+            piece = next(parts, delta.Piece())  # a generator: its files open here
         except OSError:
             if base is None:
                 raise
