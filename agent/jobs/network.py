@@ -337,8 +337,10 @@ def carrying(network: JobNetwork | None, address: str, node: str, step: str) -> 
 class LinkLock:
     """A job's link off its bridge for the length of a move: engaged just before the dump,
     released only if the source copy is to go on (abort); a moved job's link just goes
-    (dropped). Given the job's address, a stand-in answers its peers while the link is cut
-    (agent.jobs.standin), so that they retry at their base timeout, not a backed-off one."""
+    (dropped). Given the job's address, stand-ins answer while the link is cut
+    (agent.jobs.standin): one on the bridge its peers' segments for the job, one on the link
+    the job's own for its peers, so that both sides retry at their base timeout, not a
+    backed-off one."""
 
     def __init__(
         self, network: JobNetwork | None, veth: str, engaged: bool = False, address: str = ""
@@ -347,40 +349,50 @@ class LinkLock:
         self.veth = veth
         self.address = address
         self.engaged = engaged  # recovery cannot know: it says True, and reconnecting is harmless
-        self._standin: StandIn | None = None
+        self._standins: list[StandIn] = []
 
     def engage(self) -> None:
         if self.network is not None:
             self.network.cut(self.veth)
             self.engaged = True
-            if self.address and self._standin is None:
-                standin = StandIn(self.network.config.bridge, self.address)
-                try:
-                    standin.start()
-                    self._standin = standin
-                except OSError as e:  # the move goes on; its peers just back off as before
-                    log.warning("job network: no stand-in for %s on %s: %s", self.address, standin.bridge, e)
+            if self.address and not self._standins:
+                for standin in (
+                    StandIn(self.network.config.bridge, self.address),
+                    StandIn(self.veth, self.address, of_job=True),
+                ):
+                    try:
+                        standin.start()
+                        self._standins.append(standin)
+                    except OSError as e:  # the move goes on; that side just backs off as before
+                        log.warning(
+                            "job network: no stand-in for %s on %s: %s", self.address, standin.bridge, e
+                        )
 
     def release(self) -> None:
+        # The job's side first: linked again, its segments reach its peers, who must not be
+        # told otherwise.
+        self._stop_standins(of_job=True)
         if self.network is not None and self.engaged:
             self.network.reconnect(self.veth)
             self.engaged = False
-        self._stop_standin()  # after the reconnect: a peer's retry in between is still answered
+        self._stop_standins()  # after the reconnect: a peer's retry in between is still answered
 
     def keep_cut(self) -> None:
         """The copy stays, fenced: its link stays off the bridge, and no stand-in answers for it."""
-        self._stop_standin()
+        self._stop_standins()
 
     def drop(self) -> None:
-        """The copy this link served is gone: the node's end goes, and the stand-in with it."""
+        """The copy this link served is gone: the node's end goes, and the stand-ins with it."""
         if self.network is not None:
             self.network.delete(self.veth)
-        self._stop_standin()
+        self._stop_standins()
 
-    def _stop_standin(self) -> None:
-        if self._standin is not None:
-            self._standin.stop()
-            self._standin = None
+    def _stop_standins(self, of_job: bool | None = None) -> None:
+        """Stop the stand-ins (only the job's side, or only the peers', when of_job says)."""
+        for standin in list(self._standins):
+            if of_job is None or standin.of_job == of_job:
+                standin.stop()
+                self._standins.remove(standin)
 
     def external(self) -> list[str]:
         """The dump's --external item for the link (none for a job on the node's network)."""

@@ -11,6 +11,12 @@ and reach the job about that long after it runs again, wherever it runs. Giving 
 brought forward (tcp_retries2 is counted in time since the first retransmission, not in tries),
 and for an established connection the message is only a soft error. A SYN is never answered:
 a connection being opened would fail at once instead of retrying until the job is back.
+
+The job's own retransmissions need the same: a member whose drain ran out (a snapshot round cuts
+its peers at about the same moment) is cut with bytes unacknowledged, and its kernel retries
+them into its cut link, backing off too (a 0.6 s freeze put the next try 0.8 s past the
+release). A second stand-in listens on the link's node end, cut off the bridge, and answers the
+job's segments for its peers the same way, back into the link (`of_job`).
 """
 
 from __future__ import annotations
@@ -43,9 +49,14 @@ _SNAP = 14 + 60 + 60
 MAX_PER_S = 2000
 
 
-def _filter(address: bytes) -> bytes:
-    """Classic BPF: IPv4 to `address`, protocol TCP, the first _SNAP bytes; else nothing. The
-    bridge carries every job's traffic: the kernel, not Python, drops what is not ours."""
+#: Where in a frame the IPv4 destination and source addresses are.
+_DST, _SRC = _ETH + 16, _ETH + 12
+
+
+def _filter(address: bytes, at: int = _DST) -> bytes:
+    """Classic BPF: IPv4 to `address` (from it, with at=_SRC), protocol TCP, the first _SNAP
+    bytes; else nothing. The bridge carries every job's traffic: the kernel, not Python, drops
+    what is not ours."""
 
     def op(code: int, jt: int, jf: int, k: int) -> bytes:
         return struct.pack("HBBI", code, jt, jf, k)
@@ -54,7 +65,7 @@ def _filter(address: bytes) -> bytes:
         [
             op(0x28, 0, 0, 12),  # ldh [12]: the EtherType
             op(0x15, 0, 5, _ETH_P_IP),  # jeq IPv4, else drop
-            op(0x20, 0, 0, 30),  # ld [30]: the IPv4 destination
+            op(0x20, 0, 0, at),  # ld [at]: the IPv4 destination (or source)
             op(0x15, 0, 3, struct.unpack("!I", address)[0]),
             op(0x30, 0, 0, 23),  # ldb [23]: the IPv4 protocol
             op(0x15, 0, 1, _TCP),
@@ -90,19 +101,23 @@ def answer(frame: bytes) -> bytes | None:
     quoted = ip[: ihl + 8]  # the header and the ports and sequence number: what TCP matches on
     icmp = struct.pack("!BBHI", _UNREACH, _HOST, 0, 0) + quoted
     icmp = icmp[:2] + struct.pack("!H", _checksum(icmp)) + icmp[4:]
-    src, dst = ip[16:20], ip[12:16]  # from the job's own address, to the peer
+    src, dst = ip[16:20], ip[12:16]  # from the segment's destination, to its sender
     hdr = struct.pack("!BBHHHBBH4s4s", 0x45, 0xC0, 20 + len(icmp), 0, 0, 64, _ICMP, 0, src, dst)
     hdr = hdr[:10] + struct.pack("!H", _checksum(hdr)) + hdr[12:]
-    eth = frame[6:12] + frame[0:6] + b"\x08\x00"  # back to the sender, from the job's MAC
+    eth = frame[6:12] + frame[0:6] + b"\x08\x00"  # back to the sender, from the MAC it sent to
     return eth + hdr + icmp
 
 
 class StandIn:
     """Answers for `address` on `bridge` from start() to stop(), on a thread of its own, in the
-    network namespace of the thread that calls start() (the node's, where the bridge is)."""
+    network namespace of the thread that calls start() (the node's, where the bridge is).
+    of_job: `bridge` is the job's cut link (its node end) and the segments answered are the
+    job's own, sent from `address` to its peers; the answers go back into the link."""
 
-    def __init__(self, bridge: str, address: str) -> None:
-        self.bridge, self.address = bridge, address
+    def __init__(self, bridge: str, address: str, of_job: bool = False) -> None:
+        self.bridge, self.address, self.of_job = bridge, address, of_job
+        self._at = _SRC if of_job else _DST
+        self._whose = "job" if of_job else "peer"
         self.answered = 0
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
@@ -113,14 +128,15 @@ class StandIn:
         """Raises OSError if the bridge cannot be listened on (the caller goes on without it)."""
         sk = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(_ETH_P_IP))
         try:
-            prog = _filter(socket.inet_aton(self.address))
+            prog = _filter(socket.inet_aton(self.address), self._at)
             buf = ctypes.create_string_buffer(prog)
             sk.setsockopt(
                 socket.SOL_SOCKET, _SO_ATTACH_FILTER, struct.pack("HL", len(prog) // 8, ctypes.addressof(buf))
             )
             sk.bind((self.bridge, _ETH_P_IP))  # Python swaps this one itself
             # Cut off the bridge, the job's MAC is unknown there: frames for it are flooded, and
-            # reach the bridge's own device only when it listens to everything.
+            # reach the bridge's own device only when it listens to everything. (On the job's
+            # own link, its frames are for its peers' MACs: the same.)
             index = socket.if_nametoindex(self.bridge)
             mreq = struct.pack("iHH8s", index, _PACKET_MR_PROMISC, 0, b"")
             sk.setsockopt(_SOL_PACKET, _PACKET_ADD_MEMBERSHIP, mreq)
@@ -148,7 +164,11 @@ class StandIn:
             self._wake = None
         if self.answered:
             log.info(
-                "stand-in for %s on %s: %d peer segments answered", self.address, self.bridge, self.answered
+                "stand-in for %s on %s: %d %s segments answered",
+                self.address,
+                self.bridge,
+                self.answered,
+                self._whose,
             )
 
     def _run(self) -> None:
@@ -165,7 +185,9 @@ class StandIn:
             except OSError as e:
                 log.warning("stand-in for %s on %s ends: %s", self.address, self.bridge, e)
                 return
-            if addr[2] == _PACKET_OUTGOING or frame[_ETH + 16 : _ETH + 20] != socket.inet_aton(self.address):
+            if addr[2] == _PACKET_OUTGOING or frame[self._at : self._at + 4] != socket.inet_aton(
+                self.address
+            ):
                 continue
             reply = answer(frame)
             if reply is None:

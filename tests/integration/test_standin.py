@@ -1,6 +1,7 @@
-"""The stand-in on real namespaces: a node with a bridge, a peer streaming to a job, the job's
-link cut by LinkLock as a move cuts it. Without the stand-in the peer's retransmissions back
-off past the cut; with it the peer reaches the job within its base timeout of the release."""
+"""The stand-ins on real namespaces: a node with a bridge, a peer streaming to a job (or the job
+to a peer), the job's link cut by LinkLock as a move cuts it. Without the stand-ins the
+sender's retransmissions back off past the cut; with them the sender reaches the receiver within
+its base timeout of the release, whichever side of the cut it is on."""
 
 from __future__ import annotations
 
@@ -76,16 +77,21 @@ def node() -> Iterator[dict[str, str]]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
 
 
-def longest_gap_across_cut(names: dict[str, str], address: str) -> tuple[float, float]:
-    """(the job's longest wait for the peer's bytes, how long its link was cut)."""
+def longest_gap_across_cut(
+    names: dict[str, str], address: str, job_sends: bool = False
+) -> tuple[float, float]:
+    """(the receiver's longest wait for the sender's bytes, how long the job's link was cut).
+    The peer sends to the job, or with job_sends the job to the peer."""
+    to, sender = ("peer", "job") if job_sends else ("job", "peer")
+    to_address = {"job": "10.77.0.3", "peer": "10.77.0.2"}[to]
     recv = subprocess.Popen(
-        ["ip", "netns", "exec", names["job"], sys.executable, "-c", RECEIVER, "10.77.0.3"],
+        ["ip", "netns", "exec", names[to], sys.executable, "-c", RECEIVER, to_address],
         stdout=subprocess.PIPE,
         text=True,
     )
     assert recv.stdout is not None and recv.stdout.readline().strip() == "ready"
     send = subprocess.Popen(
-        ["ip", "netns", "exec", names["peer"], sys.executable, "-c", SENDER, "10.77.0.3", str(CUT_S + 9)]
+        ["ip", "netns", "exec", names[sender], sys.executable, "-c", SENDER, to_address, str(CUT_S + 9)]
     )
     # LinkLock runs where the node's agent would: in the node's namespace, which a process holds.
     holder = subprocess.Popen(["ip", "netns", "exec", names["node"], "sleep", "60"])
@@ -126,4 +132,17 @@ def test_peers_back_off_past_a_cut_without_the_stand_in() -> None:
 def test_with_the_stand_in_peers_reach_the_job_within_half_a_second_of_the_release() -> None:
     with node() as names:
         gap, cut = longest_gap_across_cut(names, address="10.77.0.3")
+    assert cut <= gap <= cut + 0.5, (gap, cut)
+
+
+def test_the_jobs_own_retries_back_off_past_a_cut_without_the_stand_ins() -> None:
+    with node() as names:
+        gap, cut = longest_gap_across_cut(names, address="", job_sends=True)
+    # The control: a job cut with bytes unacknowledged (its drain ran out) backs off too.
+    assert gap > cut + 1.5, (gap, cut)
+
+
+def test_with_the_stand_ins_the_job_reaches_its_peer_within_half_a_second_of_the_release() -> None:
+    with node() as names:
+        gap, cut = longest_gap_across_cut(names, address="10.77.0.3", job_sends=True)
     assert cut <= gap <= cut + 0.5, (gap, cut)

@@ -63,3 +63,24 @@ def test_the_kernel_filter_keeps_only_tcp_to_the_job() -> None:
             assert i + 1 + jf == len(ops) - 1
     assert ops[3][3] == struct.unpack("!I", JOB)[0]
     assert ops[-1] == (0x06, 0, 0, 0)
+
+
+def test_the_job_side_filter_keeps_only_tcp_from_the_job() -> None:
+    ops = [
+        struct.unpack("HBBI", p)
+        for p in (lambda b: [b[i : i + 8] for i in range(0, len(b), 8)])(standin._filter(JOB, standin._SRC))
+    ]
+    assert ops[2] == (0x20, 0, 0, 26)  # the IPv4 source of an Ethernet frame
+    assert ops[3][3] == struct.unpack("!I", JOB)[0]
+    assert struct.unpack("HBBI", standin._filter(JOB)[16:24]) == (0x20, 0, 0, 30)  # the destination
+
+
+def test_the_jobs_own_segment_is_answered_back_to_it_as_if_from_its_peer() -> None:
+    # The job's segment for its peer, as the link's node end sees it.
+    tcp = struct.pack("!HHIIBBHHH", 29500, 40000, 77, 42, 5 << 4, 0x18, 65535, 0, 0) + b"y" * 10
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(tcp), 1, 0x4000, 64, 6, 0, JOB, PEER)
+    frame = PEER_MAC + JOB_MAC + b"\x08\x00" + ip + tcp
+    reply = standin.answer(frame)
+    assert reply is not None
+    assert reply[:6] == JOB_MAC and reply[6:12] == PEER_MAC  # into the link, to the job
+    assert reply[14 + 12 : 14 + 16] == PEER and reply[14 + 16 : 14 + 20] == JOB
