@@ -66,6 +66,7 @@ def checkpoint(
     went_on: Callable[[float], None] = lambda frozen_s: None,
     track_mem: bool = False,
     parent: Path | None = None,
+    warm: bool = True,
 ) -> MigrationResult:
     """Save a job to `out_dir`; unless leave_running, it then ends here (state CHECKPOINTED, or
     PREEMPTED for a preemption's `suspend`).
@@ -77,6 +78,8 @@ def checkpoint(
     it was frozen as soon as it goes on. track_mem (a snapshot, where the kernel tracks dirty
     memory) lets the next dump be an increment; `parent` (an earlier image of this job that was
     dumped with track_mem, beside out_dir's in a snapshot store) makes this one that increment.
+    A snapshot's dump touches its memory first (capture.warm_memory), unless `warm` says a WARM
+    of its round did just now.
 
     A CUDA job's device memory is saved too; ending it frees its GPUs. Every step is journaled
     as a move's is (kind "checkpoint" or "suspend", no peer): after a crash, recovery resumes
@@ -135,7 +138,9 @@ def checkpoint(
         fp = cj.inspect(tree)
         require_host_memory(fp, node)
         out.prepare(estimated_bytes(rec, fp) + log_bytes(rec))
-        if hold is not None:  # a snapshot, again and again: its dump's memory is touched now, not frozen
+        if (
+            hold is not None and warm
+        ):  # a snapshot, again and again: its dump's memory is touched now, not frozen
             phases.times["warm"] = warm_memory(out_dir.parent, estimated_bytes(rec, fp))
         emit(Progress("dump", f"dumping job {name} to {out_dir}"))
         if fp.processes:

@@ -272,6 +272,7 @@ class AgentNode:
         went_on: Callable[[float], None],
         track_mem: bool,
         parent: Path | None,
+        warm: bool,
     ) -> MigrationResult:
         with self.counted():  # a graceful stop waits for a held member to go on
             args = (self.registry, self.criu, job, out, self.node, True)
@@ -283,6 +284,7 @@ class AgentNode:
                 went_on=went_on,
                 track_mem=track_mem,
                 parent=parent,
+                warm=warm,
             )
 
     def _tracks_dirty(self) -> bool:
@@ -320,7 +322,10 @@ class AgentNode:
         """One step of a round on this node (agent.snapshots.member); DROP also drops, as a
         buddy, every stored copy of the group but the round `req.epoch`'s."""
         m, group, epoch = self.snapshot_members, req.group, req.epoch
-        if req.action == pb.SNAPSHOT_ACTION_HOLD:
+        if req.action == pb.SNAPSHOT_ACTION_WARM:
+            m.warm(group)
+            helds = []
+        elif req.action == pb.SNAPSHOT_ACTION_HOLD:
             helds = m.hold(group, epoch, req.hold_s or self.config.snapshots.hold_s)
         elif req.action == pb.SNAPSHOT_ACTION_RELEASE:
             helds = m.release(group, epoch)

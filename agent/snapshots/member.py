@@ -39,6 +39,7 @@ Each member's part is a Held, whose HeldState only moves as HELD_TRANSITIONS all
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import threading
 import time
@@ -51,7 +52,9 @@ from agent.compat import StrEnum
 from agent.coord.liveness import rank_of
 from agent.errors import FerryError, NotFoundError, RefusedError, as_ferry_error
 from agent.image import MANIFEST, Manifest, parent_epoch, read_manifest
+from agent.jobs import procs
 from agent.jobs.record import JobRecord, env_of
+from agent.migration.capture import warm_memory
 from agent.migration.local import Dumped
 from agent.migration.model import MigrationResult
 from agent.migration.transfer import SendStats, send_image
@@ -86,11 +89,16 @@ HELD_TRANSITIONS = Transitions(
 
 #: How long a release waits for a held member to be going again (CUDA restore included).
 RESUME_WAIT_S = 120.0
-#: save(job, out_dir, hold, went_on, track_mem, parent) → the checkpoint's result: `ferry
+#: How long a WARM stands for the HOLD after it: on a VM that reports freed memory to its host
+#: (after about 2 s), memory touched longer ago is slow to touch again.
+WARM_FRESH_S = 1.0
+#: save(job, out_dir, hold, went_on, track_mem, parent, warm) → the checkpoint's result: `ferry
 #: checkpoint --leave-running` with a hold, and word of the job going on; an increment over
-#: `parent` (agent.migration.local.checkpoint).
+#: `parent` (agent.migration.local.checkpoint); warm: touch the dump's memory first (no WARM
+#: came just before).
 Save = Callable[
-    [str, Path, Callable[[Dumped], None], Callable[[float], None], bool, "Path | None"], MigrationResult
+    [str, Path, Callable[[Dumped], None], Callable[[float], None], bool, "Path | None", bool],
+    MigrationResult,
 ]
 #: push(buddy's HOST:PORT, chunks) → what the buddy stored.
 Push = Callable[[str, Iterator[pb.ImageChunk]], pb.StoredSnapshot]
@@ -152,9 +160,11 @@ class MemberSnapshots:
         push: Push,
         tracks: Callable[[], bool] = lambda: False,
         full_every: int = 8,
+        warm: Callable[[Path, int], float] = warm_memory,
     ) -> None:
         self.node, self.root = node, root
         self.members, self.save, self.push = members, save, push
+        self.warm_memory = warm
         #: Whether dumps track dirty memory here (the kernel can, and [snapshots] incremental).
         self.tracks, self.full_every = tracks, full_every
         self._lock = threading.Lock()
@@ -163,14 +173,39 @@ class MemberSnapshots:
         self._chains: dict[tuple[str, str], Chain] = {}
         #: (group, job) → (buddy, round): the newest image of its chain that buddy verified.
         self._shipped: dict[tuple[str, str], tuple[str, int]] = {}
+        #: (group, job) → the bytes of its last dump here: what the next one will write.
+        self._sizes: dict[tuple[str, str], int] = {}
+        #: group → when its last WARM ended (monotonic); taken by the HOLD after it.
+        self._warmed: dict[str, float] = {}
 
     def _to(self, h: Held, state: HeldState) -> None:
         h.state = HELD_TRANSITIONS.check(h.state, state, f"{h.job} (round {h.epoch} of group {h.group})")
+
+    def warm(self, group: str) -> float:
+        """Touch as much memory as the dumps of `group`'s members here will write (the size of
+        each one's last dump, else its resident memory), now, while they run; the seconds it
+        took. The round's coordinator asks every agent at once, then HOLDs: the freezes then
+        begin together instead of each after its own warm-up, and no member is cut while a peer
+        still sends to it (its drain would run out)."""
+        recs = self.members(group)
+        if not recs:
+            raise NotFoundError(
+                f"no member of group {group} runs on this node", step="snapshot warm", node=self.node
+            )
+        with self._lock:
+            known = {r.name: self._sizes.get((group, r.name), 0) for r in recs}
+        size = sum(known[r.name] or procs.tree_rss(r.pid) for r in recs)
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        took = self.warm_memory(self.root, size) if size else 0.0
+        with self._lock:
+            self._warmed[group] = time.monotonic()
+        return took
 
     def hold(self, group: str, epoch: int, hold_s: float) -> list[Held]:
         """Save and hold every running member of `group` here; answer once each is dumped."""
         track = self.tracks()  # asked of CRIU the first time: not under the lock
         with self._lock:
+            warmed = time.monotonic() - self._warmed.pop(group, -math.inf) <= WARM_FRESH_S
             # Still frozen (its digests may come after it went on: they hold nothing).
             busy = [
                 k for k, hs in self._held.items() if k[0] == group and not all(h.going.is_set() for h in hs)
@@ -200,7 +235,7 @@ class MemberSnapshots:
         for h in helds:
             threading.Thread(
                 target=self._save,
-                args=(h, hold_s, track, *chains[h.job]),
+                args=(h, hold_s, track, *chains[h.job], not warmed),
                 name=f"snapshot-{h.job}",
                 daemon=True,
             ).start()
@@ -216,11 +251,12 @@ class MemberSnapshots:
             )
         return helds
 
-    def _save(self, h: Held, hold_s: float, track: bool, over: Path | None, length: int) -> None:
+    def _save(self, h: Held, hold_s: float, track: bool, over: Path | None, length: int, warm: bool) -> None:
         def hold(m: Dumped) -> None:
             h.bytes, h.gpu_bytes = m.image_bytes, m.gpu_bytes
             with self._lock:
                 self._to(h, HeldState.HELD)
+                self._sizes[(h.group, h.job)] = m.image_bytes
             h.dumped.set()
             if h.go.wait(hold_s):  # from the dump's end: a large member's dump takes long
                 return
@@ -246,7 +282,7 @@ class MemberSnapshots:
                 old.append(lower_priority())  # the digests that follow yield to the job
 
             try:
-                res = self.save(h.job, h.out_dir, hold, went_on, track, over)
+                res = self.save(h.job, h.out_dir, hold, went_on, track, over, warm)
             finally:
                 for o in old:
                     restore_priority(o)

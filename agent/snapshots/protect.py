@@ -322,12 +322,13 @@ class Protections:
             self.observe(group, snap, "")
             p.times = times
             log.info(
-                "snapshots: group %s round %d complete: paused %.2f s, %d bytes (hold %.2f s, "
-                "release %.2f s, ship %.2f s)",
+                "snapshots: group %s round %d complete: paused %.2f s, %d bytes (warm-up before it "
+                "%.2f s; hold %.2f s, release %.2f s, ship %.2f s)",
                 group,
                 epoch,
                 snap.group_pause_s,
                 sum(m.bytes for m in snap.members),
+                times.warm_s,
                 times.hold_s,
                 times.release_s,
                 times.ship_s,

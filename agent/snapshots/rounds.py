@@ -1,5 +1,8 @@
 """One snapshot round of a group, run by the agent that protects it (agent.snapshots.protect).
 
+    0. WARM on every agent with members, at once (best effort: a failure only leaves each HOLD
+       to warm by itself): the memory the dumps will write is touched while the members run,
+       so that the freezes of step 1 begin together.
     1. HOLD on every agent with members, at once: each member frozen, cut off and dumped.
     2. RELEASE on all, only once every one answered the hold: no member goes on before every
        member is cut off, so no byte crosses between a member's dump and another's (a
@@ -18,6 +21,7 @@ snapshot. The round's result is the snapshot set; it counts once it is returned.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -30,7 +34,10 @@ from agent.rpc import pb
 #: call(agent's HOST:PORT, request, timeout_s) → its answer; raises FerryError.
 Call = Callable[[str, pb.SnapshotMemberRequest, float], pb.SnapshotMemberResponse]
 
+log = logging.getLogger(__name__)
+
 #: Bounds of each step's call, beyond the hold itself: a dump of a large member, a ship of it.
+WARM_CALL_S = 60.0
 HOLD_CALL_S = 600.0
 SHIP_CALL_S = 1800.0
 RELEASE_CALL_S = 150.0
@@ -42,6 +49,7 @@ GO_ON_EVERY_S = 0.5
 
 @dataclass
 class RoundTimes:
+    warm_s: float = 0.0  # the WARM step, before the pause
     hold_s: float = 0.0  # from the first hold asked to the last member held
     release_s: float = 0.0
     ship_s: float = 0.0
@@ -102,7 +110,20 @@ def take(
             raise errors[0]
         return answers
 
-    t0 = time.monotonic()
+    warm_from = time.monotonic()
+    try:
+        each(pb.SNAPSHOT_ACTION_WARM, WARM_CALL_S)
+    except GivenUp:
+        raise
+    except FerryError as e:
+        log.info(
+            "round %d of group %s: no warm-up before the hold (each member warms its own): %s",
+            epoch,
+            group,
+            e,
+        )
+    t0 = time.monotonic()  # the pause: the members run on through the warm-up
+    times.warm_s = t0 - warm_from
     try:
         held = each(pb.SNAPSHOT_ACTION_HOLD, HOLD_CALL_S + hold_s)
     except FerryError:  # given up too: a hold its release misses ends by itself at hold_s
@@ -192,6 +213,7 @@ def _quietly(call: Call, agent: str, req: pb.SnapshotMemberRequest) -> None:
 
 
 _STEP = {
+    pb.SNAPSHOT_ACTION_WARM: "snapshot warm",
     pb.SNAPSHOT_ACTION_HOLD: "snapshot hold",
     pb.SNAPSHOT_ACTION_RELEASE: "snapshot release",
     pb.SNAPSHOT_ACTION_SHIP: "snapshot ship",

@@ -195,10 +195,10 @@ def test_a_drop_while_a_dump_reads_its_parent_keeps_the_chain(tmp_path: Path) ->
     reading, go = threading.Event(), threading.Event()
     plain = n.save
 
-    def slow(job, out, hold, went_on, track_mem=False, parent=None):
+    def slow(job, out, hold, went_on, track_mem=False, parent=None, warm=True):
         reading.set()  # CRIU reads the parent's images while it dumps
         go.wait(10)
-        return plain(job, out, hold, went_on, track_mem, parent)
+        return plain(job, out, hold, went_on, track_mem, parent, warm)
 
     n.m.save = slow
     holding = threading.Thread(target=n.m.hold, args=("g", 2, 5))

@@ -23,7 +23,7 @@ from agent.jobs.record import JobKind, JobRecord, JobState
 from agent.jobs.registry import JobRegistry
 from agent.migration.model import MigrationResult
 from agent.rpc import pb
-from agent.snapshots import protect, rounds
+from agent.snapshots import member, protect, rounds
 from agent.snapshots.config import SnapshotConfig
 from agent.snapshots.member import HeldState, MemberSnapshots
 from agent.snapshots.protect import Protections, StandingBy
@@ -59,6 +59,7 @@ class FakeSave:
         self.fail = fail or set()
         self.resumed: list[str] = []
         self.dumps: list[tuple[str, bool, Path | None]] = []  # job, track_mem, parent
+        self.warms: list[bool] = []  # whether each dump was to warm its memory itself
 
     def __call__(
         self,
@@ -68,8 +69,10 @@ class FakeSave:
         went_on: Callable[[float], None],
         track_mem: bool = False,
         parent: Path | None = None,
+        warm: bool = True,
     ) -> MigrationResult:
         self.dumps.append((job, track_mem, parent))
+        self.warms.append(warm)
         if job in self.fail:
             raise FerryError("injected fault at 'checkpoint'", step="checkpoint", node="node-a")
         t0 = time.monotonic()
@@ -229,7 +232,10 @@ class Cluster:
         if self.fail.get(agent) == action:
             raise FerryError("it broke", step=f"snapshot {action}", node=agent)
         m = self.members[agent]
-        if action == "hold":
+        if action == "warm":
+            m.warm(req.group)
+            helds = []
+        elif action == "hold":
             helds = m.hold(req.group, req.epoch, req.hold_s)
         elif action == "release":
             helds = m.release(req.group, req.epoch)
@@ -247,11 +253,48 @@ def test_a_round_releases_no_member_before_every_member_is_held(tmp_path: Path) 
     agents = list(cl.stores)
     snap, times = rounds.take("g", 1, agents, cl.call, 5)
     steps = [action for _, action in cl.log]
-    assert steps[:3] == ["hold"] * 3 and steps[3:6] == ["release"] * 3 and steps[6:] == ["ship"] * 3
+    assert steps[:3] == ["warm"] * 3 and steps[3:6] == ["hold"] * 3
+    assert steps[6:9] == ["release"] * 3 and steps[9:] == ["ship"] * 3
+    assert all(s.warms == [False] for s in cl.saves.values())  # warmed by the WARM, not the dump
     ring = {m.node: m.buddy_node for m in snap.members}
     assert ring == {"node-1": "node-2", "node-2": "node-3", "node-3": "node-1"}
     assert snap.epoch == 1 and snap.group_pause_s >= times.hold_s > 0
     assert all(verify(Path(m.dir)).job.name == m.job for m in snap.members)
+
+
+def test_a_warm_touches_what_the_last_dump_wrote_and_only_the_hold_just_after_it_skips_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    warmed: list[int] = []
+    save = FakeSave()
+    rec = member_rec("r0", "0")
+    m = MemberSnapshots(
+        "node-a",
+        tmp_path / "taken",
+        lambda g: [rec] if g == "g" else [],
+        save,
+        lambda buddy, chunks: pb.StoredSnapshot(),
+        warm=lambda where, size: warmed.append(size) or 0.01,
+    )
+    monkeypatch.setattr(member.procs, "tree_rss", lambda pid: 4096 if pid == rec.pid else 0)
+    m.warm("g")  # no dump yet: as much as the job holds
+    (h1,) = m.hold("g", 1, 5)
+    m.release("g", 1)
+    m.warm("g")  # then as much as its last dump wrote
+    m.hold("g", 2, 5)
+    m.release("g", 2)
+    m.hold("g", 3, 5)  # no WARM before it: the dump warms by itself
+    m.release("g", 3)
+    assert warmed == [4096, h1.bytes] and h1.bytes > 4096
+    assert save.warms == [False, False, True]
+    monkeypatch.setattr(member, "WARM_FRESH_S", 0.0)
+    m.warm("g")
+    time.sleep(0.01)
+    m.hold("g", 4, 5)  # a WARM too long ago stands for nothing: the memory went cold since
+    m.release("g", 4)
+    assert save.warms[-1] is True
+    with pytest.raises(NotFoundError, match="no member of group other"):
+        m.warm("other")
 
 
 def test_with_spares_to_keep_them_the_images_go_to_the_spares_in_turn_not_round_the_ring(
