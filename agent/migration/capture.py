@@ -64,17 +64,27 @@ def estimated_bytes(rec: JobRecord, fp: Footprint) -> int:
     return procs.tree_rss(rec.pid) + fp.gpu_bytes
 
 
-def warm_memory(where: Path, size: int) -> float:
+#: How much one step of a warm-up touches: a bound on it stops within about one step's time.
+WARM_STEP_BYTES = 64 << 20
+
+
+def warm_memory(where: Path, size: int, within_s: float | None = None) -> float:
     """Touch `size` bytes of the memory behind `where` (a tmpfs) and give them back, while the job
     still runs; the seconds it took. The dump that follows then writes into pages the kernel
     reuses at once, instead of touching fresh ones inside the pause: a first touch costs the
     page's zeroing, and far more on a VM whose memory the host backs lazily (this one's idle
-    memory takes 0.3 GB/s the first time; memory just freed, 15 times that)."""
+    memory takes 0.3 GB/s the first time; memory just freed, 15 times that). `within_s`: stop
+    touching after about that long (what was touched still helps)."""
     t0 = time.monotonic()
     path = where / f".warm-{os.getpid()}-{threading.get_ident()}"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
     try:
-        os.posix_fallocate(fd, 0, size)
+        step = size if within_s is None else WARM_STEP_BYTES
+        done = 0
+        while done < size and (within_s is None or time.monotonic() - t0 < within_s):
+            n = min(step, size - done)
+            os.posix_fallocate(fd, done, n)
+            done += n
     except OSError as e:  # no room: the dump itself says so, if it comes to that
         log.info("could not warm %d bytes in %s: %s", size, where, e)
     finally:

@@ -468,3 +468,21 @@ def test_tracking_dirty_memory_where_the_kernel_cannot_fails_the_save_and_the_jo
     with pytest.raises(CriuError, match="Tracking memory is not available"):
         checkpoint(*args, journal=here.journal, cuda_jobs=here.cj, track_mem=True)
     assert here.registry.get("train").state is JobState.RUNNING and not is_stopped(here.pid)
+
+
+def test_a_warm_up_touches_in_steps_and_stops_after_its_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agent.migration import capture
+
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(capture.os, "posix_fallocate", lambda fd, off, n: calls.append((off, n)))
+    capture.warm_memory(tmp_path, 150 << 20)
+    assert calls == [(0, 150 << 20)]  # unbounded: at once
+    calls.clear()
+    capture.warm_memory(tmp_path, 150 << 20, within_s=60)
+    assert calls == [(0, 64 << 20), (64 << 20, 64 << 20), (128 << 20, 22 << 20)]
+    calls.clear()
+    capture.warm_memory(tmp_path, 150 << 20, within_s=0)
+    assert calls == []
+    assert list(tmp_path.iterdir()) == []  # its file never outlives it

@@ -167,6 +167,19 @@ def test_prepare_grants_a_lease(target: TargetMigrations) -> None:
     assert state(target) == pb.TARGET_STATE_PREPARED
 
 
+def test_a_granted_lease_touches_the_memory_its_image_will_fill_before_it_answers(
+    target: TargetMigrations,
+) -> None:
+    warmed: list[tuple[Path, int, str]] = []
+    target.warm = lambda where, size: warmed.append((where, size, state(target))) or 0.01
+    target.prepare(prepare_req(pids=[free_pid()], estimated_bytes=300 << 20))
+    # Granted first (refused leases touch nothing), in the staging the image comes to.
+    assert warmed == [(target.staging_root, 300 << 20, pb.TARGET_STATE_PREPARED)]
+    with pytest.raises(RefusedError):
+        target.prepare(prepare_req(mid="feedfacecafe0002", cwd="/nonexistent/x"))
+    assert len(warmed) == 1
+
+
 def test_prepare_names_every_missing_path(target: TargetMigrations, tmp_path: Path) -> None:
     present = tmp_path / "shared-data.bin"
     present.write_bytes(b"x")
