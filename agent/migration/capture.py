@@ -93,6 +93,17 @@ def warm_memory(where: Path, size: int, within_s: float | None = None) -> float:
     return time.monotonic() - t0
 
 
+#: The longest a granted lease spends touching memory before it answers (the job runs meanwhile).
+LEASE_WARM_S = 2.0
+
+
+def warm_for_lease(where: Path, size: int) -> float:
+    """A move's target, its lease granted: the source freezes the job once it hears so, and the
+    job's pages arrive after that. Touched first (for LEASE_WARM_S at most), the memory they
+    fill is memory the kernel just freed (a first touch here runs at 0.3 GB/s)."""
+    return warm_memory(where, size, within_s=LEASE_WARM_S) if size > 0 else 0.0
+
+
 def log_bytes(rec: JobRecord) -> int:
     """The job's logs, which travel with its image (copy_logs)."""
     if rec.kind is not JobKind.LAUNCHED:

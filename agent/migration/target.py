@@ -38,7 +38,7 @@ from agent.errors import (
 )
 from agent.gpus.ledger import GpuLedger
 from agent.jobs.registry import JobRegistry
-from agent.migration.capture import warm_memory
+from agent.migration.capture import warm_for_lease
 from agent.migration.datatls import DataTls
 from agent.migration.journal import TARGET, Journal, MigrationRecord
 from agent.migration.peerwait import PeerWait, PeerWaits
@@ -67,9 +67,6 @@ ABORT_WAIT_S = 0.5
 #: longest death (agent.criu.child: 30 s to exit, 10 more after SIGKILL) and some. One still
 #: running after that is left DROPPING on disk, and recovery ends it at the next start.
 DROPS_WAIT_S = 45.0
-#: The longest a granted lease spends touching the memory its image will fill before it
-#: answers (the job runs on at the source meanwhile).
-WARM_WITHIN_S = 2.0
 #: A copy of the job may exist here: an Abort cannot take that back.
 _REFUSE_ABORT = frozenset(
     {TargetState.RESTORING, TargetState.UNWINDING, TargetState.POSTCOPY, TargetState.RUNNING}
@@ -107,12 +104,8 @@ class TargetMigrations:
         self.verify: Callable[[list[str], str], None] = lambda gpus, what: None
         #: How long an Abort waits for its drop before answering (ABORT_WAIT_S).
         self.abort_wait_s = ABORT_WAIT_S
-        #: warm(staging, bytes) → seconds: a granted lease touches the memory its image and
-        #: restore will take (capture.warm_memory), so that pages arriving after the freeze land
-        #: in memory the kernel just freed (a first touch here runs at 0.3 GB/s).
-        self.warm: Callable[[Path, int], float] = lambda where, size: warm_memory(
-            where, size, within_s=WARM_WITHIN_S
-        )
+        #: warm(staging, bytes) → seconds, before a granted lease answers (capture.warm_for_lease).
+        self.warm: Callable[[Path, int], float] = warm_for_lease
         #: Where this node's page servers listen for a source's CRIU (the agent's own address).
         self.data_host = "0.0.0.0"
         self.table = IncomingTable(self.journal, self.ledger)
@@ -151,17 +144,11 @@ class TargetMigrations:
             if keys is not None:
                 keys.close()
             raise
-        # Granted: the source freezes the job once it hears so, and its pages follow.
-        warm_s = self.warm(self.staging_root, req.estimated_bytes) if req.estimated_bytes else 0.0
+        warm_s = self.warm(self.staging_root, req.estimated_bytes)  # granted: the freeze comes next
+        who, mib = f"certificate {caller}" if caller else "insecure loopback", req.estimated_bytes >> 20
         log.info(
-            "migration %s: lease granted for job %s from %s (%s; up to %d MiB of memory touched "
-            "for it in %.2f s)",
-            req.migration_id,
-            req.job,
-            req.source_node,
-            f"certificate {caller}" if caller else "insecure loopback",
-            req.estimated_bytes >> 20,
-            warm_s,
+            "migration %s: lease granted for job %s from %s (%s; up to %d MiB of memory touched in %.2f s)",
+            *(req.migration_id, req.job, req.source_node, who, mib, warm_s),
         )
         return pb.Lease(
             migration_id=req.migration_id,
