@@ -19,6 +19,9 @@ from agent.jobs.network import JobNetwork, LinkLock, NetworkConfig, in_netns
 from agent.testing.poll import wait_for
 
 CUT_S = 3.3  # past the back-off point at 3.0 s: the next try would come at about 6.2 s
+#: The cut is timed from engage()'s return to release()'s, and release() stops the peers'
+#: stand-in after the link is back: bytes may cross a millisecond or so before it returns.
+SLACK_S = 0.05
 RECEIVER = """
 import socket, sys, time
 s = socket.socket(); s.bind((sys.argv[1], 5000)); s.listen(); print("ready", flush=True)
@@ -132,7 +135,7 @@ def test_peers_back_off_past_a_cut_without_the_stand_in() -> None:
 def test_with_the_stand_in_peers_reach_the_job_within_half_a_second_of_the_release() -> None:
     with node() as names:
         gap, cut = longest_gap_across_cut(names, address="10.77.0.3")
-    assert cut <= gap <= cut + 0.5, (gap, cut)
+    assert cut - SLACK_S <= gap <= cut + 0.5, (gap, cut)
 
 
 def test_the_jobs_own_retries_back_off_past_a_cut_without_the_stand_ins() -> None:
@@ -145,4 +148,4 @@ def test_the_jobs_own_retries_back_off_past_a_cut_without_the_stand_ins() -> Non
 def test_with_the_stand_ins_the_job_reaches_its_peer_within_half_a_second_of_the_release() -> None:
     with node() as names:
         gap, cut = longest_gap_across_cut(names, address="10.77.0.3", job_sends=True)
-    assert cut <= gap <= cut + 0.5, (gap, cut)
+    assert cut - SLACK_S <= gap <= cut + 0.5, (gap, cut)
