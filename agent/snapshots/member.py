@@ -59,7 +59,7 @@ from agent.migration.local import Dumped
 from agent.migration.model import MigrationResult
 from agent.migration.transfer import SendStats, send_image
 from agent.rpc import pb
-from agent.snapshots.background import Before, in_background, lower_priority, restore_priority
+from agent.snapshots.background import in_background, lower_priority, restore_priority
 from agent.snapshots.chain import Chain, chain_epochs, links, unshipped
 from agent.statemachine import Transitions
 
@@ -273,7 +273,7 @@ class MemberSnapshots:
         try:
             h.out_dir.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
 
-            old: list[Before | None] = []
+            old: list[int | None] = []
 
             def went_on(frozen_s: float) -> None:
                 h.frozen_s = frozen_s

@@ -830,24 +830,25 @@ def test_a_rollback_abandons_a_round_that_holds_members(tmp_path: Path) -> None:
 
 
 def test_a_rounds_background_work_yields_to_the_job_and_the_thread_gets_its_priority_back() -> None:
-    from agent.snapshots.background import in_background
+    from agent.snapshots.background import BACKGROUND_NICE, in_background
 
-    def policy() -> int:
-        return os.sched_getscheduler(threading.get_native_id())
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     seen: list[int] = []
 
     def work() -> None:
+        before = nice()
         with in_background():
-            seen.append(policy())
-        seen.append(policy())
+            seen.append(nice() - before)
+        seen.append(nice() - before)
 
-    mine = policy()
+    mine = nice()
     t = threading.Thread(target=work)
     t.start()
     t.join()
-    assert seen == [os.SCHED_IDLE, mine]
-    assert policy() == mine  # only that thread's scheduling changed
+    assert seen == [min(BACKGROUND_NICE, 19), 0]
+    assert nice() == mine  # only that thread's priority changed
 
 
 def test_a_restore_that_fails_after_the_end_is_tried_again_and_no_member_goes_on_alone(
