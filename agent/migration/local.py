@@ -138,9 +138,8 @@ def checkpoint(
         fp = cj.inspect(tree)
         require_host_memory(fp, node)
         out.prepare(estimated_bytes(rec, fp) + log_bytes(rec))
-        if (
-            hold is not None and warm
-        ):  # a snapshot, again and again: its dump's memory is touched now, not frozen
+        # A snapshot, again and again: its dump's memory is touched now, not frozen.
+        if hold is not None and warm:
             phases.times["warm"] = warm_memory(out_dir.parent, estimated_bytes(rec, fp))
         emit(Progress("dump", f"dumping job {name} to {out_dir}"))
         if fp.processes:

@@ -186,7 +186,9 @@ class MemberSnapshots:
         each one's last dump, else its resident memory), now, while they run; the seconds it
         took. The round's coordinator asks every agent at once, then HOLDs: the freezes then
         begin together instead of each after its own warm-up, and no member is cut while a peer
-        still sends to it (its drain would run out)."""
+        still sends to it (its drain would run out). A member not dumped here before (its
+        device memory is not in its resident memory) still warms in its HOLD: the WARM then
+        does not stand for it."""
         recs = self.members(group)
         if not recs:
             raise NotFoundError(
@@ -198,7 +200,8 @@ class MemberSnapshots:
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         took = self.warm_memory(self.root, size) if size else 0.0
         with self._lock:
-            self._warmed[group] = time.monotonic()
+            if all(known.values()):
+                self._warmed[group] = time.monotonic()
         return took
 
     def hold(self, group: str, epoch: int, hold_s: float) -> list[Held]:
