@@ -117,7 +117,6 @@ class StandIn:
     def __init__(self, bridge: str, address: str, of_job: bool = False) -> None:
         self.bridge, self.address, self.of_job = bridge, address, of_job
         self._at = _SRC if of_job else _DST
-        self._whose = "job" if of_job else "peer"
         self.answered = 0
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
@@ -168,7 +167,7 @@ class StandIn:
                 self.address,
                 self.bridge,
                 self.answered,
-                self._whose,
+                "job" if self.of_job else "peer",
             )
 
     def _run(self) -> None:
