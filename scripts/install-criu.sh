@@ -9,9 +9,12 @@
 # order: native/criu/data-path.patch (CRIU's TLS page transfer without a syscall per
 # record, post-copy with several requests in flight), proc-mountpoint.patch (a
 # task dumped while another node dumps a task with the same cwd on shared storage
-# no longer fails on the parasite's fixed mountpoint name) and restore-reap.patch (a
+# no longer fails on the parasite's fixed mountpoint name), restore-reap.patch (a
 # restore of a tree with its own PID namespace that fails late, a lazy one whose
-# daemon died, answers instead of waiting forever on its killed init). FERRY_SYSTEM_CRIU=1 uses a
+# daemon died, answers instead of waiting forever on its killed init) and
+# uffd-track.patch (--track-mem where the kernel lacks soft-dirty: written memory
+# tracked with userfaultfd write-protect, its descriptors handed to the RPC client
+# with the dump's answer; agent.criu.tracking). FERRY_SYSTEM_CRIU=1 uses a
 # system CRIU instead (symlinked) when it is new enough and `criu check` passes;
 # it works, but moves memory over TLS at stock CRIU's speed.
 set -euo pipefail

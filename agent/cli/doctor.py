@@ -196,10 +196,11 @@ def _criu_checks() -> list[Check]:
             required=False,
         ),
         Check(
-            "soft-dirty (incremental snapshots)",
+            "dirty tracking (incremental snapshots)",
             criu.feature("mem_dirty_track"),
             "a group snapshot's dumps after the first carry only the pages written since",
-            "a kernel with CONFIG_MEM_SOFT_DIRTY (else every snapshot dump is whole)",
+            "a kernel with CONFIG_MEM_SOFT_DIRTY, or Linux >= 6.7 with CONFIG_USERFAULTFD and ferry's "
+            "CRIU (`make criu`): else every snapshot dump is whole",
             required=False,
         ),
     ]

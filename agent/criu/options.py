@@ -84,7 +84,8 @@ class CriuOptions:
     root: str = ""
     restore_sibling: bool = False
     lazy_pages: bool = False
-    #: Soft-dirty tracking: the dump clears the bits, so that the next one knows what changed.
+    #: Dirty tracking (soft-dirty, or userfaultfd write-protect: agent.criu.tracking): the dump
+    #: clears the bits, so that the next one knows what changed.
     track_mem: bool = False
     inherit_fd: tuple[InheritFd, ...] = ()
     #: A connected stream socket of ours speaking CRIU's page protocol (pass it to the child).

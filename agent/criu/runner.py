@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 import subprocess
@@ -25,6 +26,7 @@ from agent.criu import logs as criu_logs
 from agent.criu import swrk
 from agent.criu.options import GHOST_LIMIT, CriuOptions, InheritFd, TlsFiles, dump_options, restore_options
 from agent.criu.swrk import START_TIMEOUT_S, SWRK_TIMEOUT_S, PageServer
+from agent.criu.tracking import DirtyTrackers
 from agent.criu_pb import rpc_pb2, stats_pb2  # swrk says what to do if they are not compiled
 from agent.errors import CriuError, RefusedError, StepTimeoutError
 
@@ -84,6 +86,9 @@ class Criu:
         #: call every second) must not run `criu --version` each time, yet a CRIU replaced
         #: under a running agent is read again.
         self._version: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None
+        #: What keeps the written memory of trees dumped with track_mem tracked between dumps,
+        #: where CRIU tracks it with userfaultfds (agent.criu.tracking).
+        self.trackers = DirtyTrackers()
 
     @property
     def binary(self) -> str:
@@ -183,8 +188,9 @@ class Criu:
         locks the network: ferry does, by cutting the job's link (agent.jobs.network).
         timeout_s is CRIU's own limit on freezing the tree; deadline_s (SWRK_TIMEOUT_S by
         default) bounds the whole dump, after which CRIU is killed. track_mem clears the tree's
-        soft-dirty bits; parent_img (relative to images_dir, with track_mem) makes the dump
-        incremental: the pages not written since that dump stay in its images.
+        dirty bits (or write-protects its memory again, self.trackers keeping what tracks it);
+        parent_img (relative to images_dir, with track_mem) makes the dump incremental: the
+        pages not written since that dump stay in its images.
         """
         opts = dump_options(
             pid,
@@ -201,7 +207,13 @@ class Criu:
             track_mem=track_mem,
             parent_img=parent_img,
         )
-        self._call("dump", rpc_pb2.DUMP, opts, pass_fds=[], on_start=on_start, deadline_s=deadline_s)
+        keep = None
+        if track_mem:
+            self.trackers.before_dump(pid, whole=not parent_img)
+            keep = functools.partial(self.trackers.keep, pid)
+        self._call(
+            "dump", rpc_pb2.DUMP, opts, pass_fds=[], on_start=on_start, deadline_s=deadline_s, keep_fds=keep
+        )
         return DumpResult(stats=read_stats((log_dir or images_dir) / STATS_DUMP, "dump"))
 
     def restore(
@@ -302,6 +314,7 @@ class Criu:
         pass_fds: list[int],
         on_start: Callable[[int], None] | None,
         deadline_s: float | None,
+        keep_fds: Callable[[list[int]], None] | None = None,
     ) -> rpc_pb2.criu_resp:
         with self._rpc_opts(op, opts) as msg:
             req = rpc_pb2.criu_req(type=req_type, opts=msg)
@@ -315,6 +328,7 @@ class Criu:
                 pass_fds=pass_fds,
                 on_start=on_start,
                 deadline_s=deadline_s or SWRK_TIMEOUT_S,
+                keep_fds=keep_fds,
             )
 
 

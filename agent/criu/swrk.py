@@ -1,5 +1,9 @@
 """The `criu swrk` exchange: one protobuf request and its answer over a SEQPACKET socketpair.
 
+A tracked dump's answer carries descriptors beside it (SCM_RIGHTS: the userfaultfds that keep
+the tree's written memory tracked, agent.criu.tracking); any answer's are taken, and closed
+unless the caller keeps them.
+
 Every read has a deadline. One that expires kills CRIU (a CRIU left running may hold
 the job frozen) and raises StepTimeoutError naming the step, the node, the images and
 CRIU's log; a lost connection or a CRIU that exits without answering is a CriuError.
@@ -20,6 +24,7 @@ from pathlib import Path
 
 from agent.criu import child
 from agent.criu import logs as criu_logs
+from agent.criu.tracking import close_fds
 from agent.errors import CriuError
 from agent.jobs import procs
 
@@ -31,6 +36,8 @@ except ImportError as e:  # pragma: no cover - only without a build
 log = logging.getLogger(__name__)
 
 _MAX_MSG = 1 << 20
+#: The most descriptors one answer carries (CRIU's CR_SCM_MAX_FD).
+_MAX_FDS = 252
 #: How long CRIU may take to start a page server and say so (it only opens its images).
 START_TIMEOUT_S = 60.0
 #: A dump or restore exchange, unless the caller gives its own deadline. CRIU moves the job's
@@ -74,15 +81,18 @@ def exchange(
     pass_fds: list[int],
     on_start: Callable[[int], None] | None,
     deadline_s: float,
+    keep_fds: Callable[[list[int]], None] | None = None,
 ) -> rpc_pb2.criu_resp:
-    """Run one swrk for req; its successful answer, within deadline_s."""
+    """Run one swrk for req; its successful answer, within deadline_s. `keep_fds` takes the
+    descriptors a successful answer carries (closed otherwise)."""
+    fds: list[int] = []
     # stderr to a file, not a pipe: a pipe nobody reads until CRIU answers could fill and stall it.
     with tempfile.TemporaryFile() as err:
         proc, ours = start(binary, op, node, pass_fds, stderr=err.fileno())
         try:
             if on_start is not None:
                 on_start(proc.pid)
-            data = ask(ours, req, deadline_s)
+            data, fds = ask(ours, req, deadline_s)
         except ConnectionResetError:  # it exited without reading the request: its stderr says why
             data = b""
         except TimeoutError:
@@ -106,7 +116,15 @@ def exchange(
             cause = f"criu swrk exited ({proc.returncode}): {detail[0]}"
             raise CriuError(op, cause, log_path=log_path, node=node)
     resp = rpc_pb2.criu_resp()
-    resp.ParseFromString(data)
+    try:
+        resp.ParseFromString(data)
+    except Exception:
+        close_fds(fds)
+        raise
+    if fds and resp.success and keep_fds is not None:
+        keep_fds(fds)
+    else:
+        close_fds(fds)
     if not resp.success:
         cause = criu_logs.cause(log_path, resp.cr_errmsg) or "CRIU reported failure"
         raise CriuError(op, cause, log_path=log_path, errno=resp.cr_errno, node=node)
@@ -114,14 +132,16 @@ def exchange(
     return resp
 
 
-def ask(sock: socket.socket, req: rpc_pb2.criu_req, timeout_s: float) -> bytes:
-    """Send req and read the answer, both within timeout_s (TimeoutError otherwise)."""
+def ask(sock: socket.socket, req: rpc_pb2.criu_req, timeout_s: float) -> tuple[bytes, list[int]]:
+    """Send req and read the answer and the descriptors beside it, both within timeout_s
+    (TimeoutError otherwise). The caller owns the descriptors."""
     deadline = time.monotonic() + timeout_s
     # Never 0: that would make the socket non-blocking, and its error no timeout.
     sock.settimeout(max(timeout_s, 1e-3))
     sock.send(req.SerializeToString())
     sock.settimeout(max(deadline - time.monotonic(), 1e-3))
-    return sock.recv(_MAX_MSG)
+    data, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, _MAX_FDS)
+    return data, fds
 
 
 class PageServer:
@@ -169,7 +189,8 @@ class PageServer:
         server and its swrk are killed."""
         timeout_s = PAGE_SERVER_MAX_S if timeout_s is None else timeout_s
         try:
-            data = ask(self.sock, req, timeout_s)
+            data, fds = ask(self.sock, req, timeout_s)
+            close_fds(fds)  # a page server's answers carry none
         except TimeoutError:
             self._kill_server()
             self.sock.close()

@@ -1,8 +1,9 @@
 """A snapshot image sent as what changed since the copy its keeper already holds.
 
-Without soft-dirty tracking every round dumps each member whole, and most of its memory is what
-the last round's image held (libraries, heap, state the job keeps). The keeper of a member's
-copy still holds that member's image of the last round it verified: a file of the new image is
+Without dirty tracking (a CUDA member, `[snapshots] incremental = false`) every round dumps each
+member whole, and most of its memory is what the last round's image held (libraries, heap,
+state the job keeps); so is every chain's first, whole, image. The keeper of a member's copy
+still holds that member's image of the last round it verified: a file of the new image is
 sent as pieces, each either bytes or a range of the same file of that base image with the same
 bytes. The keeper rebuilds the whole file from the two and checks it against the manifest's
 digest, as for any image: a wrong range is a digest mismatch, never a wrong restore.

@@ -6,7 +6,8 @@ of `ferry protect`.
     every_s = 300                      # `ferry protect GROUP` without --every
     hold_s = 60                        # a held member goes on by itself this long after its dump
     incremental = true                 # dumps after the first carry only what changed, where the
-                                       # kernel tracks dirty memory (soft-dirty)
+                                       # dirty memory is tracked (soft-dirty, or
+                                       # userfaultfd write-protect: agent.criu.tracking)
     full_every = 8                     # ... and every 8th is whole again (a chain's length)
 """
 

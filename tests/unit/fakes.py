@@ -204,7 +204,7 @@ class FakeCriu:
         )
         if self.dump_error is not None:
             raise self.dump_error
-        # As CRIU documents: tracking needs the kernel's soft-dirty bits, an increment needs
+        # As CRIU documents: tracking needs the kernel's help (mem_dirty_track), an increment needs
         # tracking and its parent's inventory, and links the parent as `parent`.
         if track_mem and "mem_dirty_track" not in self.features:
             raise CriuError("dump", "Tracking memory is not available. Consider omitting --track-mem option.")
