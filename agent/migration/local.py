@@ -78,6 +78,7 @@ def checkpoint(
     it was frozen as soon as it goes on. track_mem (a snapshot, where the kernel tracks dirty
     memory) lets the next dump be an increment; `parent` (an earlier image of this job that was
     dumped with track_mem, beside out_dir's in a snapshot store) makes this one that increment.
+    A CUDA job's dumps are always whole (what its GPUs write into host memory is not tracked).
     A snapshot's dump touches its memory first (capture.warm_memory), unless `warm` says a WARM
     of its round did just now.
 
@@ -137,6 +138,9 @@ def checkpoint(
         refuse_undumpable(tree, node, step="checkpoint", same_node=True)
         fp = cj.inspect(tree)
         require_host_memory(fp, node)
+        if fp.processes and (track_mem or parent is not None):
+            # A GPU's DMA into host memory writes no page table: dirty tracking would miss it.
+            track_mem, parent, over = False, None, ""
         out.prepare(estimated_bytes(rec, fp) + log_bytes(rec))
         # A snapshot, again and again: its dump's memory is touched now, not frozen.
         if hold is not None and warm:

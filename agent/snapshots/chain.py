@@ -23,6 +23,8 @@ class Chain:
     incarnation: tuple[int, float]
     epoch: int
     length: int  # images in its chain, itself included
+    chain_bytes: int = 0  # what the images of its chain hold, itself included
+    largest_bytes: int = 0  # its chain's largest image's
 
 
 def links(image: Path) -> list[Path]:

@@ -19,7 +19,8 @@ A round's coordinator (agent.snapshots.rounds) asks each member's agent, in orde
 One module: HOLD, RELEASE, SHIP, DROP and a rollback's abandon all change the same Helds under
 one lock, and their races (a DROP that reaches a round still holding a member) are read here.
 
-Where the kernel tracks dirty memory (soft-dirty; `criu check --feature mem_dirty_track`) and
+Where dirty memory is tracked (soft-dirty, or userfaultfd write-protect through ferry's CRIU:
+agent.criu.tracking; `criu check --feature mem_dirty_track`) and
 `[snapshots] incremental` is on, every dump clears the bits, and a member's next dump is an
 increment over its last one: only the pages written since (CRIU's --prev-images-dir). It is
 whole when that dump is gone, was of another process (the job was restored or moved since), or
@@ -92,6 +93,10 @@ RESUME_WAIT_S = 120.0
 #: How long a WARM stands for the HOLD after it: on a VM that reports freed memory to its host
 #: (after about 2 s), memory touched longer ago is slow to touch again.
 WARM_FRESH_S = 1.0
+#: A chain whose images hold more than this many times its largest one ends (the next dump is
+#: whole): increments that carry most of the memory (tracking that lapsed, a job that rewrites
+#: it all) would keep the member's memory many times over on its node and on its buddy.
+CHAIN_MAX = 2.0
 #: save(job, out_dir, hold, went_on, track_mem, parent, warm) → the checkpoint's result: `ferry
 #: checkpoint --leave-running` with a hold, and word of the job going on; an increment over
 #: `parent` (agent.migration.local.checkpoint); warm: touch the dump's memory first (no WARM
@@ -231,7 +236,7 @@ class MemberSnapshots:
                 for r in recs
             ]
             # Chosen with the round registered, so that a DROP meanwhile keeps what it reads.
-            chains = {h.job: self._parent(h) if track else (None, 0) for h in helds}
+            chains = {h.job: self._parent(h) if track else (None, 0, 0, 0) for h in helds}
             for h in helds:
                 h.parent = int(p.parent.name) if (p := chains[h.job][0]) is not None else 0
             self._held[(group, epoch)] = helds
@@ -254,7 +259,17 @@ class MemberSnapshots:
             )
         return helds
 
-    def _save(self, h: Held, hold_s: float, track: bool, over: Path | None, length: int, warm: bool) -> None:
+    def _save(
+        self,
+        h: Held,
+        hold_s: float,
+        track: bool,
+        over: Path | None,
+        length: int,
+        held: int,
+        largest: int,
+        warm: bool,
+    ) -> None:
         def hold(m: Dumped) -> None:
             h.bytes, h.gpu_bytes = m.image_bytes, m.gpu_bytes
             with self._lock:
@@ -298,9 +313,20 @@ class MemberSnapshots:
                 h.frozen_s,
                 ", ".join(f"{k} {v:.3f} s" for k, v in res.phases.items()),
             )
-            if track:  # its dirty bits are clear from this dump on: the next may be an increment
+            total, largest = held + h.bytes, max(largest, h.bytes)  # (0, 0) for a whole dump
+            if track and total > CHAIN_MAX * largest:
+                log.info(
+                    "snapshot of job %s (round %d of group %s): its chain holds %d bytes, more than %g "
+                    "times its largest image; the next dump is whole",
+                    h.job,
+                    h.epoch,
+                    h.group,
+                    total,
+                    CHAIN_MAX,
+                )
+            elif track:  # its dirty bits are clear from this dump on: the next may be an increment
                 with self._lock:
-                    self._chains[(h.group, h.job)] = Chain(h.incarnation, h.epoch, length + 1)
+                    self._chains[(h.group, h.job)] = Chain(h.incarnation, h.epoch, length + 1, total, largest)
         except Exception as e:  # the save resumed the job; the error says what it met
             err = as_ferry_error(e, "snapshot", self.node)
             h.error = err.cause
@@ -318,14 +344,17 @@ class MemberSnapshots:
                 if h.dropped:
                     shutil.rmtree(h.out_dir, ignore_errors=True)
 
-    def _parent(self, h: Held) -> tuple[Path | None, int]:
-        """The image h's dump may be an increment over, and its chain's length; (None, 0): whole.
-        Taken, not read: should this dump fail, the next is whole. Called under the lock."""
+    def _parent(self, h: Held) -> tuple[Path | None, int, int, int]:
+        """The image h's dump may be an increment over, its chain's length, the bytes its images
+        hold and its largest image's; (None, 0, 0, 0): whole. Taken, not read: should this dump
+        fail, the next is whole. Called under the lock."""
         c = self._chains.pop((h.group, h.job), None)
         if c is None or c.incarnation != h.incarnation or c.length >= self.full_every:
-            return None, 0
+            return None, 0, 0, 0
         d = self.root / h.group / str(c.epoch) / h.job
-        return (d, c.length) if (d / MANIFEST).is_file() else (None, 0)
+        if not (d / MANIFEST).is_file():
+            return None, 0, 0, 0
+        return d, c.length, c.chain_bytes, c.largest_bytes
 
     def release(self, group: str, epoch: int) -> list[Held]:
         """Let the round's members go on; answer once they do (their digests come after).

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_cuda import CudaWorld, fake_cuda_jobs
+from fake_cuda import GPU0, CudaWorld, fake_cuda_jobs
 from fakes import SH, SLEEP, FakeCriu, is_dead, is_stopped, launched_record, wait_for, wait_stopped
 
 from agent.agent_config import AgentConfig, PeerSpec
@@ -459,6 +459,23 @@ def test_an_incremental_save_links_its_parent_and_names_it_where_the_kernel_trac
     assert read_manifest(two).parent == read_manifest(one).image_id != ""
     assert os.readlink(two / "parent") == "../../1/train"
     assert not is_stopped(here.pid)
+
+
+def test_a_cuda_jobs_snapshot_is_whole_even_where_the_kernel_tracks(here: Here) -> None:
+    """What a GPU writes into host memory (its DMA) goes through no page table, so no dirty
+    tracking sees it: a CUDA job's save neither tracks nor is an increment, and says so."""
+    world = CudaWorld()
+    world.add_cuda_process(here.pid, [GPU0])
+    here.cj, _ = fake_cuda_jobs(world)
+    here.criu.features.add("mem_dirty_track")
+    one, two = here.tmp / "g" / "1" / "train", here.tmp / "g" / "2" / "train"
+    for d in (one, two):
+        d.parent.mkdir(parents=True)
+    checkpoint(here.registry, here.criu, "train", one, "nodea", True, journal=here.journal, cuda_jobs=here.cj)
+    args = (here.registry, here.criu, "train", two, "nodea", True)
+    checkpoint(*args, journal=here.journal, cuda_jobs=here.cj, track_mem=True, parent=one)
+    assert [(d["track_mem"], d["parent_img"]) for d in here.criu.dumps] == [(False, ""), (False, "")]
+    assert read_manifest(two).parent == "" and not (two / "parent").exists()
 
 
 def test_tracking_dirty_memory_where_the_kernel_cannot_fails_the_save_and_the_job_goes_on(here: Here) -> None:

@@ -1,8 +1,9 @@
 """Incremental snapshots without CRIU (agent.snapshots.member, .store, .restores; agent.image's
 chain checks). The save is a fake that writes an increment where asked, with CRIU's `parent`
-link, as `criu dump --track-mem --prev-images-dir` is documented to: this VM's kernel has no
-soft-dirty bits, so real CRIU refuses --track-mem here (tests/unit/fakes.FakeCriu says so too).
-The bed's test_snapshots.py runs the real path where `criu check --feature mem_dirty_track` passes.
+link, as `criu dump --track-mem --prev-images-dir` is documented to (tests/unit/fakes.FakeCriu
+tracks only where told the kernel can). The bed's test_snapshots.py and
+tests/integration/test_dirty_tracking.py run the real path where `criu check --feature
+mem_dirty_track` passes: on this VM, through ferry's CRIU's userfaultfd write-protect.
 """
 
 from __future__ import annotations
@@ -74,6 +75,25 @@ def test_each_dump_after_the_first_is_an_increment_shipped_alone_and_kept_with_i
     assert store.keep_only("g", 3) == [] and sorted(store.held("g")) == [1, 2, 3], "the chain stays"
     n.m.drop("g", 3)
     assert sorted(int(d.name) for d in (n.root / "g").iterdir()) == [1, 2, 3]
+
+
+def test_a_chain_holding_its_memory_more_than_twice_over_ends(tmp_path: Path) -> None:
+    """Tracking that lapsed (or a job that rewrites all its memory) makes increments as large as
+    a whole image: the chain ends once its images hold more than CHAIN_MAX times its largest, so
+    its node and its buddy keep a bounded multiple of the member's memory; a job whose memory
+    grew once (an increment larger than the first image) keeps its chain."""
+    n = Node(tmp_path)
+    assert [n.round(e) for e in (1, 2)] == [0, 1]  # 8192, then 1024 bytes of pages
+    n.save.increment = 7000  # images of 8202, 1034, then 7010 bytes: within twice the largest
+    assert [n.round(e) for e in (3, 4, 5)] == [2, 3, 0]  # a second 7010 is past it: whole next
+    n.save.increment = 1024
+    assert [n.round(e) for e in (6, 7)] == [5, 6]
+    grew = Node(tmp_path / "grew")
+    grew.round(1)
+    grew.save.increment = 12000  # its memory grew after the first round: one large increment
+    assert grew.round(2) == 1
+    grew.save.increment = 1024
+    assert [grew.round(e) for e in (3, 4)] == [2, 3]
 
 
 def test_a_chain_ends_at_full_every_and_the_rounds_it_no_longer_needs_go(tmp_path: Path) -> None:

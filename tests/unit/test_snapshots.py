@@ -33,10 +33,11 @@ from agent.snapshots.rollback import roll_back
 from agent.snapshots.store import SnapshotStore
 
 
-def image(d: Path, job: str = "r0", parent: Path | None = None) -> Manifest:
-    """An image as a snapshot's dump writes it; over `parent`, an increment (CRIU links it)."""
+def image(d: Path, job: str = "r0", parent: Path | None = None, increment: int = 1024) -> Manifest:
+    """An image as a snapshot's dump writes it; over `parent`, an increment of `increment` bytes of
+    pages (CRIU links it)."""
     d.mkdir(parents=True)
-    (d / "pages-1.img").write_bytes(b"p" * (1024 if parent else 8192))
+    (d / "pages-1.img").write_bytes(b"p" * (increment if parent else 8192))
     (d / "core-1.img").write_bytes(b"c" * 10)
     if parent is not None:
         os.symlink(os.path.relpath(parent, d), d / "parent")
@@ -60,6 +61,7 @@ class FakeSave:
         self.resumed: list[str] = []
         self.dumps: list[tuple[str, bool, Path | None]] = []  # job, track_mem, parent
         self.warms: list[bool] = []  # whether each dump was to warm its memory itself
+        self.increment = 1024  # the pages an increment carries (a whole image's: 8192)
 
     def __call__(
         self,
@@ -76,7 +78,7 @@ class FakeSave:
         if job in self.fail:
             raise FerryError("injected fault at 'checkpoint'", step="checkpoint", node="node-a")
         t0 = time.monotonic()
-        hold(image(out, job, parent))
+        hold(image(out, job, parent, self.increment))
         self.resumed.append(job)
         went_on(time.monotonic() - t0)
         return MigrationResult("", job, "node-a", frozen_s=time.monotonic() - t0)
