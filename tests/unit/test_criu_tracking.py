@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 
 import pytest
 
@@ -36,15 +34,8 @@ def _fds(n: int) -> list[int]:
     return out
 
 
-@pytest.fixture
-def child():
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    yield p
-    p.kill()
-    p.wait()
-
-
-def test_a_trees_descriptors_are_kept_across_increments_and_closed_before_a_whole_dump(child) -> None:
+def test_a_trees_descriptors_are_kept_across_increments_and_closed_before_a_whole_dump(sleeper) -> None:
+    child, _, _ = sleeper()
     t = DirtyTrackers()
     first, second = _fds(2), _fds(1)
     t.keep(child.pid, first)
@@ -55,7 +46,8 @@ def test_a_trees_descriptors_are_kept_across_increments_and_closed_before_a_whol
     assert t.held(child.pid) == 0 and not any(map(_is_open, first + second))
 
 
-def test_an_ended_trees_descriptors_are_closed_at_the_next_dump_of_any_tree(child) -> None:
+def test_an_ended_trees_descriptors_are_closed_at_the_next_dump_of_any_tree(sleeper) -> None:
+    child, _, _ = sleeper()
     t = DirtyTrackers()
     fds = _fds(2)
     t.keep(child.pid, fds)
@@ -65,7 +57,8 @@ def test_an_ended_trees_descriptors_are_closed_at_the_next_dump_of_any_tree(chil
     assert t.held(child.pid) == 0 and not any(map(_is_open, fds))
 
 
-def test_a_reused_pid_is_another_tree(child, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_reused_pid_is_another_tree(sleeper, monkeypatch: pytest.MonkeyPatch) -> None:
+    child, _, _ = sleeper()
     t = DirtyTrackers()
     old = _fds(1)
     t.keep(child.pid, old)
@@ -78,7 +71,8 @@ def test_a_reused_pid_is_another_tree(child, monkeypatch: pytest.MonkeyPatch) ->
     assert not _is_open(new[0])
 
 
-def test_a_tree_holding_too_many_is_tracked_afresh(child, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_tree_holding_too_many_is_tracked_afresh(sleeper, monkeypatch: pytest.MonkeyPatch) -> None:
+    child, _, _ = sleeper()
     monkeypatch.setattr(tracking_mod, "MAX_FDS_PER_TREE", 3)
     t = DirtyTrackers()
     fds = _fds(4)
