@@ -236,14 +236,14 @@ class MemberSnapshots:
                 for r in recs
             ]
             # Chosen with the round registered, so that a DROP meanwhile keeps what it reads.
-            chains = {h.job: self._parent(h) if track else (None, 0, 0, 0) for h in helds}
+            chains = {h.job: self._parent(h) if track else None for h in helds}
             for h in helds:
-                h.parent = int(p.parent.name) if (p := chains[h.job][0]) is not None else 0
+                h.parent = c.epoch if (c := chains[h.job]) is not None else 0
             self._held[(group, epoch)] = helds
         for h in helds:
             threading.Thread(
                 target=self._save,
-                args=(h, hold_s, track, *chains[h.job], not warmed),
+                args=(h, hold_s, track, chains[h.job], not warmed),
                 name=f"snapshot-{h.job}",
                 daemon=True,
             ).start()
@@ -264,12 +264,12 @@ class MemberSnapshots:
         h: Held,
         hold_s: float,
         track: bool,
-        over: Path | None,
-        length: int,
-        held: int,
-        largest: int,
+        prior: Chain | None,
         warm: bool,
     ) -> None:
+        """h's dump: an increment over the image `prior` (its chain so far) ends with, if any."""
+        over = self._image(h, prior.epoch) if prior is not None else None
+
         def hold(m: Dumped) -> None:
             h.bytes, h.gpu_bytes = m.image_bytes, m.gpu_bytes
             with self._lock:
@@ -313,7 +313,9 @@ class MemberSnapshots:
                 h.frozen_s,
                 ", ".join(f"{k} {v:.3f} s" for k, v in res.phases.items()),
             )
-            total, largest = held + h.bytes, max(largest, h.bytes)  # (0, 0) for a whole dump
+            total, largest = h.bytes, h.bytes
+            if prior is not None:
+                total, largest = prior.chain_bytes + total, max(prior.largest_bytes, largest)
             if track and total > CHAIN_MAX * largest:
                 log.info(
                     "snapshot of job %s (round %d of group %s): its chain holds %d bytes, more than %g "
@@ -326,7 +328,8 @@ class MemberSnapshots:
                 )
             elif track:  # its dirty bits are clear from this dump on: the next may be an increment
                 with self._lock:
-                    self._chains[(h.group, h.job)] = Chain(h.incarnation, h.epoch, length + 1, total, largest)
+                    length = prior.length + 1 if prior is not None else 1
+                    self._chains[(h.group, h.job)] = Chain(h.incarnation, h.epoch, length, total, largest)
         except Exception as e:  # the save resumed the job; the error says what it met
             err = as_ferry_error(e, "snapshot", self.node)
             h.error = err.cause
@@ -344,17 +347,16 @@ class MemberSnapshots:
                 if h.dropped:
                     shutil.rmtree(h.out_dir, ignore_errors=True)
 
-    def _parent(self, h: Held) -> tuple[Path | None, int, int, int]:
-        """The image h's dump may be an increment over, its chain's length, the bytes its images
-        hold and its largest image's; (None, 0, 0, 0): whole. Taken, not read: should this dump
-        fail, the next is whole. Called under the lock."""
+    def _parent(self, h: Held) -> Chain | None:
+        """The chain h's dump may be an increment over (its last image, `_image`); None: whole.
+        Taken, not read: should this dump fail, the next is whole. Called under the lock."""
         c = self._chains.pop((h.group, h.job), None)
         if c is None or c.incarnation != h.incarnation or c.length >= self.full_every:
-            return None, 0, 0, 0
-        d = self.root / h.group / str(c.epoch) / h.job
-        if not (d / MANIFEST).is_file():
-            return None, 0, 0, 0
-        return d, c.length, c.chain_bytes, c.largest_bytes
+            return None
+        return c if (self._image(h, c.epoch) / MANIFEST).is_file() else None
+
+    def _image(self, h: Held, epoch: int) -> Path:
+        return self.root / h.group / str(epoch) / h.job
 
     def release(self, group: str, epoch: int) -> list[Held]:
         """Let the round's members go on; answer once they do (their digests come after).
