@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from fake_cuda import GPU0, CudaWorld, fake_cuda_jobs
-from fakes import SH, SLEEP, FakeCriu, is_dead, is_stopped, launched_record, wait_for, wait_stopped
+from fakes import SH, SLEEP, FakeCriu, dies, is_stopped, launched_record, wait_for, wait_stopped
 
 from agent.agent_config import AgentConfig, PeerSpec
 from agent.cli import main as cli
@@ -253,7 +253,7 @@ def test_a_manifest_forged_with_its_digests_is_refused_by_the_restored_job_itsel
         "job.command is ['/usr/bin/innocent', '--epochs', '3'], but the restored job runs" in ei.value.cause
     )
     assert SLEEP in ei.value.cause
-    assert is_dead(pid1.spawned[0])  # killed before anyone saw it
+    assert dies(pid1.spawned[0])  # killed before anyone saw it
     assert [j.name for j in here.registry.list()] == ["train"]  # never recorded
     rec = next(r for r in here.journal.load(TARGET) if r.kind == "restore")
     assert rec.state == "aborted" and restored(image) == []

@@ -32,7 +32,7 @@ from fake_cuda import (
     R,
     fake_cuda_jobs,
 )
-from fakes import FakeCriu, LocalPeer, is_dead, is_stopped, launched_record, wait_running
+from fakes import FakeCriu, LocalPeer, dies, is_stopped, launched_record, wait_running
 
 from agent import faults
 from agent.cli import main as cli
@@ -115,7 +115,7 @@ def test_a_cuda_job_moves_onto_a_gpu_of_the_target(nodes: TwoNodes) -> None:
     result = nodes.migration().run()
 
     assert nodes.job.state is JobState.MOVED
-    assert is_dead(nodes.pid)
+    assert dies(nodes.pid)
     restored = nodes.dst_criu.spawned[0]
     proc = nodes.dst_world.procs[restored]
     assert proc.state == RUNNING and proc.gpus[0] in (A100, GPU1)
@@ -241,7 +241,7 @@ def test_cuda_restore_failure_on_the_target_kills_the_copy_there_and_resumes_the
     with pytest.raises(MigrationAbortedError, match=r"cuda restore of pid .* CUDA_ERROR_OUT_OF_MEMORY"):
         nodes.migration().run()
     restored = nodes.dst_criu.spawned[0]
-    assert is_dead(restored)  # no half-restored copy runs on the target
+    assert dies(restored)  # no half-restored copy runs on the target
     assert nodes.target.status(MID) == pb.TARGET_STATE_ABORTED
     assert nodes.src_world.state(nodes.pid) == RUNNING and nodes.src_world.procs[nodes.pid].gpus == [GPU0]
     assert nodes.job.state is JobState.RUNNING
@@ -405,7 +405,7 @@ def test_checkpoint_frees_the_gpu_and_restore_puts_the_job_back(
     assert res.gpu_bytes == 4 * GIB and "cuda checkpoint" in res.phases
     assert registry.get("train").state is JobState.CHECKPOINTED
     assert world.used(GPU0) == 0  # suspended: its GPU is free for another job
-    assert is_dead(proc.pid)
+    assert dies(proc.pid)
 
     world.gpus[GPU0].others[4242] = 140 * GIB  # meanwhile someone took GPU0
     rec = restore_image(registry, fake_criu, image, "train2", "nodea", cj, Journal(tmp_path / "state"))

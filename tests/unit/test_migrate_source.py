@@ -18,6 +18,7 @@ from fakes import (
     PAGES_BYTES,
     FakeCriu,
     FakePeer,
+    dies,
     is_dead,
     is_stopped,
     launched_record,
@@ -188,7 +189,7 @@ def test_success_moves_the_job_and_kills_the_frozen_copy(either: Harness) -> Non
     assert len(h.killed) == 1
     name, pids = h.killed[0]
     assert name == "train" and pids[0] == h.pid
-    assert is_dead(h.pid)
+    assert dies(h.pid)
     assert h.resumed == []
     assert h.peer.aborts == []
     assert h.criu.dumps[0]["pid"] == h.pid

@@ -361,7 +361,7 @@ def test_a_restarted_target_kills_a_restore_it_did_not_see_finish(state, target,
         target.journal.save(MigrationRecord("m1", TARGET, "train", state, peer="nodea"))
         [line] = target.recover()
         assert "killed its half-finished restore (1 processes)" in line
-        assert is_dead(restored.pid)
+        assert dies(restored.pid)
         assert bystander.poll() is None
         assert target.status("m1") == pb.TARGET_STATE_ABORTED
     finally:

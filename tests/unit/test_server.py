@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from fakes import PAGES_BYTES, SLEEP, is_dead, is_stopped, launched_record, wait_for
+from fakes import PAGES_BYTES, SLEEP, dies, is_stopped, launched_record, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent import __version__
@@ -123,7 +123,7 @@ def test_stop_job(stub, agent, sleeper) -> None:
     agent[0].registry.save(launched_record("train", proc, out, err))
     job = stub.StopJob(pb.StopJobRequest(name="train", timeout_s=5), timeout=30)
     assert job.state == pb.JOB_STATE_STOPPED
-    assert is_dead(proc.pid)
+    assert dies(proc.pid)
     err = rpc_error(stub.StopJob, pb.StopJobRequest(name="train"))
     assert err.code() is S.FAILED_PRECONDITION
     assert "is stopped, not running" in err.details()
@@ -299,7 +299,7 @@ def test_migrate_between_two_agents(make_agent, sleeper) -> None:
     moved = src.registry.get("train")
     assert moved.state is JobState.MOVED
     assert (moved.moved_to, moved.moved_to_node) == (dst_addr, "nodeb")
-    assert is_dead(proc.pid)
+    assert dies(proc.pid)
     assert src_criu.dumps[0]["pid"] == proc.pid
     assert len(dst_criu.restores) == 1
 

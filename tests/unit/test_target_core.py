@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from fakes import FakeCriu, FakePageServer, is_dead
+from fakes import FakeCriu, FakePageServer, dies
 from test_migrate_target import MID, broken_stream, delivered, prepare_req, running_record, staged, state
 
 from agent.errors import PermissionDeniedError, RefusedError
@@ -278,7 +278,7 @@ def test_get_migration_answers_while_a_failed_post_copy_ends_the_job_here(
     assert max(took) < ANSWER_S, took
     assert seen and seen[0] not in (pb.TARGET_STATE_ABORTED, pb.TARGET_STATE_UNKNOWN), seen
     proc.wait(10)
-    assert is_dead(proc.pid) and net.deleted == ["fv-train"]
+    assert dies(proc.pid) and net.deleted == ["fv-train"]
     assert target.registry.get("train").state is JobState.LOST
     assert state(target) == pb.TARGET_STATE_ABORTED
     # Once killed, the member is handed back to the source's node (agent.coord.liveness).
