@@ -45,6 +45,7 @@ def restore_image(
     as_copy: bool = False,
     hold: Callable[[JobRecord], None] | None = None,
     keep_logs: bool = False,
+    verified: bool = False,
 ) -> JobRecord:
     """Resume a saved image on this node, after checking every digest; a CUDA job onto suitable
     GPUs, claimed in the node's GPU ledger until the restored job holds them. Journaled as a
@@ -53,13 +54,15 @@ def restore_image(
 
     Refused while the image's job runs here, or once the image was restored (agent.migration.copies),
     unless `as_copy`: a second copy, under its own `name` and, on a job network, its own address.
+    `verified`: the caller checked this directory, which it owns, as it brought it here (a
+    rollback's fetch): its manifest is read, and its files are not hashed a second time.
     """
     if not image_dir.is_dir():
         raise NotFoundError(f"no image directory {image_dir} on this node", node=node)
     with copies.one_restore(image_dir, node):
         # An earlier ferry's image (no section digests) still restores: a launched job's restored
         # PID 1 is checked against its command, cwd and env all the same (copies.CheckedRestore).
-        m = verify(image_dir, allow_legacy=True)
+        m = read_manifest(image_dir) if verified else verify(image_dir, allow_legacy=True)
         if m.legacy:
             log.warning("image %s is an earlier ferry's: no digest covers its job section", image_dir)
         if as_copy:

@@ -311,7 +311,8 @@ class AgentNode:
     ) -> JobRecord:
         with self.counted():  # a graceful stop waits for a held member to go on
             args = (self.registry, self.criu, image, job, self.node, self.cuda, self.journal)
-            return restore_image(*args, hold=hold, keep_logs=keep_logs)
+            # MemberRestores checked the image as it fetched it, into memory only it writes.
+            return restore_image(*args, hold=hold, keep_logs=keep_logs, verified=True)
 
     def _snapshot_call(
         self, agent: str, req: pb.SnapshotMemberRequest, timeout_s: float
