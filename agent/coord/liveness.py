@@ -577,9 +577,11 @@ class NodeLiveness:
 
     def _publish(self) -> None:
         """Every running member here has its key naming this node (a move's target rewrites it);
-        one that ended here (exited, stopped) has none, unless another node's copy took it."""
+        one that ended here (exited, stopped) has none, unless another node's copy took it. One
+        a rollback ended keeps its key: the rollback restores it (here, or a recovery swaps the
+        key to a spare), and a round begun meanwhile must not find the group short of it."""
         for rec in self.registry.list():
-            ended = rec.state in (JobState.EXITED, JobState.STOPPED)
+            ended = rec.state in (JobState.EXITED, JobState.STOPPED) and not rec.rolled_back_to
             if not rec.group or not (rec.state is JobState.RUNNING or ended):
                 continue
             key, want = self.key("groups", rec.group, "members", rec.name), self._member(rec).value()

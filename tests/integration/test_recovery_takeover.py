@@ -389,6 +389,23 @@ def test_a_member_a_rollback_fenced_is_left_to_the_rollback_not_settled_by_its_k
             p.wait()
 
 
+def test_a_member_a_rollback_ended_keeps_its_key_and_one_that_stopped_loses_it(
+    etcd: EtcdServer, pki: Path, tmp_path: Path
+) -> None:
+    """Between a rollback's END and its restore the member has no running copy here; without its
+    key a round begun then left its node out and failed after freezing the others (the fault
+    bench saw it right after a recovery)."""
+    live, registry = liveness(etcd, pki, tmp_path)
+    for name, rolled_back_to in (("r1", 7), ("r2", 0)):
+        rec = JobRecord(name, JobKind.LAUNCHED, JobState.STOPPED, 1, ["x"], "/", group="g")
+        rec.rolled_back_to = rolled_back_to
+        registry.save(rec)
+        live.client.put(PREFIX + f"groups/g/members/{name}", Member("g", name, "c", "C", "", "").value())
+    live._publish()
+    assert live.client.get(PREFIX + "groups/g/members/r1") is not None  # the rollback's to restore
+    assert live.client.get(PREFIX + "groups/g/members/r2") is None  # stopped by hand: gone
+
+
 def test_the_agents_without_a_lease_are_those_no_node_key_names(
     etcd: EtcdServer, pki: Path, tmp_path: Path
 ) -> None:
