@@ -14,7 +14,8 @@
 # daemon died, answers instead of waiting forever on its killed init) and
 # uffd-track.patch (--track-mem where the kernel lacks soft-dirty: written memory
 # tracked with userfaultfd write-protect, its descriptors handed to the RPC client
-# with the dump's answer; agent.criu.tracking). FERRY_SYSTEM_CRIU=1 uses a
+# with the dump's answer, and with a restore's, which tracks the restored tree from
+# then on; agent.criu.tracking). FERRY_SYSTEM_CRIU=1 uses a
 # system CRIU instead (symlinked) when it is new enough and `criu check` passes;
 # it works, but moves memory over TLS at stock CRIU's speed.
 set -euo pipefail

@@ -289,6 +289,7 @@ def restore_options(
     lazy_pages: bool = False,
     root: str = "",
     external: list[str] | tuple[str, ...] | None = None,
+    track_mem: bool = False,
 ) -> CriuOptions:
     """A restore of a ferry job as a sibling of CRIU, i.e. a child of the agent."""
     return CriuOptions(
@@ -307,4 +308,5 @@ def restore_options(
         restore_sibling=True,
         lazy_pages=lazy_pages,
         inherit_fd=tuple(inherit),
+        track_mem=track_mem,
     )

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import re
 import subprocess
@@ -210,7 +209,10 @@ class Criu:
         keep = None
         if track_mem:
             self.trackers.before_dump(pid, whole=not parent_img)
-            keep = functools.partial(self.trackers.keep, pid)
+
+            def keep(resp: rpc_pb2.criu_resp, fds: list[int]) -> None:
+                self.trackers.keep(pid, fds)
+
         self._call(
             "dump", rpc_pb2.DUMP, opts, pass_fds=[], on_start=on_start, deadline_s=deadline_s, keep_fds=keep
         )
@@ -229,12 +231,16 @@ class Criu:
         root: str = "",
         external: list[str] | None = None,
         deadline_s: float | None = None,
+        track_mem: bool = False,
     ) -> RestoreResult:
         """Restore the tree as a sibling of CRIU, i.e. as a child of this process; with
         leave_stopped, every task waits for SIGCONT. With lazy_pages, the memory comes from
         a `criu lazy-pages` daemon already listening in log_dir (criu_lazy.LazyPagesDaemon).
         root: "/" for a job in a mount namespace of its own (CRIU rebuilds it on this root);
-        external: its link's new outer end, `veth[eth0]:NAME@BRIDGE`. deadline_s: as dump's."""
+        external: its link's new outer end, `veth[eth0]:NAME@BRIDGE`. deadline_s: as dump's.
+        track_mem: the restored tree's written memory is tracked from the restore on (ferry's
+        CRIU, where it tracks with userfaultfds: their descriptors stay in `trackers`), so that
+        its first dump may be an increment over `images_dir`."""
         opts = restore_options(
             images_dir,
             RESTORE_LOG,
@@ -245,6 +251,7 @@ class Criu:
             lazy_pages=lazy_pages,
             root=root,
             external=external,
+            track_mem=track_mem,
         )
         resp = self._call(
             "restore",
@@ -253,6 +260,7 @@ class Criu:
             pass_fds=[i.fd for i in inherit],
             on_start=on_start,
             deadline_s=deadline_s,
+            keep_fds=lambda resp, fds: self.trackers.keep(resp.restore.pid, fds),
         )
         stats = read_stats((log_dir or images_dir) / STATS_RESTORE, "restore")
         return RestoreResult(pid=resp.restore.pid, stats=stats)
@@ -314,7 +322,7 @@ class Criu:
         pass_fds: list[int],
         on_start: Callable[[int], None] | None,
         deadline_s: float | None,
-        keep_fds: Callable[[list[int]], None] | None = None,
+        keep_fds: Callable[[rpc_pb2.criu_resp, list[int]], None] | None = None,
     ) -> rpc_pb2.criu_resp:
         with self._rpc_opts(op, opts) as msg:
             req = rpc_pb2.criu_req(type=req_type, opts=msg)

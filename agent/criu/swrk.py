@@ -81,10 +81,10 @@ def exchange(
     pass_fds: list[int],
     on_start: Callable[[int], None] | None,
     deadline_s: float,
-    keep_fds: Callable[[list[int]], None] | None = None,
+    keep_fds: Callable[[rpc_pb2.criu_resp, list[int]], None] | None = None,
 ) -> rpc_pb2.criu_resp:
     """Run one swrk for req; its successful answer, within deadline_s. `keep_fds` takes the
-    descriptors a successful answer carries (closed otherwise)."""
+    descriptors a successful answer carries, with it (closed otherwise)."""
     fds: list[int] = []
     # stderr to a file, not a pipe: a pipe nobody reads until CRIU answers could fill and stall it.
     with tempfile.TemporaryFile() as err:
@@ -122,7 +122,7 @@ def exchange(
         close_fds(fds)
         raise
     if fds and resp.success and keep_fds is not None:
-        keep_fds(fds)
+        keep_fds(resp, fds)
     else:
         close_fds(fds)
     if not resp.success:

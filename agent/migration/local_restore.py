@@ -46,6 +46,7 @@ def restore_image(
     hold: Callable[[JobRecord], None] | None = None,
     keep_logs: bool = False,
     verified: bool = False,
+    track_mem: bool = False,
 ) -> JobRecord:
     """Resume a saved image on this node, after checking every digest; a CUDA job onto suitable
     GPUs, claimed in the node's GPU ledger until the restored job holds them. Journaled as a
@@ -56,6 +57,8 @@ def restore_image(
     unless `as_copy`: a second copy, under its own `name` and, on a job network, its own address.
     `verified`: the caller checked this directory, which it owns, as it brought it here (a
     rollback's fetch): its manifest is read, and its files are not hashed a second time.
+    `track_mem`: its written memory is tracked from the restore on (not a CUDA job's: a GPU's DMA
+    writes no page table), so that its next dump may be an increment over this image.
     """
     if not image_dir.is_dir():
         raise NotFoundError(f"no image directory {image_dir} on this node", node=node)
@@ -91,6 +94,7 @@ def restore_image(
                 gpu_map=gpu_map,
                 hold=hold,
                 keep_logs=keep_logs,
+                track_mem=track_mem and m.cuda is None,
             )
         finally:
             cuda_jobs.ledger.release(owner)
@@ -137,6 +141,7 @@ class LocalRestore:
         resuming: bool = False,
         hold: Callable[[JobRecord], None] | None = None,
         keep_logs: bool = False,
+        track_mem: bool = False,
     ) -> JobRecord:
         """restore_tree, journaled: RUNNING at its commit point, ABORTED if it failed before."""
         job = self.op.record.job
@@ -160,6 +165,7 @@ class LocalRestore:
                 on_criu_start=self.criu_started,
                 before_release=commit_then_hold,
                 keep_logs=keep_logs,
+                track_mem=track_mem,
             )
         except BaseException as e:
             self.failed(f"{self.op.record.kind} failed: {e}")

@@ -41,6 +41,7 @@ def restore_tree(
     resuming: bool = False,
     log_dir: Path | None = None,
     keep_logs: bool = False,
+    track_mem: bool = False,
 ) -> JobRecord:
     """Restore a verified image as job `name` on this node, its logs re-pointed to our job dir.
     CRIU logs in log_dir (by default the job's dir); a lazy restore's daemon must listen there.
@@ -53,7 +54,8 @@ def restore_tree(
     Only then the tree continues (SIGCONT, or the CUDA unlock).
 
     keep_logs: a job rolled back in place appends to the logs it has here (what it printed
-    since the snapshot stays), instead of taking the image's copy of them.
+    since the snapshot stays), instead of taking the image's copy of them. track_mem: CRIU
+    tracks the tree's written memory from the restore on (Criu.restore).
     """
     times = {} if times is None else times
     spec = manifest.job
@@ -95,6 +97,7 @@ def restore_tree(
                 lazy_pages=lazy_pages,
                 root="/" if spec.private else "",
                 external=external,
+                track_mem=track_mem,
             )
         except BaseException:
             if net and registry.network is not None:

@@ -209,7 +209,12 @@ class AgentNode:
             full_every=snap.full_every,
         )
         self.snapshot_restores = MemberRestores(
-            node, Path(snap.dir) / ".restore", self.registry, self._fetch_snapshot, self._restore_snapshot
+            node,
+            Path(snap.dir) / ".restore",
+            self.registry,
+            self._fetch_snapshot,
+            self._restore_snapshot,
+            adopt=self.snapshot_members.adopt,
         )
         live = self.liveness
         self.protections = Protections(
@@ -312,7 +317,9 @@ class AgentNode:
         with self.counted():  # a graceful stop waits for a held member to go on
             args = (self.registry, self.criu, image, job, self.node, self.cuda, self.journal)
             # MemberRestores checked the image as it fetched it, into memory only it writes.
-            return restore_image(*args, hold=hold, keep_logs=keep_logs, verified=True)
+            # Tracked from the restore on, the member's next dump may be an increment over it.
+            track = self._tracks_dirty()
+            return restore_image(*args, hold=hold, keep_logs=keep_logs, verified=True, track_mem=track)
 
     def _snapshot_call(
         self, agent: str, req: pb.SnapshotMemberRequest, timeout_s: float

@@ -9,11 +9,13 @@ buddy and a rollback's node keep the same layout, so a chain reads the same ever
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.errors import FerryError
-from agent.image import MAX_CHAIN, parent_epoch
+from agent.errors import FerryError, ImageError
+from agent.image import MAX_CHAIN, PARENT_LINK, link_parent, parent_epoch, read_manifest
 
 
 @dataclass(frozen=True)
@@ -53,3 +55,21 @@ def chain_epochs(group_dir: Path, epoch: int) -> set[int]:
                 d = group_dir / str(e) / job.name
         out |= seen
     return out
+
+
+def link_chain(src: Path, d: Path, depth: int = 0) -> int:
+    """Hard links in `d` (made, empty) to image `src`'s files, and beside it to the chain `src` is
+    an increment over (the same memory, no copy); the bytes of the images linked."""
+    for f in src.iterdir():
+        if f.name != PARENT_LINK:
+            os.link(f, d / f.name)
+    n = read_manifest(d).image_bytes
+    if over := parent_epoch(src):
+        if depth >= MAX_CHAIN:
+            raise ImageError(f"{src} ends a chain of over {MAX_CHAIN} increments")
+        p = d.parent.parent / str(over) / d.name
+        shutil.rmtree(p, ignore_errors=True)
+        p.mkdir(parents=True, mode=0o700)
+        n += link_chain(src.parent.parent / str(over) / src.name, p, depth + 1)
+        link_parent(d, over)
+    return n

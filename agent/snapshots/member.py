@@ -61,7 +61,7 @@ from agent.migration.model import MigrationResult
 from agent.migration.transfer import SendStats, send_image
 from agent.rpc import pb
 from agent.snapshots.background import in_background, lower_priority, restore_priority
-from agent.snapshots.chain import Chain, chain_epochs, links, unshipped
+from agent.snapshots.chain import Chain, chain_epochs, link_chain, links, unshipped
 from agent.statemachine import Transitions
 
 log = logging.getLogger(__name__)
@@ -347,6 +347,30 @@ class MemberSnapshots:
                 if h.dropped:
                     shutil.rmtree(h.out_dir, ignore_errors=True)
 
+    def adopt(self, group: str, epoch: int, job: str, image: Path, rec: JobRecord) -> None:
+        """A rollback restored `job` here, as `rec`, from round `epoch`'s image (`image`, its
+        chain beside it), its written memory tracked from the restore on (ferry's CRIU): its next
+        dump may be an increment over that image, as over a dump of its own. The image and its
+        chain are linked among this node's own images where they are not (the spare that kept
+        them, or that fetched them: hard links, the same memory); a survivor's are its own."""
+        if not self.tracks():
+            return
+        own = self._image_of(group, epoch, job)
+        try:
+            if not (own / MANIFEST).is_file() or read_manifest(own).image_id != read_manifest(image).image_id:
+                shutil.rmtree(own, ignore_errors=True)
+                own.mkdir(parents=True, mode=0o700)
+                link_chain(image, own)
+            sizes = [read_manifest(d).image_bytes for d in links(own)]
+        except (OSError, FerryError) as e:
+            log.warning("job %s: its next snapshot is whole: its restored image is not here: %s", job, e)
+            return
+        with self._lock:
+            self._chains[(group, job)] = Chain(
+                (rec.pid, rec.pid_started), epoch, len(sizes), sum(sizes), max(sizes)
+            )
+            self._sizes[(group, job)] = sizes[-1]
+
     def _parent(self, h: Held) -> Chain | None:
         """The chain h's dump may be an increment over (its last image, `_image`); None: whole.
         Taken, not read: should this dump fail, the next is whole. Called under the lock."""
@@ -356,7 +380,10 @@ class MemberSnapshots:
         return c if (self._image(h, c.epoch) / MANIFEST).is_file() else None
 
     def _image(self, h: Held, epoch: int) -> Path:
-        return self.root / h.group / str(epoch) / h.job
+        return self._image_of(h.group, epoch, h.job)
+
+    def _image_of(self, group: str, epoch: int, job: str) -> Path:
+        return self.root / group / str(epoch) / job
 
     def release(self, group: str, epoch: int) -> list[Held]:
         """Let the round's members go on; answer once they do (their digests come after).

@@ -35,12 +35,13 @@ from pathlib import Path
 
 from agent.compat import StrEnum
 from agent.errors import FerryError, ImageError, NotFoundError, RefusedError, as_ferry_error
-from agent.image import MAX_CHAIN, PARENT_LINK, link_parent, parent_dir, parent_epoch, read_manifest, verify
+from agent.image import MAX_CHAIN, link_parent, parent_dir, parent_epoch, read_manifest, verify
 from agent.jobs import fence, procs
 from agent.jobs.record import JobRecord, JobState
 from agent.jobs.registry import JobRegistry
 from agent.migration.transfer import Intake
 from agent.rpc import pb
+from agent.snapshots.chain import link_chain
 from agent.statemachine import Transitions
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,9 @@ RESERVE_BYTES = 256 << 20
 Fetch = Callable[[str, pb.SnapshotKey], Iterator[pb.ImageChunk]]
 #: restore(image dir, job, hold, keep_logs) → the restored job's record (local_restore.restore_image).
 Restore = Callable[[Path, str, Callable[[JobRecord], None], bool], JobRecord]
+#: adopt(group, round, job, image dir, restored record): the snapshot member takes the image as
+#: the last dump of the restored job (MemberSnapshots.adopt).
+Adopt = Callable[[str, int, str, Path, JobRecord], None]
 
 
 @dataclass
@@ -100,9 +104,17 @@ class MemberRestores:
     """Owns this node's part of every rollback: the fetched images (under `root`, memory) and
     the restored members it holds."""
 
-    def __init__(self, node: str, root: Path, registry: JobRegistry, fetch: Fetch, restore: Restore) -> None:
+    def __init__(
+        self,
+        node: str,
+        root: Path,
+        registry: JobRegistry,
+        fetch: Fetch,
+        restore: Restore,
+        adopt: Adopt = lambda group, epoch, job, image, rec: None,
+    ) -> None:
         self.node, self.root, self.registry = node, root, registry
-        self.fetch_from, self.restore_image = fetch, restore
+        self.fetch_from, self.restore_image, self.adopt = fetch, restore, adopt
         self._lock = threading.Lock()
         self._restoring: dict[tuple[str, int, str], Restoring] = {}
         self._superseded: list[Restoring] = []  # held by an earlier try, fetched again since
@@ -188,7 +200,7 @@ class MemberRestores:
         digests were checked as it came into this node's store (built from the dump here, or
         verified as its buddy's ship arrived): not hashed again, while the recovery waits."""
         try:
-            n = _link_chain(src, d)
+            n = link_chain(src, d)
             verify(d, digests=False)
         except (OSError, FerryError) as e:
             log.warning("rollback: this node's copy %s is not usable (%s); the buddy's is fetched", src, e)
@@ -257,6 +269,12 @@ class MemberRestores:
             with self._lock:
                 self._to(r, RestoreState.HELD)
             r.held.set()
+            # Restored with its written memory tracked: its next snapshot may be an increment
+            # over this image. Taken while it is held, before any round can ask for it.
+            try:
+                self.adopt(group, epoch, job, r.dir, rec)
+            except Exception:  # its next dump is whole, as without it
+                log.exception("rollback: job %s's restored image is not kept as its last dump", job)
             if not r.go.wait(max(0.0, deadline - time.monotonic())):
                 log.warning("rollback: job %s goes on by itself: no RESUME came for round %d", job, epoch)
             with self._lock:
@@ -312,22 +330,6 @@ def _wait_gone(rec: JobRecord) -> None:
     deadline = time.monotonic() + GONE_WAIT_S
     while procs.alive(rec.pid, rec.pid_started) and time.monotonic() < deadline:
         time.sleep(0.02)
-
-
-def _link_chain(src: Path, d: Path, depth: int = 0) -> int:
-    for f in src.iterdir():
-        if f.name != PARENT_LINK:
-            os.link(f, d / f.name)
-    n = read_manifest(d).image_bytes
-    if over := parent_epoch(src):
-        if depth >= MAX_CHAIN:
-            raise ImageError(f"{src} ends a chain of over {MAX_CHAIN} increments")
-        p = d.parent.parent / str(over) / d.name
-        shutil.rmtree(p, ignore_errors=True)
-        p.mkdir(parents=True, mode=0o700)
-        n += _link_chain(src.parent.parent / str(over) / src.name, p, depth + 1)
-        link_parent(d, over)
-    return n
 
 
 def image_chunks(image_dir: Path, key: pb.SnapshotKey) -> Iterator[pb.ImageChunk]:

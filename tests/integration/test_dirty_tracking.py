@@ -9,6 +9,7 @@ PTRACE_O_SUSPEND_SECCOMP, so the syscalls it runs in it pass no filter, and the 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -158,3 +159,55 @@ def test_a_chain_of_increments_carries_what_changed_and_restores_the_job_exactly
         if restored:
             os.kill(restored, signal.SIGKILL)
             os.waitpid(restored, 0)
+
+
+def test_a_restored_job_is_tracked_from_its_restore_so_its_first_dump_is_an_increment(
+    tmp_path: Path,
+) -> None:
+    """A rollback restores every member: untracked, each one's next dump would be whole. Restored
+    with tracking, a job's first dump carries only what it wrote since its restore, over the image
+    it was restored from, and the two restore it exactly."""
+    criu = Criu()
+    if not criu.feature("mem_dirty_track"):
+        pytest.skip("this kernel tracks no dirty memory, and this CRIU cannot either")
+    script, out = tmp_path / "target.py", tmp_path / "report"
+    script.write_text(TARGET)
+    job = subprocess.Popen(
+        [sys.executable, str(script), str(out), "none"], stdout=subprocess.PIPE, start_new_session=True
+    )
+    restored: list[int] = []
+    try:
+        assert job.stdout is not None and job.stdout.readline().strip() == b"ready"
+        whole, increment = tmp_path / "d0", tmp_path / "d1"
+        whole.mkdir()
+        increment.mkdir()
+        time.sleep(0.3)
+        criu.dump(job.pid, whole, leave_running=False, leave_stopped=False, shell_job=True, track_mem=True)
+        job.wait(10)
+        restored.append(criu.restore(whole, shell_job=True, track_mem=True).pid)
+        time.sleep(0.6)
+        criu.dump(
+            restored[0],
+            increment,
+            leave_running=True,
+            leave_stopped=False,
+            shell_job=True,
+            track_mem=True,
+            parent_img="../d0",
+        )
+        assert pages(increment) < pages(whole) // 2, (pages(whole), pages(increment))
+        step, _, digest = report(out, restored[0])
+        assert digest == expected(step, False)  # it runs on after the dump
+        os.kill(restored[0], signal.SIGKILL)
+        os.waitpid(restored[0], 0)
+        restored.append(criu.restore(increment, shell_job=True).pid)
+        step, _, digest = report(out, restored[1])
+        assert digest == expected(step, False)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+        for pid in restored:
+            with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)

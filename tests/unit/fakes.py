@@ -258,6 +258,7 @@ class FakeCriu:
         lazy_pages: bool = False,
         root: str = "",
         external: list[str] | None = None,
+        track_mem: bool = False,
     ) -> RestoreResult:
         assert not lazy_pages, "post-copy runs against real CRIU only (tests/integration)"
         self.restores.append(
@@ -267,6 +268,7 @@ class FakeCriu:
                 "keys": [i.key for i in inherit],
                 "shell_job": shell_job,
                 "log_dir": log_dir,
+                "track_mem": track_mem,
             }
         )
         if self.during_restore is not None:

@@ -194,6 +194,30 @@ def test_a_rollback_brings_an_increment_with_its_chain(tmp_path: Path, registry,
         )
 
 
+def test_a_restored_member_takes_the_image_it_was_restored_from_as_its_last_dump(tmp_path: Path) -> None:
+    """A rollback restores a member with its written memory tracked from the restore on (ferry's
+    CRIU): its next dump is an increment over that image, on its own node (the chain is its own,
+    and only the increment ships) and on the spare that kept it (the chain linked from the kept
+    copy, the same memory; the spare's own buddy gets all of it)."""
+    n = Node(tmp_path)
+    for e in (1, 2, 3):
+        n.round(e)
+    n.rec.pid_started += 1  # the restored process
+    n.m.adopt("g", 3, "r0", n.root / "g" / "3" / "r0", n.rec)
+    assert n.round(4) == 3 and n.pushed[-1] == (B1, 4, 3)
+    spare = Node(tmp_path / "spare")
+    spare.rec = n.rec
+    kept = n.stores[B1].image_dir("g", 3, "r0")
+    spare.m.adopt("g", 3, "r0", kept, spare.rec)
+    assert os.path.samefile(
+        spare.root / "g" / "1" / "r0" / "pages-1.img", kept.parent.parent / "1" / "r0" / "pages-1.img"
+    )
+    assert spare.round(4, B2) == 3 and spare.pushed == [(B2, 1, 0), (B2, 2, 1), (B2, 3, 2), (B2, 4, 3)]
+    untracked = Node(tmp_path / "untracked", tracks=False)
+    untracked.m.adopt("g", 3, "r0", kept, untracked.rec)
+    assert untracked.round(4) == 0 and not (untracked.root / "g" / "3").exists()
+
+
 def test_ps_group_says_which_copies_are_increments() -> None:
     from agent.cli.snapshots import snapshot_lines
 

@@ -759,7 +759,9 @@ def test_a_member_placed_on_the_spare_that_keeps_its_copy_reads_it_there_and_sur
     assert fetched == {"r0": ("A", "/taken/r0", "S"), "r1": ("S", "/keep/r1", "S")}
 
 
-def restores_on_s(tmp_path: Path, restore: Callable[..., JobRecord]) -> MemberRestores:
+def restores_on_s(
+    tmp_path: Path, restore: Callable[..., JobRecord], adopt: Callable[..., None] = lambda *a: None
+) -> MemberRestores:
     """node-s's part of a rollback, fetching from a buddy store that keeps r1's image of round 4."""
     store = SnapshotStore(tmp_path / "store", "node-b")
     image(store.image_dir("g", 4, "r1"), "r1")
@@ -769,6 +771,7 @@ def restores_on_s(tmp_path: Path, restore: Callable[..., JobRecord]) -> MemberRe
         JobRegistry(tmp_path / "state", "node-s"),
         lambda buddy, key: image_chunks(store.image_dir(key.group, key.epoch, key.job), key),
         restore,
+        adopt,
     )
 
 
@@ -782,11 +785,18 @@ def test_a_restored_member_is_held_until_resumed_or_goes_on_by_itself(tmp_path: 
         went_on.append(job)
         return rec
 
-    r = restores_on_s(tmp_path, restore)
+    adopted: list[tuple[str, int, str, bool, JobRecord]] = []
+
+    def adopt(group: str, epoch: int, job: str, d: Path, rec: JobRecord) -> None:
+        adopted.append((group, epoch, job, (d / "manifest.json").is_file(), rec))
+
+    r = restores_on_s(tmp_path, restore, adopt)
     assert r.fetch("g", 4, "r1", "10.0.0.2:7070") > 0
     held = r.restore("g", 4, "r1", hold_s=5)
     time.sleep(0.2)
     assert held.state is RestoreState.HELD and went_on == []
+    # While held, its image is the snapshot member's to keep as the restored job's last dump.
+    assert [a[:4] for a in adopted] == [("g", 4, "r1", True)] and adopted[0][4].name == "r1"
     assert r.resume("g", 4) == ["r1"]
     deadline = time.monotonic() + 5
     while not went_on and time.monotonic() < deadline:
