@@ -969,7 +969,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of a seeded schedule: KIND:REPLICA,... (warned or hard, on replica 0-2), in "
         "that order, evenly spread over the undisturbed run's length",
     )
-    p.add_argument("--every", type=float, default=10.0, help="ferry's snapshot interval (default 10 s)")
+    p.add_argument(
+        "--every",
+        type=float,
+        default=6.0,
+        help="ferry's snapshot interval (default 6 s: Young/Daly's for a round that costs the job about "
+        "0.3 s, between 4.4 s for every failure of the default schedule and 6.2 s for the hard ones "
+        "alone, which are all a round serves)",
+    )
     p.add_argument(
         "--timeout-s",
         type=float,

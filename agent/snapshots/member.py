@@ -164,7 +164,7 @@ class MemberSnapshots:
         save: Save,
         push: Push,
         tracks: Callable[[], bool] = lambda: False,
-        full_every: int = 8,
+        full_every: int = 32,
         warm: Callable[[Path, int], float] = warm_memory,
     ) -> None:
         self.node, self.root = node, root
