@@ -28,7 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from agent.errors import FerryError, RefusedError, as_ferry_error
+from agent.errors import FerryError, NotFoundError, RefusedError, as_ferry_error
 from agent.rpc import pb
 
 #: call(agent's HOST:PORT, request, timeout_s) → its answer; raises FerryError.
@@ -113,7 +113,11 @@ def take(
     warm_from = time.monotonic()
     try:
         each(pb.SNAPSHOT_ACTION_WARM, WARM_CALL_S)
-    except GivenUp:
+    except (GivenUp, NotFoundError, RefusedError):
+        # An agent with no member of the group now (it moved away) or one it cannot save yet (a
+        # post-copy move still bringing its memory) would refuse the HOLD too: the round fails
+        # before it freezes anyone (it froze the others and dropped their dumps, so that their
+        # next round was whole as well).
         raise
     except FerryError as e:
         log.info(

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from agent.cli.parser import Usage, build_parser, duration
-from agent.errors import FerryError, NotFoundError, RefusedError, TransferError
+from agent.errors import FerryError, JobBusyError, NotFoundError, RefusedError, TransferError
 from agent.image import JobSpec, Manifest, build_manifest, read_manifest, verify
 from agent.jobs import procs
 from agent.jobs.record import JobKind, JobRecord, JobState
@@ -817,6 +817,27 @@ def test_a_restored_member_is_held_until_resumed_or_goes_on_by_itself(tmp_path: 
     time.sleep(0.2)
     assert ended.state is RestoreState.ENDED and went_on == ["r1", "r1"]
     assert r.resume("g", 4) == []
+
+
+@pytest.mark.parametrize("why", ["moved away", "arriving"])
+def test_a_round_whose_warm_up_finds_a_member_it_cannot_save_freezes_no_one(tmp_path: Path, why: str) -> None:
+    """A member that moved away (its old node has none now) or whose post-copy move still brings
+    its memory would refuse the HOLD: the WARM before it says so, and the round fails before any
+    member is frozen (in the fault bench it froze the others, and their next dumps were whole)."""
+    cl = Cluster(tmp_path)
+    third = list(cl.members)[2]
+
+    def members(group: str) -> list[JobRecord]:
+        if why == "moved away":
+            return []
+        raise JobBusyError("member r2 of group g cannot be saved yet: its move here is postcopy")
+
+    cl.members[third].members = members
+    err = NotFoundError if why == "moved away" else RefusedError
+    with pytest.raises(err, match=f"agent {third}"):
+        rounds.take("g", 1, list(cl.stores), cl.call, 30)
+    assert "hold" not in {a for _, a in cl.log}
+    assert all(s.dumps == [] for s in cl.saves.values())
 
 
 def test_a_round_that_misses_a_rank_of_the_job_is_no_snapshot(tmp_path: Path) -> None:
