@@ -194,7 +194,11 @@ class MemberSnapshots:
         still sends to it (its drain would run out). A member not dumped here before (its
         device memory is not in its resident memory) still warms in its HOLD: the WARM then
         does not stand for it."""
-        recs = self.members(group)
+        try:
+            recs = self.members(group)
+        except FerryError as e:  # the HOLD asks the same (a member still arriving): named as this step
+            e.step = "snapshot warm"
+            raise
         if not recs:
             raise NotFoundError(
                 f"no member of group {group} runs on this node", step="snapshot warm", node=self.node

@@ -834,8 +834,9 @@ def test_a_round_whose_warm_up_finds_a_member_it_cannot_save_freezes_no_one(tmp_
 
     cl.members[third].members = members
     err = NotFoundError if why == "moved away" else RefusedError
-    with pytest.raises(err, match=f"agent {third}"):
+    with pytest.raises(err, match=f"agent {third}") as e:
         rounds.take("g", 1, list(cl.stores), cl.call, 30)
+    assert e.value.step == "snapshot warm"
     assert "hold" not in {a for _, a in cl.log}
     assert all(s.dumps == [] for s in cl.saves.values())
 
