@@ -106,11 +106,9 @@ def report(path: Path, pid: int) -> tuple[int, bool, str]:
     raise AssertionError("the job did not report")
 
 
-@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the test's seccomp filter is x86-64's")
-@pytest.mark.parametrize("seccomp", ["none", "io_uring", "kill_uffd"])
-def test_a_chain_of_increments_carries_what_changed_and_restores_the_job_exactly(
-    tmp_path: Path, seccomp: str
-) -> None:
+def start_target(tmp_path: Path, seccomp: str) -> tuple[Criu, subprocess.Popen[bytes], Path]:
+    """The CRIU that tracks here (else the test is skipped), and TARGET running under `seccomp`,
+    ready; its reports go to the returned path."""
     criu = Criu()
     if not criu.feature("mem_dirty_track"):
         pytest.skip("this kernel tracks no dirty memory, and this CRIU cannot either")
@@ -119,9 +117,23 @@ def test_a_chain_of_increments_carries_what_changed_and_restores_the_job_exactly
     job = subprocess.Popen(
         [sys.executable, str(script), str(out), seccomp], stdout=subprocess.PIPE, start_new_session=True
     )
-    restored = 0
     try:
         assert job.stdout is not None and job.stdout.readline().strip() == b"ready"
+    except BaseException:
+        job.kill()
+        job.wait()
+        raise
+    return criu, job, out
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the test's seccomp filter is x86-64's")
+@pytest.mark.parametrize("seccomp", ["none", "io_uring", "kill_uffd"])
+def test_a_chain_of_increments_carries_what_changed_and_restores_the_job_exactly(
+    tmp_path: Path, seccomp: str
+) -> None:
+    criu, job, out = start_target(tmp_path, seccomp)
+    restored = 0
+    try:
         dirs = [tmp_path / f"d{k}" for k in range(3)]
         for k, d in enumerate(dirs):
             d.mkdir()
@@ -170,17 +182,9 @@ def test_a_restored_job_is_tracked_from_its_restore_so_its_first_dump_is_an_incr
     with tracking, a job's first dump carries only what it wrote since its restore, over the image
     it was restored from, and the two restore it exactly; its restored seccomp filter, even one
     that would kill it for opening a userfaultfd, sees nothing of it (CRIU suspends it)."""
-    criu = Criu()
-    if not criu.feature("mem_dirty_track"):
-        pytest.skip("this kernel tracks no dirty memory, and this CRIU cannot either")
-    script, out = tmp_path / "target.py", tmp_path / "report"
-    script.write_text(TARGET)
-    job = subprocess.Popen(
-        [sys.executable, str(script), str(out), seccomp], stdout=subprocess.PIPE, start_new_session=True
-    )
+    criu, job, out = start_target(tmp_path, seccomp)
     restored: list[int] = []
     try:
-        assert job.stdout is not None and job.stdout.readline().strip() == b"ready"
         whole, increment = tmp_path / "d0", tmp_path / "d1"
         whole.mkdir()
         increment.mkdir()
