@@ -340,7 +340,8 @@ class LinkLock:
     (dropped). Given the job's address, stand-ins answer while the link is cut
     (agent.jobs.standin): one on the bridge its peers' segments for the job, one on the link
     the job's own for its peers, so that both sides retry at their base timeout, not a
-    backed-off one."""
+    backed-off one. prepare() opens them ahead of the freeze, answering nothing until the cut;
+    after the release, keep_cut() or drop() they close on threads of their own."""
 
     def __init__(
         self, network: JobNetwork | None, veth: str, engaged: bool = False, address: str = ""
@@ -351,47 +352,54 @@ class LinkLock:
         self.engaged = engaged  # recovery cannot know: it says True, and reconnecting is harmless
         self._standins: list[StandIn] = []
 
+    def prepare(self) -> None:
+        """Open the stand-ins now, unarmed, so that their opening is no part of a freeze. The
+        caller then ends the lock in every case (release, keep_cut or drop), engaged or not."""
+        if self.network is None or not self.address or self._standins:
+            return
+        for standin in (
+            StandIn(self.network.config.bridge, self.address),
+            StandIn(self.veth, self.address, of_job=True),
+        ):
+            try:
+                standin.start(armed=False)
+                self._standins.append(standin)
+            except OSError as e:  # the move goes on; that side just backs off as before
+                log.warning("job network: no stand-in for %s on %s: %s", self.address, standin.bridge, e)
+
     def engage(self) -> None:
         if self.network is not None:
             self.network.cut(self.veth)
             self.engaged = True
-            if self.address and not self._standins:
-                for standin in (
-                    StandIn(self.network.config.bridge, self.address),
-                    StandIn(self.veth, self.address, of_job=True),
-                ):
-                    try:
-                        standin.start()
-                        self._standins.append(standin)
-                    except OSError as e:  # the move goes on; that side just backs off as before
-                        log.warning(
-                            "job network: no stand-in for %s on %s: %s", self.address, standin.bridge, e
-                        )
+            self.prepare()
+            for standin in self._standins:
+                standin.arm()
 
     def release(self) -> None:
         # The job's side first: linked again, its segments reach its peers, who must not be
         # told otherwise.
-        self._stop_standins(of_job=True)
+        self._retire_standins(of_job=True)
         if self.network is not None and self.engaged:
             self.network.reconnect(self.veth)
             self.engaged = False
-        self._stop_standins()  # after the reconnect: a peer's retry in between is still answered
+        self._retire_standins()  # after the reconnect: a peer's retry in between is still answered
 
     def keep_cut(self) -> None:
         """The copy stays, fenced: its link stays off the bridge, and no stand-in answers for it."""
-        self._stop_standins()
+        self._retire_standins()
 
     def drop(self) -> None:
         """The copy this link served is gone: the node's end goes, and the stand-ins with it."""
         if self.network is not None:
             self.network.delete(self.veth)
-        self._stop_standins()
+        self._retire_standins()
 
-    def _stop_standins(self, of_job: bool | None = None) -> None:
-        """Stop the stand-ins (only the job's side, or only the peers', when of_job says)."""
+    def _retire_standins(self, of_job: bool | None = None) -> None:
+        """Disarm the stand-ins (only the job's side, or only the peers', when of_job says) and
+        let them close behind the caller."""
         for standin in list(self._standins):
             if of_job is None or standin.of_job == of_job:
-                standin.stop()
+                standin.retire()
                 self._standins.remove(standin)
 
     def external(self) -> list[str]:

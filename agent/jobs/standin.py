@@ -17,6 +17,12 @@ its peers at about the same moment) is cut with bytes unacknowledged, and its ke
 them into its cut link, backing off too (a 0.6 s freeze put the next try 0.8 s past the
 release). A second stand-in listens on the link's node end, cut off the bridge, and answers the
 job's segments for its peers the same way, back into the link (`of_job`).
+
+Opening a stand-in's socket and closing it take the kernel some milliseconds each (a packet
+socket's promiscuous membership, the grace period its close waits for): tens of them on a busy
+node, twice per freeze. So a snapshot opens them before its member stops, unarmed (they answer
+nothing while the link carries the job), arms them at the cut, disarms them at the release and
+closes them once the member runs again (agent.jobs.network.LinkLock).
 """
 
 from __future__ import annotations
@@ -122,9 +128,12 @@ class StandIn:
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._wake: tuple[int, int] | None = None  # a pipe: stop() wakes the loop's select at once
+        self._armed = False
+        self._send_lock = threading.Lock()  # an answer is sent only while armed, checked under it
 
-    def start(self) -> None:
-        """Raises OSError if the bridge cannot be listened on (the caller goes on without it)."""
+    def start(self, armed: bool = True) -> None:
+        """Listen (and answer, once armed). Raises OSError if the bridge cannot be listened on
+        (the caller goes on without it)."""
         sk = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(_ETH_P_IP))
         try:
             prog = _filter(socket.inet_aton(self.address), self._at)
@@ -144,12 +153,29 @@ class StandIn:
             sk.close()
             raise
         self._sock = sk
+        self._armed = armed
         self._wake = os.pipe()
         self._thread = threading.Thread(target=self._run, name=f"standin-{self.address}", daemon=True)
         self._thread.start()
 
+    def arm(self) -> None:
+        with self._send_lock:
+            self._armed = True
+
+    def disarm(self) -> None:
+        """No answer is sent once this returns."""
+        with self._send_lock:
+            self._armed = False
+
+    def retire(self) -> None:
+        """Disarmed now; its socket and thread end on a thread of their own, the caller not
+        waiting for the kernel's grace period."""
+        self.disarm()
+        threading.Thread(target=self.stop, name=f"standin-{self.address}-end", daemon=True).start()
+
     def stop(self) -> None:
-        """Ends at once (the job's release waits on it before the job goes on)."""
+        """Ends at once."""
+        self.disarm()
         self._stop.set()
         if self._wake is not None:
             os.write(self._wake[1], b"x")
@@ -195,9 +221,12 @@ class StandIn:
             second, sent = (now, 0) if now != second else (second, sent)
             if sent >= MAX_PER_S:
                 continue
-            try:
-                sk.send(reply)
-                sent += 1
-                self.answered += 1
-            except OSError as e:  # a full queue: the peer just backs off as it would have
-                log.debug("stand-in for %s: %s", self.address, e)
+            with self._send_lock:
+                if not self._armed:  # opened ahead of the cut, or past the release: the link carries
+                    continue
+                try:
+                    sk.send(reply)
+                    sent += 1
+                    self.answered += 1
+                except OSError as e:  # a full queue: the peer just backs off as it would have
+                    log.debug("stand-in for %s: %s", self.address, e)

@@ -145,6 +145,7 @@ def checkpoint(
         # A snapshot, again and again: its dump's memory is touched now, not frozen.
         if hold is not None and warm:
             phases.times["warm"] = warm_memory(out_dir.parent, estimated_bytes(rec, fp))
+        link.prepare()  # its stand-ins open while it runs: every way out of here ends the lock
         emit(Progress("dump", f"dumping job {name} to {out_dir}"))
         if fp.processes:
             op.to(MigrationState.LOCKING, cuda_pids=fp.pids)
