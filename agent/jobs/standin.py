@@ -207,8 +207,10 @@ class StandIn:
                 frame, addr = sk.recvfrom(_SNAP)
             except BlockingIOError:
                 continue
-            except OSError as e:
-                log.warning("stand-in for %s on %s ends: %s", self.address, self.bridge, e)
+            except OSError as e:  # retired, its link may be gone before its socket closes
+                (log.warning if self._armed else log.debug)(
+                    "stand-in for %s on %s ends: %s", self.address, self.bridge, e
+                )
                 return
             if addr[2] == _PACKET_OUTGOING or frame[self._at : self._at + 4] != socket.inet_aton(
                 self.address

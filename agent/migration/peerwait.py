@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from agent.jobs.record import JobRecord
+from agent.migration import tcp_table
 from agent.migration.limits import is_distributed
 from agent.rpc import pb
 
@@ -217,17 +218,19 @@ def watched(rec: JobRecord) -> bool:
     return bool(rec.address) and is_distributed(rec)
 
 
-def drain(pid: int, own: str, timeout_s: float = DRAIN_S, look: Callable[[int], str] | None = None) -> int:
+def drain(
+    pid: int, own: str, timeout_s: float = DRAIN_S, look: Callable[[int], list[str]] = tcp_table.in_flight
+) -> int:
     """Wait, at most timeout_s, until the stopped job's connections to its peers hold no sent and
     unacknowledged bytes; return how many still do. Its kernel still takes their ACKs: cut then,
     those bytes would wait on the restored socket's first retransmission timeout after the release
-    (1 s, since a restored socket has no round-trip time to go by)."""
-    look = look or look_ss
+    (1 s, since a restored socket has no round-trip time to go by). `look(pid)`: the peers of
+    its connections with bytes in flight (read from the kernel's tables: the job is frozen)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            held = [c for c in parse_ss(look(pid)) if c.unacked and not to_job_itself(c.peer, own)]
-        except (OSError, ValueError, subprocess.SubprocessError) as e:
+            held = [peer for peer in look(pid) if not to_job_itself(peer, own)]
+        except (OSError, ValueError) as e:
             log.info("job pid %d: its connections could not be read before the cut (%s)", pid, e)
             return -1
         if not held or time.monotonic() >= deadline:

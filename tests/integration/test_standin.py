@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from agent.jobs.network import JobNetwork, LinkLock, NetworkConfig, in_netns
+from agent.migration import tcp_table
 from agent.testing.poll import wait_for
 
 CUT_S = 3.3  # past the back-off point at 3.0 s: the next try would come at about 6.2 s
@@ -100,7 +101,8 @@ def longest_gap_across_cut(
     )
     # LinkLock runs where the node's agent would: in the node's namespace, which a process holds.
     holder = subprocess.Popen(["ip", "netns", "exec", names["node"], "sleep", "60"])
-    cut = []
+    cut: list[float] = []
+    in_flight: list[list[str]] = []
     try:
         time.sleep(1.5)
         network = JobNetwork(
@@ -116,7 +118,10 @@ def longest_gap_across_cut(
                 assert [s.answered for s in lock._standins] == [0, 0]  # the link carried them
             lock.engage()
             t0 = time.monotonic()
-            time.sleep(CUT_S)
+            time.sleep(0.5)
+            # What the drain before a cut reads: the sender's bytes into the cut link in flight.
+            in_flight.append(tcp_table.in_flight(send.pid))
+            time.sleep(CUT_S - 0.5)
             lock.release()
             cut.append(time.monotonic() - t0)
 
@@ -125,6 +130,7 @@ def longest_gap_across_cut(
         in_netns(holder.pid, hold)
         assert send.wait(30) == 0
         out, _ = recv.communicate(timeout=30)
+        assert in_flight[0] == [f"{to_address}:5000"], in_flight
         return float(out.strip()), cut[0]
     finally:
         for p in (send, recv, holder):
