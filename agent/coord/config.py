@@ -20,6 +20,10 @@ from agent.jobs.fence import STOP_WAIT_S
 MIN_TTL_S = 2
 #: What fencing may take beyond stopping the threads: the record's fsync and `ip` cutting a link.
 FENCE_WORK_S = 0.5
+#: The span from a renewal to the fencing deadline holds this many renewal periods.
+RENEWALS_BEFORE_FENCING = 2.5
+#: Renewals no more often than this: each is a call to etcd, and a slower one would fence.
+MIN_RENEW_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -35,8 +39,10 @@ class CoordConfig:
 
     @property
     def renew_every_s(self) -> float:
-        """Three tries per TTL: one lost renewal never fences."""
-        return self.lease_ttl_s / 3
+        """At most three tries per TTL, and often enough that one lost renewal never fences:
+        two fit between one that landed and the fencing deadline, with a fifth of that span
+        left for the second one's round trip."""
+        return min(self.lease_ttl_s / 3, (self.lease_ttl_s - self.fence_margin_s) / RENEWALS_BEFORE_FENCING)
 
     def check(self) -> CoordConfig:
         """Refuse timings in the wrong order, naming the key: fencing must end before the lease
@@ -54,10 +60,11 @@ class CoordConfig:
                 f"({need:g} s)",
                 hint=f"set it to at least {need:g}",
             )
-        if self.lease_ttl_s - self.fence_margin_s < 2 * self.renew_every_s:
+        if self.renew_every_s < MIN_RENEW_S:
             raise InvalidArgumentError(
-                f"[coordination] fence_margin_s = {self.fence_margin_s:g} leaves less than two renewals "
-                f"({2 * self.renew_every_s:.2f} s) of a {self.lease_ttl_s} s lease before fencing",
+                f"[coordination] fence_margin_s = {self.fence_margin_s:g} leaves "
+                f"{max(self.lease_ttl_s - self.fence_margin_s, 0):g} s of a {self.lease_ttl_s} s lease "
+                f"before fencing: less than two renewals {MIN_RENEW_S:g} s apart",
                 hint="raise lease_ttl_s or lower fence_margin_s",
             )
         from agent.client import split_address

@@ -21,11 +21,23 @@ def test_the_defaults_leave_two_renewals_before_fencing_and_cover_the_fencing() 
 
 
 @pytest.mark.parametrize(
+    ("ttl", "margin", "every"), [(5, 1.5, 1.4), (3, 1.0, 0.8), (2, 1.0, 0.4), (9, 1.0, 3.0)]
+)
+def test_renewals_leave_two_and_a_round_trip_before_fencing_at_most_three_a_lease(
+    ttl: int, margin: float, every: float
+) -> None:
+    c = CoordConfig(endpoints=("10.0.0.9:2379",), lease_ttl_s=ttl, fence_margin_s=margin).check()
+    assert c.renew_every_s == pytest.approx(every)
+    assert c.lease_ttl_s - c.fence_margin_s >= 2.5 * c.renew_every_s - 1e-9
+
+
+@pytest.mark.parametrize(
     ("changes", "said"),
     [
         ({"lease_ttl_s": 1}, "below etcd's minimum"),
         ({"fence_margin_s": 0.2}, "does not cover fencing"),
-        ({"lease_ttl_s": 3, "fence_margin_s": 1.5}, "less than two renewals"),
+        ({"lease_ttl_s": 3, "fence_margin_s": 2.5}, "less than two renewals"),
+        ({"lease_ttl_s": 2, "fence_margin_s": 2.0}, "less than two renewals"),
         ({"endpoints": ("etcd",)}, "not HOST:PORT"),
         ({"prefix": "ferry"}, "must start and end with '/'"),
     ],
