@@ -571,7 +571,7 @@ class Ferry(Method):
                 f'[[peers]]\naddress = "{addresses[s]}"\nspare = true\n' for s in names[WORLD:] if s != n
             )
             config = (
-                coordination_config(ttl_s=3, margin_s=1.0) + "[snapshots]\nhold_s = 10\n" + HEALTH + peers
+                coordination_config(ttl_s=2, margin_s=1.0) + "[snapshots]\nhold_s = 10\n" + HEALTH + peers
             )
             write_world(self.telemetry[n], one_gpu(f"GPU-{n}"))
             node = bed.node(n, config=config, start=False)
