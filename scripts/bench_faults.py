@@ -8,14 +8,16 @@ data-parallel gloo job of 3 replicas, one rank per node (scripts/workloads/train
   checkpoint-restart   the job saves a checkpoint every K steps (rank 0's torch.save to the
                        shared file system) and runs under torchrun (--max-restarts); a node
                        that dies fails the job, and the scheduler (this bench) starts it again
-                       at once, the dead node's torchrun on a spare, every rank from the newest
+                       once it knows (--detect-s after the death, or at once when a torchrun
+                       fails), the dead node's torchrun on a spare, every rank from the newest
                        checkpoint. Once with K chosen as a real job would for this failure rate
                        (Young/Daly: K steps ~ sqrt(2 x checkpoint cost x MTBF)), once with K =
                        ferry's snapshot interval
   torchft              the same model and data written for TorchFT (its lighthouse on a host of
                        its own, a replica group of one rank per node): a dead replica drops out
-                       of the quorum and the survivors go on; the scheduler starts a new replica
-                       on a spare at once, which heals from a peer
+                       of the quorum at the lighthouse's heartbeat timeout (--detect-s) and the
+                       survivors go on; the scheduler starts a new replica on a spare as soon as
+                       it knows (--detect-s after the death), which heals from a peer
   ferry                the unmodified job under `ferry run --group`, protected by group
                        snapshots (`ferry protect --every`, etcd on the bed): a warned failure
                        is self-healing's planned move to a spare, a hard one a rollback to the
@@ -28,6 +30,9 @@ index among the nodes holding the job, sorted), either warned (the node's GPU te
 burst of corrected ECC errors --warning-s before it dies: the replayed NVML every node answers
 from) or hard (no warning). A node dies as a power loss would: its link to the fabric deleted,
 every process on it SIGKILLed (agent/testing/bed.py's power_off). Spares: one per failure.
+Every method notices a dead node --detect-s after its death (default 5 s: ferry's lease TTL and
+TorchFT's heartbeat timeout by default): ferry's agents hold leases that long, TorchFT's
+lighthouse waits that long for a heartbeat, and the scheduler answers a death that long after.
 
 For each method it prints the wall time (the job's first step to its last, over every log), its
 ratio to the baseline, the time lost per failure by kind (from the warning or the kill until the
@@ -342,6 +347,7 @@ class Method:
     def __init__(self, bed: Any, args: argparse.Namespace, say: Progress) -> None:
         self.bed, self.args, self.say = bed, args, say
         self.notes: list[str] = []
+        self.failure: BaseException | None = None  # raised on a timer's thread, re-raised here
 
     def start(self) -> None: ...
     def logs(self) -> list[str]: ...
@@ -355,6 +361,13 @@ class Method:
 
     def replace(self, dead: Any) -> None:
         """The scheduler's answer to a dead node."""
+
+    def replace_later(self, dead: Any) -> None:
+        """replace() on the injector's timer: what it raises ends the run (`failure`)."""
+        try:
+            self.replace(dead)
+        except BaseException as e:
+            self.failure = e
 
 
 class Scheduled(Method):
@@ -512,8 +525,9 @@ class TorchFT(Scheduled):
         lighthouse = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent))
         if lighthouse is None:
             raise BenchError("torchft_lighthouse is missing: pip install torchft (the dev extra has it)")
-        # Its README's settings.
+        # Its README's settings, and the bench's detection time as its heartbeat timeout.
         return [lighthouse, "--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000",
+                "--heartbeat_timeout_ms", str(self.args.detect_s * 1000),
                 "--bind", f"[::]:{LIGHTHOUSE_PORT}"]  # fmt: skip
 
     def launch(self, node: Any, replica: int) -> None:
@@ -545,6 +559,20 @@ class TorchFT(Scheduled):
         self.launch(p.node, p.replica)
 
 
+def fence_margin(ttl_s: int) -> float:
+    """ferry's default fence margin where a lease of ttl_s leaves room for it, else its floor."""
+    from agent.coord.config import FENCE_WORK_S, CoordConfig
+    from agent.errors import InvalidArgumentError
+    from agent.jobs.fence import STOP_WAIT_S
+
+    default = CoordConfig().fence_margin_s
+    try:
+        CoordConfig(endpoints=("etcd:2379",), lease_ttl_s=ttl_s, fence_margin_s=default).check()
+    except InvalidArgumentError:
+        return STOP_WAIT_S + FENCE_WORK_S
+    return default
+
+
 #: Self-healing's pace for the bench (tests/integration/test_selfheal.py's): health every 0.3 s.
 HEALTH = "[health]\ninterval_s = 0.3\necc_window_s = 600\n"
 #: A burst of corrected ECC errors: the GPU degrades, and a job on it is moved off (migrate).
@@ -571,7 +599,10 @@ class Ferry(Method):
                 f'[[peers]]\naddress = "{addresses[s]}"\nspare = true\n' for s in names[WORLD:] if s != n
             )
             config = (
-                coordination_config(ttl_s=2, margin_s=1.0) + "[snapshots]\nhold_s = 10\n" + HEALTH + peers
+                coordination_config(ttl_s=args.detect_s, margin_s=fence_margin(args.detect_s))
+                + "[snapshots]\nhold_s = 10\n"
+                + HEALTH
+                + peers
             )
             write_world(self.telemetry[n], one_gpu(f"GPU-{n}"))
             node = bed.node(n, config=config, start=False)
@@ -711,8 +742,11 @@ def victim(method: Method, f: Failure) -> Any:
     return holding[f.replica % len(holding)]  # fewer than WORLD: a recovery is under way
 
 
-def inject(method: Method, failures: list[Failure], t0: float, lead_s: float, say: Progress) -> list[Struck]:
-    """Strike each failure at its time after t0 (the job's first step); stop once the job ended."""
+def inject(
+    method: Method, failures: list[Failure], t0: float, lead_s: float, detect_s: float, say: Progress
+) -> list[Struck]:
+    """Strike each failure at its time after t0 (the job's first step), the method's scheduler
+    told detect_s after each death; stop once the job ended."""
     struck: list[Struck] = []
 
     def until(t: float) -> bool:
@@ -743,7 +777,10 @@ def inject(method: Method, failures: list[Failure], t0: float, lead_s: float, sa
         killed = time.time()
         method.kill(node)
         say(f"{method.name}: {node.node} dies ({f.kind}, {f.at_s:.1f} s)")
-        method.replace(node)
+        # A scheduler learns of a dead node from its health checks, as ferry from the lease.
+        answer = threading.Timer(detect_s, method.replace_later, args=(node,))
+        answer.daemon = True
+        answer.start()
         struck.append(Struck(f, node.node, warned_at, killed))
     return struck
 
@@ -753,9 +790,11 @@ def run_method(method: Method, failures: list[Failure], args: argparse.Namespace
         method.start()
         t0 = first_step(method, 300)
         say(f"{method.name}: first step")
-        struck = inject(method, failures, t0, args.warning_s, say)
+        struck = inject(method, failures, t0, args.warning_s, args.detect_s, say)
         deadline = time.monotonic() + args.steps * (args.step_time + 1) + 600
         while not method.done():
+            if method.failure is not None:
+                raise method.failure
             if time.monotonic() > deadline:
                 raise BenchError(f"{method.name}: the job did not end")
             time.sleep(0.5)
@@ -978,6 +1017,15 @@ def build_parser() -> argparse.ArgumentParser:
         "alone, which are all a round serves)",
     )
     p.add_argument(
+        "--detect-s",
+        type=int,
+        default=5,
+        help="how long a dead node goes unnoticed, the same for every method (default 5 s, both ferry's "
+        "and TorchFT's own default): ferry's lease TTL in etcd, TorchFT's lighthouse heartbeat timeout, "
+        "and the delay before the scheduler of checkpoint-restart and TorchFT answers a death (ferry's "
+        "floor: 2 s)",
+    )
+    p.add_argument(
         "--timeout-s",
         type=float,
         default=30.0,
@@ -1047,7 +1095,12 @@ def run(args: argparse.Namespace, say: Progress) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from agent.coord.config import MIN_TTL_S
+
+    if args.detect_s < MIN_TTL_S:
+        parser.error(f"--detect-s {args.detect_s}: ferry's lease in etcd lasts at least {MIN_TTL_S} s")
     args.workdir.mkdir(parents=True, exist_ok=True)  # a --workdir named for this run
     say = Progress()
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # the beds come down on SIGTERM too

@@ -39,7 +39,7 @@ def test_four_ways_finish_the_same_job_under_the_same_failures_in_the_expected_o
     out = tmp_path / "faults.json"
     args = [
         *("--steps", str(STEPS), "--step-time", "0.1", "--ballast-mb", "32"),
-        *("--schedule", "hard:2,warned:1", "--warning-s", "6", "--every", "4"),
+        *("--schedule", "hard:2,warned:1", "--warning-s", "6", "--every", "4", "--detect-s", "3"),
         *("--methods", "checkpoint-restart,torchft,ferry", "--json", str(out), "--workdir", str(tmp_path)),
     ]
     p = subprocess.run(
