@@ -245,10 +245,12 @@ def dump_options(
     lazy_pages: bool = False,
     track_mem: bool = False,
     parent_img: str = "",
+    log_level: int = LOG_LEVEL,
 ) -> CriuOptions:
     """A dump of a ferry job, over RPC or (lazy) from the command line. page_server: where its
     page server listens (a lazy dump: where it listens itself), reached with tls. track_mem and
-    parent_img: a group snapshot's dump, incremental against `parent_img` where given.
+    parent_img: a group snapshot's dump, incremental against `parent_img` where given; log_level
+    its own (agent.snapshots.config).
 
     Established TCP connections, external unix sockets and file locks travel with the
     job. CRIU never locks the network: ferry does, by cutting the job's link.
@@ -257,6 +259,7 @@ def dump_options(
         images_dir=images_dir,
         log_file=log_file,
         work_dir=work_dir,
+        log_level=log_level,
         pid=pid,
         leave_running=leave_running,
         leave_stopped=leave_stopped and not leave_running,

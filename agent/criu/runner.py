@@ -23,7 +23,15 @@ from agent import config
 from agent.criu import images as criu_images
 from agent.criu import logs as criu_logs
 from agent.criu import swrk
-from agent.criu.options import GHOST_LIMIT, CriuOptions, InheritFd, TlsFiles, dump_options, restore_options
+from agent.criu.options import (
+    GHOST_LIMIT,
+    LOG_LEVEL,
+    CriuOptions,
+    InheritFd,
+    TlsFiles,
+    dump_options,
+    restore_options,
+)
 from agent.criu.swrk import START_TIMEOUT_S, SWRK_TIMEOUT_S, PageServer
 from agent.criu.tracking import DirtyTrackers
 from agent.criu_pb import rpc_pb2, stats_pb2  # swrk says what to do if they are not compiled
@@ -176,6 +184,7 @@ class Criu:
         deadline_s: float | None = None,
         track_mem: bool = False,
         parent_img: str = "",
+        log_level: int = LOG_LEVEL,
     ) -> DumpResult:
         """Dump the tree rooted at `pid` into `images_dir` (log: criu-dump.log in log_dir, by
         default images_dir; CRIU's stats go there too).
@@ -189,7 +198,7 @@ class Criu:
         default) bounds the whole dump, after which CRIU is killed. track_mem clears the tree's
         dirty bits (or write-protects its memory again, self.trackers keeping what tracks it);
         parent_img (relative to images_dir, with track_mem) makes the dump incremental: the
-        pages not written since that dump stay in its images.
+        pages not written since that dump stay in its images. log_level: CRIU's -v.
         """
         opts = dump_options(
             pid,
@@ -205,6 +214,7 @@ class Criu:
             tls=tls,
             track_mem=track_mem,
             parent_img=parent_img,
+            log_level=log_level,
         )
         keep = None
         if track_mem:

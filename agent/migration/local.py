@@ -18,6 +18,7 @@ from pathlib import Path
 from agent import faults
 from agent.criu.dumpable import refuse_undumpable
 from agent.criu.logs import CriuLogs
+from agent.criu.options import LOG_LEVEL
 from agent.criu.runner import Criu
 from agent.cuda import driver as cuda
 from agent.cuda.jobs import CudaJobs, Footprint
@@ -67,6 +68,7 @@ def checkpoint(
     track_mem: bool = False,
     parent: Path | None = None,
     warm: bool = True,
+    log_level: int = LOG_LEVEL,
 ) -> MigrationResult:
     """Save a job to `out_dir`; unless leave_running, it then ends here (state CHECKPOINTED, or
     PREEMPTED for a preemption's `suspend`).
@@ -80,7 +82,7 @@ def checkpoint(
     dumped with track_mem, beside out_dir's in a snapshot store) makes this one that increment.
     A CUDA job's dumps are always whole (what its GPUs write into host memory is not tracked).
     A snapshot's dump touches its memory first (capture.warm_memory), unless `warm` says a WARM
-    of its round did just now.
+    of its round did just now. log_level: CRIU's, for the dump (a snapshot's is its own).
 
     A CUDA job's device memory is saved too; ending it frees its GPUs. Every step is journaled
     as a move's is (kind "checkpoint" or "suspend", no peer): after a crash, recovery resumes
@@ -178,6 +180,7 @@ def checkpoint(
                 on_start=lambda pid: op.save(criu_pid=pid, criu_started=procs.create_time(pid)),
                 track_mem=track_mem,
                 parent_img=os.path.relpath(parent, out_dir) if parent is not None else "",
+                log_level=log_level,
             ),
         )
         pids = procs.tree_pids(rec.pid)

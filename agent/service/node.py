@@ -290,6 +290,7 @@ class AgentNode:
                 track_mem=track_mem,
                 parent=parent,
                 warm=warm,
+                log_level=self.config.snapshots.criu_log_level,
             )
 
     def _tracks_dirty(self) -> bool:

@@ -9,6 +9,8 @@ of `ferry protect`.
                                        # dirty memory is tracked (soft-dirty, or
                                        # userfaultfd write-protect: agent.criu.tracking)
     full_every = 32                    # ... and every 32nd is whole again (a chain's length)
+    criu_log_level = 2                 # CRIU's log of a round's dump: errors and warnings (4:
+                                       # everything, to look into a round that fails)
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ class SnapshotConfig:
     #: (a 64 MiB process's chain of 24 restored in 0.07 s, one whole image in 0.06 s; what a
     #: chain holds is bounded apart: member.CHAIN_MAX).
     full_every: int = 32
+    #: CRIU's log level for a round's dumps. 2 (errors and warnings, which an error quotes)
+    #: rather than the 4 of every other CRIU run: a round repeats every few seconds and its log
+    #: goes once it succeeds, and the debug lines (some ten thousand for a PyTorch process)
+    #: were 10-20 % of CRIU's part of the freeze (docs/performance.md).
+    criu_log_level: int = 2
 
     def check(self) -> SnapshotConfig:
         if not self.dir.startswith("/"):
@@ -47,5 +54,9 @@ class SnapshotConfig:
         if not 1 <= self.full_every <= MAX_CHAIN:
             raise InvalidArgumentError(
                 f"[snapshots] full_every = {self.full_every} is not within 1 to {MAX_CHAIN}"
+            )
+        if not 0 <= self.criu_log_level <= 4:
+            raise InvalidArgumentError(
+                f"[snapshots] criu_log_level = {self.criu_log_level} is not within 0 to 4 (CRIU's -v)"
             )
         return self

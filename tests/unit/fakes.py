@@ -189,6 +189,7 @@ class FakeCriu:
         external: list[str] | None = None,
         track_mem: bool = False,
         parent_img: str = "",
+        log_level: int = 4,
     ) -> DumpResult:
         self.dumps.append(
             {
@@ -200,6 +201,7 @@ class FakeCriu:
                 "log_dir": log_dir,
                 "track_mem": track_mem,
                 "parent_img": parent_img,
+                "log_level": log_level,
             }
         )
         if self.dump_error is not None:

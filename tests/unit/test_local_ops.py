@@ -461,6 +461,26 @@ def test_an_incremental_save_links_its_parent_and_names_it_where_the_kernel_trac
     assert not is_stopped(here.pid)
 
 
+def test_a_save_logs_at_criu_debug_level_unless_told_otherwise(here: Here) -> None:
+    """Every CRIU run logs everything; a snapshot's save passes its round's level (the node
+    service gives it [snapshots] criu_log_level)."""
+    for k, level in enumerate((None, 2)):
+        out = here.tmp / f"s{k}"
+        more = {} if level is None else {"log_level": level}
+        checkpoint(
+            here.registry,
+            here.criu,
+            "train",
+            out,
+            "nodea",
+            True,
+            journal=here.journal,
+            cuda_jobs=here.cj,
+            **more,
+        )
+    assert [d["log_level"] for d in here.criu.dumps] == [4, 2]
+
+
 def test_a_cuda_jobs_snapshot_is_whole_even_where_the_kernel_tracks(here: Here) -> None:
     """What a GPU writes into host memory (its DMA) goes through no page table, so no dirty
     tracking sees it: a CUDA job's save neither tracks nor is an increment, and says so."""

@@ -161,6 +161,7 @@ def test_config_file_peers_and_policy():
         ({"peers": {"address": "h:1"}}, "array of tables"),
         ({"snapshots": {"full_every": 0}}, "full_every = 0 is not within 1 to 64"),
         ({"snapshots": {"incremental": "yes"}}, "incremental"),
+        ({"snapshots": {"criu_log_level": 5}}, "criu_log_level = 5 is not within 0 to 4"),
     ],
 )
 def test_config_file_errors_name_the_key(raw, match):
