@@ -192,6 +192,9 @@ class Struck:
     lost_s: float = 0.0
     recomputed: int = 0
     back_at: float | None = None  # when the job first passed the step it had reached
+    #: The rank that died, where the job goes on without it (TorchFT: the survivors step on and
+    #: a replacement joins later); None where the job is back only with it (a lockstep job).
+    left_out: int | None = None
 
 
 def judge(
@@ -211,10 +214,14 @@ def judge(
     back when a rollback follows; and a rank frozen by a move across the kill logs after it the
     step its peers logged before it, which it did once. A step done again before
     `counted_until` (an earlier failure's job back) is that failure's: its replay may run past
-    this one's kill. `until`: the next failure's kill, whose rollback is not this one's."""
+    this one's kill. `until`: the next failure's kill, whose rollback is not this one's. The
+    rank `struck.left_out` (the dead one, where the job goes on without it) is not waited for:
+    its replacement joins when it is ready, while the job runs."""
     start = struck.warned_at if struck.warned_at is not None else struck.killed_at
     reached = frontier(points, struck.killed_at)
     ranks = by_rank or {None: points}
+    if struck.left_out is not None:
+        ranks = {r: pts for r, pts in ranks.items() if r != struck.left_out}
     past: float | None = None
     for pts in ranks.values():
         first = past_for_good(pts, struck.killed_at, reached, until)
@@ -361,6 +368,10 @@ class Method:
 
     def replace(self, dead: Any) -> None:
         """The scheduler's answer to a dead node."""
+
+    def goes_on_without(self, dead: Any) -> int | None:
+        """The rank that died with `dead` where the job goes on without it; else None."""
+        return None
 
     def replace_later(self, dead: Any) -> None:
         """replace() on the injector's timer: what it raises ends the run (`failure`)."""
@@ -552,6 +563,10 @@ class TorchFT(Scheduled):
             "NUM_REPLICA_GROUPS": str(WORLD),
         }
         self._start(node, cmd, env, replica)
+
+    def goes_on_without(self, dead: Any) -> int | None:
+        # A replica group of one rank: its REPLICA_GROUP_ID is the rank its lines name.
+        return next((p.replica for p in reversed(self.procs) if p.node is dead), None)
 
     def failed(self, p: Proc) -> None:
         self.say(f"{self.name}: replica {p.replica} on {p.node.node} failed: the scheduler starts it again")
@@ -781,7 +796,7 @@ def inject(
         answer = threading.Timer(detect_s, method.replace_later, args=(node,))
         answer.daemon = True
         answer.start()
-        struck.append(Struck(f, node.node, warned_at, killed))
+        struck.append(Struck(f, node.node, warned_at, killed, left_out=method.goes_on_without(node)))
     return struck
 
 

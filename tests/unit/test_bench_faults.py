@@ -111,6 +111,23 @@ def test_a_step_counts_as_done_again_only_when_the_same_rank_logs_it_twice() -> 
     assert s.recomputed == 2
 
 
+def test_where_the_job_goes_on_without_the_dead_rank_its_replacement_is_not_waited_for() -> None:
+    # TorchFT: rank 1 dies at 5.5; rank 0 stalls until the heartbeat timeout and steps on from
+    # 10.5 with one replica; rank 1's replacement heals and logs its first step (step 14) at 19.0.
+    logs = [
+        ranked(0, *[(s, float(s)) for s in range(6)], *[(s, s + 5.0) for s in range(6, 20)]),
+        ranked(1, *[(s, float(s)) for s in range(6)], *[(s, s + 5.0) for s in range(14, 20)]),
+    ]
+    s = bench.Struck(bench.Failure(5.5, "hard", 1), "node-b", None, 5.5, left_out=1)
+    bench.judge(bench.steps_of(logs), s, 1.0, bench.steps_by_rank(logs))
+    assert s.back_at == 11.0  # rank 0 past step 5
+    assert s.lost_s == pytest.approx(11.0 - 5.5 - 1.0)
+    # Waited for, the replacement's late start read as the job's stall.
+    s = bench.Struck(bench.Failure(5.5, "hard", 1), "node-b", None, 5.5)
+    bench.judge(bench.steps_of(logs), s, 1.0, bench.steps_by_rank(logs))
+    assert s.back_at == 19.0
+
+
 def test_the_job_is_back_when_every_rank_is_past_the_step_reached_not_at_the_step_in_flight() -> None:
     # Rank 1 dies at 5.5 having given its part of step 6: rank 0 logs step 6 at 5.51. Both
     # come back rolled back to step 3 at 10.0 and pass step 6 (rank 0's reached) at 13.0.
