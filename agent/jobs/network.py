@@ -389,10 +389,11 @@ class LinkLock:
         self._retire_standins()
 
     def drop(self) -> None:
-        """The copy this link served is gone: the node's end goes, and the stand-ins with it."""
+        """The copy this link served is gone: the node's end goes, and the stand-ins with it
+        (disarmed first: the link may go before their sockets close)."""
+        self._retire_standins()
         if self.network is not None:
             self.network.delete(self.veth)
-        self._retire_standins()
 
     def _retire_standins(self, of_job: bool | None = None) -> None:
         """Disarm the stand-ins (only the job's side, or only the peers', when of_job says) and
