@@ -355,6 +355,7 @@ class Method:
         self.bed, self.args, self.say = bed, args, say
         self.notes: list[str] = []
         self.failure: BaseException | None = None  # raised on a timer's thread, re-raised here
+        self.answers: list[threading.Timer] = []  # the scheduler's answers to deaths, still due
 
     def start(self) -> None: ...
     def logs(self) -> list[str]: ...
@@ -795,6 +796,7 @@ def inject(
         # A scheduler learns of a dead node from its health checks, as ferry from the lease.
         answer = threading.Timer(detect_s, method.replace_later, args=(node,))
         answer.daemon = True
+        method.answers.append(answer)
         answer.start()
         struck.append(Struck(f, node.node, warned_at, killed, left_out=method.goes_on_without(node)))
     return struck
@@ -815,6 +817,8 @@ def run_method(method: Method, failures: list[Failure], args: argparse.Namespace
             time.sleep(0.5)
         return Outcome(method.name, method.logs(), struck, method.notes)
     finally:
+        for answer in method.answers:  # a job that ended first needs no replacement
+            answer.cancel()
         method.stop()
 
 
