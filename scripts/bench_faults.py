@@ -577,15 +577,14 @@ class TorchFT(Scheduled):
 
 def fence_margin(ttl_s: int) -> float:
     """ferry's default fence margin where a lease of ttl_s leaves room for it, else its floor."""
-    from agent.coord.config import FENCE_WORK_S, CoordConfig
+    from agent.coord.config import MIN_FENCE_MARGIN_S, CoordConfig
     from agent.errors import InvalidArgumentError
-    from agent.jobs.fence import STOP_WAIT_S
 
     default = CoordConfig().fence_margin_s
     try:
         CoordConfig(endpoints=("etcd:2379",), lease_ttl_s=ttl_s, fence_margin_s=default).check()
     except InvalidArgumentError:
-        return STOP_WAIT_S + FENCE_WORK_S
+        return MIN_FENCE_MARGIN_S
     return default
 
 

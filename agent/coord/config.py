@@ -20,6 +20,8 @@ from agent.jobs.fence import STOP_WAIT_S
 MIN_TTL_S = 2
 #: What fencing may take beyond stopping the threads: the record's fsync and `ip` cutting a link.
 FENCE_WORK_S = 0.5
+#: The least fence margin: stopping a member's threads and the rest of the fencing.
+MIN_FENCE_MARGIN_S = STOP_WAIT_S + FENCE_WORK_S
 #: The span from a renewal to the fencing deadline holds this many renewal periods.
 RENEWALS_BEFORE_FENCING = 2.5
 #: Renewals no more often than this: each is a call to etcd, and a slower one would fence.
@@ -53,7 +55,7 @@ class CoordConfig:
             raise InvalidArgumentError(
                 f"[coordination] lease_ttl_s = {self.lease_ttl_s} is below etcd's minimum, {MIN_TTL_S} s"
             )
-        need = STOP_WAIT_S + FENCE_WORK_S
+        need = MIN_FENCE_MARGIN_S
         if self.fence_margin_s < need:
             raise InvalidArgumentError(
                 f"[coordination] fence_margin_s = {self.fence_margin_s:g} does not cover fencing "
