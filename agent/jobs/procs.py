@@ -93,6 +93,17 @@ def tree_rss(root: int) -> int:
     return total
 
 
+def tree_private(root: int) -> int:
+    """The tree's resident memory of its own (anonymous: neither file pages nor shared memory),
+    about what a whole dump of it writes."""
+    total = 0
+    for pid in tree_pids(root):
+        with contextlib.suppress(psutil.Error):
+            m = psutil.Process(pid).memory_info()
+            total += max(0, m.rss - m.shared)
+    return total
+
+
 def open_paths(root: int) -> set[str]:
     """Regular files the tree holds open, plus each process's cwd and executable: what must exist
     on a target. Files on the job's own /tmp, /dev/shm and /run (ferry-init's fresh tmpfs) travel

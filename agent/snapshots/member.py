@@ -93,9 +93,11 @@ RESUME_WAIT_S = 120.0
 #: How long a WARM stands for the HOLD after it: on a VM that reports freed memory to its host
 #: (after about 2 s), memory touched longer ago is slow to touch again.
 WARM_FRESH_S = 1.0
-#: A chain whose images hold more than this many times its largest one ends (the next dump is
-#: whole): increments that carry most of the memory (tracking that lapsed, a job that rewrites
-#: it all) would keep the member's memory many times over on its node and on its buddy.
+#: A chain whose images hold more than this many times the member's memory ends (the next dump
+#: is whole): increments that carry most of the memory (tracking that lapsed, a job that rewrites
+#: it all) would keep it many times over on its node and on its buddy. The member's memory is
+#: its private resident memory now, or its chain's largest image if that is larger: a job whose
+#: memory grew since its whole dump (its first steps allocate most of it) keeps its chain.
 CHAIN_MAX = 2.0
 #: save(job, out_dir, hold, went_on, track_mem, parent, warm) → the checkpoint's result: `ferry
 #: checkpoint --leave-running` with a hold, and word of the job going on; an increment over
@@ -320,15 +322,17 @@ class MemberSnapshots:
             total, largest = h.bytes, h.bytes
             if prior is not None:
                 total, largest = prior.chain_bytes + total, max(prior.largest_bytes, largest)
-            if track and total > CHAIN_MAX * largest:
+            memory = max(largest, procs.tree_private(h.incarnation[0])) if track else largest
+            if track and total > CHAIN_MAX * memory:
                 log.info(
                     "snapshot of job %s (round %d of group %s): its chain holds %d bytes, more than %g "
-                    "times its largest image; the next dump is whole",
+                    "times its memory (%d bytes); the next dump is whole",
                     h.job,
                     h.epoch,
                     h.group,
                     total,
                     CHAIN_MAX,
+                    memory,
                 )
             elif track:  # its dirty bits are clear from this dump on: the next may be an increment
                 with self._lock:

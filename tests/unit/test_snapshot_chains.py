@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from test_snapshots import FakeSave, image, member_rec
 
 from agent.errors import FerryError, ImageError, NotFoundError
 from agent.image import PAGES_PREFIX, link_parent, read_manifest, verify
+from agent.jobs import procs
 from agent.jobs.record import JobRecord
 from agent.rpc import pb
 from agent.snapshots.member import MemberSnapshots
@@ -94,6 +96,18 @@ def test_a_chain_holding_its_memory_more_than_twice_over_ends(tmp_path: Path) ->
     assert grew.round(2) == 1
     grew.save.increment = 1024
     assert [grew.round(e) for e in (3, 4)] == [2, 3]
+
+
+def test_a_chain_within_twice_the_members_own_memory_goes_on(tmp_path: Path) -> None:
+    """The bound is the member's memory when that is more than its largest image: a job whose
+    first dumps came before it allocated most of its memory (its first steps) keeps its chain,
+    where a whole dump would freeze it for as long as all of its memory takes to write."""
+    n = Node(tmp_path)
+    n.rec = replace(n.rec, pid=os.getpid())  # this test's process: megabytes of its own memory
+    assert procs.tree_private(os.getpid()) > 1 << 20
+    n.round(1)
+    n.save.increment = 7000  # each as large as the whole image: past twice it by the third
+    assert [n.round(e) for e in (2, 3, 4, 5)] == [1, 2, 3, 4]
 
 
 def test_a_chain_ends_at_full_every_and_the_rounds_it_no_longer_needs_go(tmp_path: Path) -> None:
