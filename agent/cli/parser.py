@@ -288,7 +288,10 @@ def build_parser() -> Parser:
         description="Prepare on the target, freeze the job, move it, run it there, then end "
         "the source copy. By default the move is post-copy where both nodes can serve it (the "
         "faster method in docs/performance.md), else pre-copy; the summary says which ran and "
-        "why. A failure before the move completes resumes the job here: it never runs twice.",
+        "why. A protected group member moved by default or pre-copy to the node that keeps its "
+        "last snapshot image goes as an increment over that image: only what it wrote since "
+        "crosses, and the target restores it over the copy it keeps. A failure before the move "
+        "completes resumes the job here: it never runs twice.",
     )
     _agent_arg(mg)
     mg.add_argument("name", help="the job to move (see `ferry ps`)")

@@ -84,6 +84,9 @@ class Hooks:
     #: Resume a suspended job here (its GPUs claimed in the ledger); NoFreeGpuError while none can.
     resume: Callable[[JobRecord], JobRecord]
     agent_id: str = ""
+    #: The agent keeping the snapshot image a move of this job may be an increment over ("" none):
+    #: among equal targets, the one to prefer (agent.migration.chainmove).
+    keeper: Callable[[JobRecord], str] = lambda rec: ""
 
 
 @dataclass
@@ -422,7 +425,8 @@ class SelfHealing:
             for spec, r in zip(self.config.peers, answers, strict=True)
             if not mine(r) and spec.address not in skip
         ]
-        return choose_target(needs, rec.priority, views, self.node, rec.group, apart=apart)
+        keeper = self.hooks.keeper(rec)
+        return choose_target(needs, rec.priority, views, self.node, rec.group, apart=apart, keeper=keeper)
 
     def needs(self, rec: JobRecord) -> list[GpuNeed]:
         """The job's GPUs as a target must match them: chip and memory used."""

@@ -3,7 +3,8 @@
 A target GPU must be healthy, not quarantined, of the same chip, with room for the
 job's memory there. Preference, best first: an idle GPU on a spare node, an idle GPU on
 another peer, then GPUs held only by low-priority jobs (which are suspended to make
-room; a spare first again), fewest suspended jobs first. Ties keep the config's order.
+room; a spare first again), fewest suspended jobs first; among those alike, the peer that
+keeps the job's last snapshot image. Ties keep the config's order.
 The target's own Prepare checks everything again; this only decides whom to ask.
 """
 
@@ -46,9 +47,12 @@ def choose_target(
     node: str = "",
     group: str = "",
     apart: bool = False,
+    keeper: str = "",
 ) -> Placement:
     """The best placement, or a refusal that says, peer by peer, why none would do. `apart`:
-    no peer that runs a member of `group` (a straggler's move: it would share that node)."""
+    no peer that runs a member of `group` (a straggler's move: it would share that node).
+    `keeper`: the peer (address) that keeps the job's last snapshot image, preferred among
+    spares alike (the move then carries only what changed since: agent.migration.chainmove)."""
     if not views:
         raise RefusedError(
             "no peers are configured to move the job to",
@@ -70,7 +74,7 @@ def choose_target(
             continue
         gpus, preempt = fit
         placement = Placement(peer, report.node_name, gpus, preempt)
-        cost = (bool(preempt), not peer.spare, len(preempt), order)
+        cost = (bool(preempt), not peer.spare, peer.address != keeper, len(preempt), order)
         if best is None or cost < best[0]:
             best = (cost, placement)
     if best is None:

@@ -20,6 +20,7 @@ other moves share lives in capture, restore and rollback.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ from agent.criu.lazy import LazyDump
 from agent.criu.logs import CriuLogs
 from agent.criu.runner import Criu, DumpResult
 from agent.cuda.jobs import CudaJobs, Footprint
-from agent.errors import CriuError, as_ferry_error
+from agent.errors import CriuError, FerryError, as_ferry_error
 from agent.gpus.inventory import gib
 from agent.image import FileEntry, JobSpec, Manifest, StreamDigest, host_bytes
 from agent.jobs import procs
@@ -39,6 +40,7 @@ from agent.jobs.record import JobState
 from agent.jobs.registry import JobRegistry
 from agent.migration import peerwait, rollback, stops
 from agent.migration.capture import Phases, copy_logs, dump_externals, needs_shell_job
+from agent.migration.chainmove import ChainTip, MoveChains
 from agent.migration.datapath import SourceDataPath
 from agent.migration.fencing import TargetAnswer, Verdict, ask_target, decide
 from agent.migration.journal import SOURCE, Journal, JournaledRecord, MigrationRecord, state_of
@@ -75,8 +77,12 @@ class SourceMigration(PrepareStep, PostCopyStep, AbortPath):
         cuda_jobs: CudaJobs,
         journal: Journal,
         path_check: PathCheck | None = None,
+        chains: MoveChains | None = None,
     ) -> None:
         self.spec = spec
+        #: A protected member's chain of snapshot images, which its move may be an increment over.
+        self.chains = chains
+        self.chain: ChainTip | None = None  # the image the target granted the increment over
         #: A large move's path to the target, probed before its Prepare (agent.migration.probe).
         self.path_check = path_check
         self.journal = journal
@@ -213,6 +219,7 @@ class SourceMigration(PrepareStep, PostCopyStep, AbortPath):
                     timings=dict(self.phases.times),
                     cuda=self.footprint.section(),
                     page_stream=pages,
+                    parent=self.chain.image_id if self.chain is not None else "",
                 )
 
             streamed = pages.bytes if pages else 0  # crossed already, during the dump
@@ -279,6 +286,15 @@ class SourceMigration(PrepareStep, PostCopyStep, AbortPath):
         return dump_externals(self.registry.get(self.spec.job), self.link)
 
     def _dump(self, root: int, pids: list[int], shell_job: bool) -> DumpResult:
+        chain = self.chain
+        if chain is not None and (self.chains is None or not self.chains.take_move_tip(chain)):
+            raise FerryError(
+                f"job {self.spec.job}'s chain of snapshot images changed since the Prepare: the increment "
+                f"granted over its image of round {chain.epoch} cannot be dumped",
+                step="dump",
+                node=self.node,
+                hint="move it again",
+            )
         # Stopped, then its sent bytes acknowledged, then cut: bytes it sent into the cut link would
         # wait after the release for the restored socket's first retransmission (peerwait.drain).
         procs.stop(pids)
@@ -299,6 +315,9 @@ class SourceMigration(PrepareStep, PostCopyStep, AbortPath):
                 tls=self.data.tls.files if self.direct and self.data.tls else None,
                 log_dir=self.criu_logs.dir_for(self.spec.migration_id),
                 external=self._externals(),
+                # An increment: only the pages written since the chain's last dump.
+                track_mem=chain is not None,
+                parent_img=os.path.relpath(chain.image, self.staging) if chain is not None else "",
             )
         except CriuError:
             # A target that refused or broke the page stream makes CRIU fail with a broken

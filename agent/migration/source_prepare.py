@@ -28,6 +28,7 @@ from agent.jobs.network import LinkLock
 from agent.jobs.record import JobKind, JobRecord
 from agent.jobs.registry import JobRegistry
 from agent.migration.capture import estimated_bytes, require_host_memory
+from agent.migration.chainmove import ChainTip, MoveChains
 from agent.migration.datapath import SourceDataPath
 from agent.migration.limits import RateLog, refuse_long_pause
 from agent.migration.model import Emit, Method, MigrationResult, MigrationSpec, Peer, Progress
@@ -60,6 +61,8 @@ class PrepareStep:
     estimated_bytes: int
     path_check: PathCheck | None
     emit: Emit
+    chains: MoveChains | None
+    chain: ChainTip | None
 
     if TYPE_CHECKING:  # SourceMigration's, which this is part of
 
@@ -153,8 +156,21 @@ class PrepareStep:
             address=rec.address,
             data_cert=self.data.cert,
         )
+        tip = self._chain_tip(rec)
+        if tip is not None:
+            req.chain.CopyFrom(tip.base())
         self.prepare_sent = True  # from here the target may hold a lease, answered or not
         lease = self.lease = self.peer.prepare(req)
+        if lease.chain:
+            if tip is None:
+                raise RefusedError(f"target {self.spec.target} granted an increment this node did not offer")
+            self.chain = tip
+            self.spec = replace(self.spec, lazy=False)
+            self.result.method = (
+                f"{Method.PRE_COPY}: an increment over its snapshot image of round {tip.epoch}, "
+                f"which {info.node_name or self.spec.target} keeps"
+            )
+            log.info("migration %s: %s", self.spec.migration_id, self.result.method)
         self.direct = not self.spec.staged and self.data.accept(lease)
         if self.data.tls is not None:  # whoever settles this move removes it (recovery too)
             self._journal(keys=str(self.data.tls.dir))
@@ -168,6 +184,15 @@ class PrepareStep:
                 f"target {self.spec.target} leased no GPU for {', '.join(unmapped)}",
                 hint="upgrade the target agent: it does not move CUDA jobs",
             )
+
+    def _chain_tip(self, rec: JobRecord) -> ChainTip | None:
+        """The snapshot image this move may go as an increment over (agent.migration.chainmove):
+        a protected member's, moved by default or pre-copy (post-copy asked for is post-copy)."""
+        if self.chains is None or self.footprint.processes or self.spec.staged:
+            return None
+        if self.spec.lazy and not self.spec.fallback:
+            return None
+        return self.chains.move_tip(rec) if rec.group else None
 
     def _release_lease(self, err: FerryError) -> None:
         """A refusal after the target granted its lease: the target frees its slot, staging and

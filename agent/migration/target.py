@@ -8,28 +8,26 @@ finish is killed, so the source may safely resume its frozen copy.
 
 `TargetMigrations` is what the servicer calls. Its parts: the state table under the protocol
 lock, whose transitions return effects (target_table), the executor that runs them outside it
-(target_effects), admission (target_admission), the page streams (target_streams), the restore
-(target_restore) and recovery after a restart (target_recovery).
+(target_effects), admission (target_admission), the intake of a pushed image (target_intake),
+the page streams (target_streams), the restore (target_restore) and recovery after a restart
+(target_recovery).
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 
-from agent import faults
 from agent.criu.logs import CriuLogs
 from agent.criu.runner import Criu
 from agent.cuda.jobs import CudaJobs
 from agent.errors import (
     FerryError,
-    ImageError,
     InvalidArgumentError,
     NotFoundError,
     PermissionDeniedError,
@@ -46,6 +44,7 @@ from agent.migration.staging import no_space
 from agent.migration.states import TargetState
 from agent.migration.target_admission import LEASE_S, Admission, safe_id
 from agent.migration.target_effects import TargetEffects
+from agent.migration.target_intake import receive
 from agent.migration.target_recovery import recover_incoming
 from agent.migration.target_restore import Restorer
 from agent.migration.target_streams import StreamHost
@@ -131,7 +130,7 @@ class TargetMigrations:
                     self.verify(list(inc.gpu_map.values()), f"job {req.job} from {req.source_node}")
                 except FerryError as e:
                     raise e.at(node=self.node) from None
-            keys, data_cert = self.admission.keys(req)
+            keys, data_cert = self.admission.keys(req, inc)
             with self.table.lock:
                 if req.migration_id in self._incoming or self.journal.get(TARGET, req.migration_id):
                     raise self.admission.refuse(
@@ -159,6 +158,7 @@ class TargetMigrations:
             page_stream=bool(data_cert),
             lazy=inc.lazy,
             data_cert=data_cert,
+            chain=inc.chain is not None,
         )
 
     def stream_pages(self, requests: Iterator[pb.PageData], caller: str = "") -> Iterator[pb.PageData]:
@@ -182,33 +182,12 @@ class TargetMigrations:
         if lapsed is not None:
             self.effects.finish(inc, lapsed)
             raise lease_expired(inc, self.node)
-        streamed = inc.pages.bytes if inc.pages else 0
-        intake = Intake(inc.staging, inc.max_bytes - streamed, self.node)
+        opened: list[Intake] = []
         try:
-            intake.feed(first)
-            listed = sum((intake.expected or {}).values())
-            if listed > (free := shutil.disk_usage(inc.staging).free) + intake.bytes:
-                raise TransferError(
-                    f"the image lists {listed >> 20} MiB but staging {self.staging_root} has "
-                    f"{free >> 20} MiB free",
-                    step="transfer intake",
-                    node=self.node,
-                    hint="free space or point --staging-dir at a larger tmpfs",
-                )
-            faults.check("target-receiving", self.node)
-            for chunk in chunks:
-                intake.feed(chunk)
-            faults.check("target-transfer", self.node)
-            manifest = intake.finish()
-            if manifest.job.name != inc.job:
-                raise ImageError(f"image is of job {manifest.job.name!r}, the lease is for {inc.job!r}")
-            if manifest.page_stream != inc.pages:
-                raise ImageError(
-                    f"the manifest names a page stream of {manifest.page_stream}, but "
-                    f"{inc.pages or 'none'} arrived"
-                )
+            manifest, intake = receive(inc, first, chunks, self.node, opened)
         except BaseException as e:
-            intake.close()
+            for i in opened:
+                i.close()
             if isinstance(e, grpc.RpcError):  # the request stream itself broke: the source went away
                 e = TransferError(
                     "the source's stream broke off before the image was complete",
@@ -222,7 +201,7 @@ class TargetMigrations:
                 raise no_space(inc.staging, self.node) from e
             if isinstance(e, OSError):  # a transfer failure, not a crash
                 raise TransferError(
-                    f"cannot write the image into {inc.staging}: {e.strerror}", node=self.node
+                    f"cannot write the image into {inc.image_dir}: {e.strerror}", node=self.node
                 ) from e
             raise
         with self.table.lock:

@@ -13,7 +13,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import psutil
@@ -21,11 +21,12 @@ import psutil
 from agent import faults
 from agent.criu.runner import Criu
 from agent.cuda.jobs import CudaJobs
-from agent.errors import InvalidArgumentError, PermissionDeniedError, RefusedError
+from agent.errors import FerryError, InvalidArgumentError, NotFoundError, PermissionDeniedError, RefusedError
 from agent.gpus.inventory import GpuNeed
 from agent.gpus.ledger import GpuLedger
 from agent.jobs.network import carrying
 from agent.jobs.registry import JobRegistry
+from agent.migration.chainmove import ChainLoan, same_filesystem
 from agent.migration.datatls import DataIdentity, DataTls, check_peer_cert
 from agent.migration.staging import private_dir
 from agent.migration.states import TargetState
@@ -65,6 +66,9 @@ class Admission:
         self.ledger = ledger
         self.staging_root = staging_root
         self.node = node
+        #: kept(group, round, job, image id) → the image this node's snapshot store keeps, or a
+        #: NotFoundError saying why not (agent.snapshots.store.SnapshotStore.kept); the agent sets it.
+        self.kept: Callable[[str, int, str, str], Path] = _keeps_nothing
 
     def lease(self, req: pb.PrepareRequest, caller: str) -> Incoming:
         """Check the request against this node; the migration it would be, its GPUs claimed in
@@ -105,11 +109,13 @@ class Admission:
                 f"the adopted job keeps host PIDs, and PIDs {taken[:5]} are in use here",
                 "choose a target where they are free, or run jobs with `ferry run` (own PID namespace)",
             )
+        chain = self._chain(req)
+        lazy = req.lazy and chain is None  # a chain move's increment comes staged
         if req.data_cert:
             check_peer_cert(req.data_cert, f"source {req.source_node}")
-        elif req.lazy:
+        elif lazy:
             raise self.refuse("post-copy needs a data connection, and the source offered none")
-        if req.lazy and not self.criu.feature("uffd-noncoop"):
+        if lazy and not self.criu.feature("uffd-noncoop"):
             raise self.refuse(
                 "CRIU here cannot restore lazily: the kernel offers no non-cooperative userfaultfd",
                 "migrate with --pre-copy, or choose a target whose kernel has CONFIG_USERFAULTFD",
@@ -124,11 +130,34 @@ class Admission:
             peer_name=caller,
             pids=list(req.pids),
             reserved_bytes=int(req.estimated_bytes * STAGING_SLACK),
-            lazy=req.lazy,
+            lazy=lazy,
             reason=req.reason[:500],
+            chain=chain,
         )
         self._claim_gpus(req, inc)
         return inc
+
+    def _chain(self, req: pb.PrepareRequest) -> ChainLoan | None:
+        """The kept image a move's increment may go over (agent.migration.chainmove); None: its
+        whole memory comes, as for any move (said in the log: the source's result names the method)."""
+        if not req.HasField("chain"):
+            return None
+        c = req.chain
+        try:
+            kept = self.kept(c.group, c.epoch, req.job, c.image_id)
+            self.staging_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if not same_filesystem(kept, self.staging_root):
+                raise RefusedError(f"its snapshot store and staging {self.staging_root} are two filesystems")
+        except (FerryError, OSError) as e:
+            why = e.cause if isinstance(e, FerryError) else str(e)
+            log.info(
+                "migration %s: job %s's whole memory comes, not an increment: %s",
+                req.migration_id,
+                req.job,
+                why,
+            )
+            return None
+        return ChainLoan(c.epoch, kept)
 
     def _claim_gpus(self, req: pb.PrepareRequest, inc: Incoming) -> None:
         """Held from here on, in the ledger, so two leases never share a GPU. Before any lock of
@@ -155,11 +184,11 @@ class Admission:
         inc.lease_owner = f"the lease of migration {req.migration_id} ({uuid.uuid4().hex[:8]})"
         inc.gpu_map = self.ledger.decide(inc.lease_owner, req.job, pick, lease=True)
 
-    def keys(self, req: pb.PrepareRequest) -> tuple[DataTls | None, bytes]:
+    def keys(self, req: pb.PrepareRequest, inc: Incoming) -> tuple[DataTls | None, bytes]:
         """The data connection's one-time TLS files, written before the lock, and the certificate
-        the lease hands the source (none: it offered no data connection). Whoever refuses the
-        lease after this closes them."""
-        if not req.data_cert:
+        the lease hands the source (none: it offered no data connection, or its memory comes as
+        an increment over a kept chain). Whoever refuses the lease after this closes them."""
+        if not req.data_cert or inc.chain is not None:
             return None, b""
         identity = DataIdentity.new(f"{self.node} {req.migration_id}")
         try:
@@ -197,6 +226,10 @@ class Admission:
 
     def refuse(self, cause: str, hint: str = "") -> RefusedError:
         return RefusedError(cause, step="prepare", node=self.node, hint=hint)
+
+
+def _keeps_nothing(group: str, epoch: int, job: str, image_id: str) -> Path:
+    raise NotFoundError("this agent keeps no snapshots")
 
 
 #: Its image is written: the space it was promised is what it uses now, counted as free space.

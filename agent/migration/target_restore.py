@@ -100,7 +100,7 @@ class Restorer:
             rec = restore_tree(
                 self.registry,
                 self.criu,
-                inc.staging,
+                inc.image_dir,
                 manifest,
                 inc.job,
                 note=f"moved here from {inc.source_node}" + (f" ({inc.reason})" if inc.reason else ""),
@@ -127,7 +127,8 @@ class Restorer:
         if isinstance(stream, LazyTargetPages):
             stream.watch(rec.pid)
         self.effects.run(after)  # pre-copy: its staging, keys and logs go now
-        log.info("migration %s: job %s runs here as pid %d", mid, inc.job, rec.pid)
+        took = ", ".join(f"{k} {v:.2f} s" for k, v in times.items())
+        log.info("migration %s: job %s runs here as pid %d (%s)", mid, inc.job, rec.pid, took)
         return pb.CommitResponse(
             node_name=self.node,
             pid=rec.pid,

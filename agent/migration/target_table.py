@@ -20,6 +20,7 @@ from pathlib import Path
 from agent.errors import RefusedError
 from agent.gpus.ledger import GpuLedger
 from agent.image import Manifest, StreamDigest
+from agent.migration.chainmove import ChainLoan
 from agent.migration.datatls import DataTls
 from agent.migration.journal import TARGET, Journal, MigrationRecord
 from agent.migration.pagestream import LazyTargetPages, TargetPages
@@ -69,6 +70,14 @@ class Incoming:
     reason: str = ""  # why the source moves it (automatic moves say which GPU and what it showed)
     lease_owner: str = ""  # its GPUs' claim in the ledger ("" when it holds none)
     note: str = ""  # why it is ending (DROPPING, UNWINDING, ABORTED)
+    #: Granted as an increment over a chain this node keeps (agent.migration.chainmove).
+    chain: ChainLoan | None = None
+    #: Where its image is written in staging: staging itself, or a chain move's increment there.
+    image: Path | None = None
+
+    @property
+    def image_dir(self) -> Path:
+        return self.image or self.staging
 
     @property
     def subject(self) -> str:

@@ -149,6 +149,7 @@ class AgentNode:
                 suspend=lambda job, out: self._checkpoint(job, out, False, lambda p: None, suspend=True),
                 resume=self._resume,
                 agent_id=self.agent_id,
+                keeper=lambda rec: self.snapshot_members.keeper_of(rec),  # built below
             ),
             state_dir=state_dir,
             health=lambda: self.monitor.snapshot(),
@@ -199,6 +200,7 @@ class AgentNode:
         # buddy, and the groups it protects (their rounds' coordinator).
         snap = self.config.snapshots
         self.snapshot_store = SnapshotStore(Path(snap.dir), node)
+        self.targets.admission.kept = self.snapshot_store.kept  # a move's increment over a kept chain
         self.snapshot_members = MemberSnapshots(
             node,
             Path(snap.dir) / ".taken",
@@ -511,6 +513,7 @@ class AgentNode:
             cuda_jobs=self.cuda,
             journal=self.journal,
             path_check=self.path_check,
+            chains=self.snapshot_members,
         )
 
     def _auto_migrate(self, job: str, target: str, reason: str, lock_timeout_s: float | None) -> object:

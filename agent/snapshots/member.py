@@ -56,6 +56,7 @@ from agent.image import MANIFEST, Manifest, parent_epoch, read_manifest
 from agent.jobs import procs
 from agent.jobs.record import JobRecord, env_of
 from agent.migration.capture import warm_memory
+from agent.migration.chainmove import ChainTip
 from agent.migration.local import Dumped
 from agent.migration.model import MigrationResult
 from agent.migration.transfer import SendStats, send_image
@@ -378,6 +379,40 @@ class MemberSnapshots:
                 (rec.pid, rec.pid_started), epoch, len(sizes), sum(sizes), max(sizes)
             )
             self._sizes[(group, job)] = sizes[-1]
+
+    def move_tip(self, rec: JobRecord) -> ChainTip | None:
+        """The image a move of member `rec` may be an increment over (agent.migration.chainmove):
+        its last tracked dump, when its keeper verified that very image; None: it moves whole."""
+        key = (rec.group, rec.name)
+        with self._lock:
+            c, shipped = self._chains.get(key), self._shipped.get(key)
+        if (
+            c is None
+            or c.incarnation != (rec.pid, rec.pid_started)
+            or shipped is None
+            or shipped[1] != c.epoch
+        ):
+            return None
+        image = self._image_of(rec.group, c.epoch, rec.name)
+        try:
+            image_id = read_manifest(image).image_id
+        except FerryError:
+            return None
+        return ChainTip(rec.group, rec.name, c.epoch, image_id, image)
+
+    def keeper_of(self, rec: JobRecord) -> str:
+        """The agent (HOST:PORT) keeping the image a move of `rec` may be an increment over ("" none)."""
+        with self._lock:
+            shipped = self._shipped.get((rec.group, rec.name))
+        return shipped[0] if shipped is not None and self.move_tip(rec) is not None else ""
+
+    def take_move_tip(self, tip: ChainTip) -> bool:
+        """A move's dump over `tip` begins: the member's chain is taken, as a round's dump takes it
+        (that dump clears its dirty bits: whatever the move's outcome, its next dump here is
+        whole). False: the chain is no longer `tip` (the dump must not go over it)."""
+        with self._lock:
+            c = self._chains.pop((tip.group, tip.job), None)
+        return c is not None and c.epoch == tip.epoch
 
     def _parent(self, h: Held) -> Chain | None:
         """The chain h's dump may be an increment over (its last image, `_image`); None: whole.

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from agent.errors import InvalidArgumentError, NotFoundError, TransferError
-from agent.image import MANIFEST, link_parent, parent_dir, read_manifest
+from agent.image import MANIFEST, link_parent, parent_dir, read_manifest, verify
 from agent.jobs.record import check_group_name, check_job_name
 from agent.migration.transfer import Intake
 from agent.rpc import pb
@@ -113,6 +113,25 @@ class SnapshotStore:
             f", the rest from round {key.base_epoch}'s" if base is not None else "",
         )
         return pb.StoredSnapshot(node_name=self.node, dir=str(final), bytes=intake.bytes)
+
+    def kept(self, group: str, epoch: int, job: str, image_id: str) -> Path:
+        """The image of `job` for round `epoch` that this node keeps, whole with its chain, if it is
+        image `image_id` (a move's increment is to go over it: agent.migration.chainmove); a
+        NotFoundError says why not. Its digests were checked as it came in: not hashed again."""
+        d = self.image_dir(group, epoch, job)
+        with self._lock:
+            if not (d / MANIFEST).is_file():
+                raise NotFoundError(
+                    f"this node keeps no image of round {epoch} of job {job}", step="prepare", node=self.node
+                )
+            if (got := read_manifest(d).image_id) != image_id:
+                raise NotFoundError(
+                    f"this node keeps image {got} of round {epoch} of job {job}, not {image_id}",
+                    step="prepare",
+                    node=self.node,
+                )
+            verify(d, digests=False)
+        return d
 
     def _room(self) -> int:
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
