@@ -179,7 +179,8 @@ class Manifest:
     # (agent.migration.pagestream): then its pages-/pagemap- files are not in `files`.
     page_stream: StreamDigest | None = None
     version: int = MANIFEST_VERSION
-    #: Which save this is: the checkpoint's (or suspend's) id; "" for a migration's image.
+    #: Which save this is: the checkpoint's (or suspend's) id; "" for a migration's image, but for
+    #: an increment over a kept chain (agent.migration.chainmove): the migration's id.
     image_id: str = ""
     #: An incremental image: the image_id of the image it was dumped against (its PARENT_LINK),
     #: whose files hold the pages this one does not.

@@ -219,6 +219,8 @@ class SourceMigration(PrepareStep, PostCopyStep, AbortPath):
                     timings=dict(self.phases.times),
                     cuda=self.footprint.section(),
                     page_stream=pages,
+                    # An increment over a kept chain is named: the member's next dump may go over it.
+                    image_id=self.spec.migration_id if self.chain is not None else "",
                     parent=self.chain.image_id if self.chain is not None else "",
                 )
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from agent import faults
 from agent.criu.logs import CriuLogs
@@ -57,6 +58,11 @@ class Restorer:
         self.node = node
         #: The peers' wait after each member's release, by migration id (kept in memory).
         self.peer_waits = peer_waits
+        #: Whether this node's CRIU tracks a restored tree's written memory (the agent sets it).
+        self.tracks: Callable[[], bool] = lambda: False
+        #: adopt(migration, restored job): a chain move's image becomes the member's last dump
+        #: here (its next round's dump an increment over it); runs before staging goes, never raises.
+        self.adopt: Callable[[Incoming, JobRecord], None] = lambda inc, rec: None
 
     def commit(self, inc: Incoming, look_s: float) -> pb.CommitResponse:
         """Restore it; look_s: how long to look, after the release, for the job to run."""
@@ -111,6 +117,8 @@ class Restorer:
                 before_release=commit_point,
                 lazy_pages=inc.lazy,
                 log_dir=work_dir,
+                # Over a kept chain: tracked from here, so that its next round is an increment.
+                track_mem=inc.chain is not None and self.tracks(),
             )
         except BaseException as e:
             if not passed[0]:  # restore_tree killed whatever it restored
@@ -126,6 +134,8 @@ class Restorer:
         resumed = resumed_after(rec, held_ns[0], look_s)
         if isinstance(stream, LazyTargetPages):
             stream.watch(rec.pid)
+        if inc.chain is not None and passed[0]:
+            self.adopt(inc, rec)  # before its staging goes: the image is linked from there
         self.effects.run(after)  # pre-copy: its staging, keys and logs go now
         took = ", ".join(f"{k} {v:.2f} s" for k, v in times.items())
         log.info("migration %s: job %s runs here as pid %d (%s)", mid, inc.job, rec.pid, took)

@@ -48,6 +48,7 @@ from agent.migration.probe import PathCheck
 from agent.migration.recovery import SourceRecovery
 from agent.migration.source import SourceMigration
 from agent.migration.target import TargetMigrations
+from agent.migration.target_table import Incoming
 from agent.rpc import pb
 from agent.service.metrics import AgentMetrics, Sources
 from agent.snapshots.member import MemberSnapshots
@@ -200,7 +201,10 @@ class AgentNode:
         # buddy, and the groups it protects (their rounds' coordinator).
         snap = self.config.snapshots
         self.snapshot_store = SnapshotStore(Path(snap.dir), node)
-        self.targets.admission.kept = self.snapshot_store.kept  # a move's increment over a kept chain
+        # A move's increment over a chain this node keeps, and the member's next dump over that.
+        self.targets.admission.kept = self.snapshot_store.kept
+        self.targets.restorer.tracks = self._tracks_dirty
+        self.targets.restorer.adopt = self._adopt_moved
         self.snapshot_members = MemberSnapshots(
             node,
             Path(snap.dir) / ".taken",
@@ -294,6 +298,20 @@ class AgentNode:
                 warm=warm,
                 log_level=self.config.snapshots.criu_log_level,
             )
+
+    def _adopt_moved(self, inc: Incoming, rec: JobRecord) -> None:
+        """A member moved here as an increment over the chain this node kept: that image becomes its
+        last dump (MemberSnapshots.adopt), under a number etcd gives it (no round uses it), so that
+        its next round dumps only what it wrote since. Without etcd, or should that fail, the next
+        round dumps it whole, as after any move."""
+        claims = self.protections.claims
+        if claims is None or not rec.group or inc.chain is None:
+            return
+        try:
+            epoch = claims.number(rec.group, inc.chain.epoch)
+            self.snapshot_members.adopt(rec.group, epoch, rec.name, inc.image_dir, rec)
+        except FerryError as e:
+            log.info("job %s: its next snapshot is whole: %s", rec.name, e)
 
     def _tracks_dirty(self) -> bool:
         """Snapshot dumps track dirty memory here: [snapshots] incremental, and the kernel can."""

@@ -358,10 +358,12 @@ class MemberSnapshots:
 
     def adopt(self, group: str, epoch: int, job: str, image: Path, rec: JobRecord) -> None:
         """A rollback restored `job` here, as `rec`, from round `epoch`'s image (`image`, its
-        chain beside it), its written memory tracked from the restore on (ferry's CRIU): its next
-        dump may be an increment over that image, as over a dump of its own. The image and its
-        chain are linked among this node's own images where they are not (the spare that kept
-        them, or that fetched them: hard links, the same memory); a survivor's are its own."""
+        chain beside it), or a move restored it over a chain this node kept (agent.migration.
+        chainmove: `epoch` then a number etcd gave the move's image), its written memory tracked
+        from the restore on (ferry's CRIU): its next dump may be an increment over that image, as
+        over a dump of its own. The image and its chain are linked among this node's own images
+        where they are not (the spare that kept them, or that fetched them: hard links, the same
+        memory); a survivor's are its own."""
         if not self.tracks():
             return
         own = self._image_of(group, epoch, job)

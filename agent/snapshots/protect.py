@@ -275,9 +275,9 @@ class Protections:
             if why := self.blocked(group):
                 raise RefusedError(f"no snapshot of group {group} now: {why}", step="snapshot")
             agents = p.agents or self._agents_of(group)  # with etcd: where the members run now
-            epoch = p.tried = max(p.tried, p.last.epoch) + 1
-            if self.claims is not None:
-                self.claims.tried(group, epoch)  # before the round: no later protector reuses it
+            floor = max(p.tried, p.last.epoch)
+            # Taken before the round: no later protector, nor a move's adopted image, reuses it.
+            epoch = p.tried = self.claims.number(group, floor) if self.claims is not None else floor + 1
             p.rounds += 1
             self._save()
             holding = self.claims.holding() if self.claims is not None else lambda: ""

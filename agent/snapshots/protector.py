@@ -8,9 +8,10 @@ protects the group takes it at its next interval. The others stand by; at every 
 reads the group's last complete snapshot from etcd, so `ferry snapshot --last` answers on any
 of them and a standby that takes over starts from it.
 
-A round's epoch is never reused, not even across protectors: each round's epoch is written to
-`groups/<g>/tried` before the round begins, and a new protector numbers its rounds after the
-larger of that and the last complete snapshot's.
+A round's epoch is never reused, not even across protectors: each round takes its epoch from
+`groups/<g>/tried` before it begins (the next number, swapped in only if no one changed the key
+since it was read), and a new protector numbers its rounds after the larger of that and the last
+complete snapshot's. A moved member's image, adopted as its last dump, takes its number so too.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from google.protobuf import json_format
 from agent.coord.liveness import Liveness, NodeLiveness
 from agent.errors import FerryError
 from agent.rpc import pb
+
+#: How many times taking a new image number may lose its swap to another taker before it fails.
+NUMBER_TRIES = 8
 
 
 @dataclass(frozen=True)
@@ -106,9 +110,24 @@ class ProtectorClaims:
         """The claim's value: this agent, on this node."""
         return json.dumps({"agent": self.live.agent, "node": self.live.node})
 
-    def tried(self, group: str, epoch: int) -> None:
-        """Round `epoch` begins: no protector after this one numbers a round so again."""
-        self.live.client.put(self.live.key("groups", group, "tried"), str(epoch))
+    def number(self, group: str, floor: int) -> int:
+        """A new image number of `group`: above `floor` and every number taken before, taken in
+        etcd (`tried`, swapped only if no one changed it since it was read). A round takes its
+        number so before it begins, and so does a member's move that adopts its image as the
+        member's last dump (agent.migration.chainmove): no two images are ever numbered alike."""
+        live = self.live
+        key = live.key("groups", group, "tried")
+        for _ in range(NUMBER_TRIES):
+            kv = live.client.get(key)
+            tried = int(kv.value) if kv is not None and kv.value.isdigit() else 0
+            epoch = max(tried, floor) + 1
+            if live.client.compare_and_swap(key, str(epoch), kv.mod_revision if kv is not None else 0):
+                return epoch
+        raise FerryError(
+            f"no new image number of group {group}: {NUMBER_TRIES} tries in etcd were each taken by another",
+            step="snapshot",
+            node=live.node,
+        )
 
     def _progress(self, group: str) -> tuple[pb.SnapshotSet | None, int]:
         live, k = self.live, self.live.key

@@ -6,9 +6,11 @@ link); tests/integration/test_chainmove.py moves a real job this way on the bed.
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from test_migrate_target import prepare_req
@@ -17,11 +19,12 @@ from test_snapshot_chains import B1, B2, Node
 from agent.agent_config import PeerSpec
 from agent.errors import FerryError, ImageError, NotFoundError
 from agent.health.placement import choose_target
-from agent.image import Manifest, read_manifest, verify
+from agent.image import STDERR_LOG, STDOUT_LOG, JobSpec, Manifest, build_manifest, read_manifest, verify
 from agent.migration import chainmove
 from agent.migration.target import TargetMigrations
 from agent.migration.transfer import SendStats, send_image
 from agent.rpc import pb
+from agent.snapshots.protector import ProtectorClaims
 
 MID = "feedfacecafe0002"
 
@@ -176,6 +179,92 @@ def test_the_manifest_of_a_granted_increment_must_name_its_parent(keeper: Node, 
     loan = chainmove.ChainLoan(2, keeper.stores[B1].image_dir("g", 2, "r0"))
     with pytest.raises(ImageError, match="names no parent"):
         chainmove.attach(image, whole, loan, "r0")
+
+
+def move_image(keeper: Node, tmp_path: Path) -> Path:
+    """What a move's dump over round 2 writes on the member's node: an increment with its logs."""
+    over = keeper.root / "g" / "2" / "r0"
+    d = tmp_path / "out" / "r0"
+    d.mkdir(parents=True)
+    (d / "pages-1.img").write_bytes(b"m" * 512)
+    (d / "core-1.img").write_bytes(b"c" * 10)
+    (d / STDOUT_LOG).write_bytes(b"step 1 loss 0.9\n")
+    (d / STDERR_LOG).write_bytes(b"")
+    os.symlink(os.path.relpath(over, d), d / "parent")  # CRIU's, which the image's files leave out
+    spec = JobSpec("r0", "launched", ["python", "train.py"], "/", [], "/o", "/e", 1, group="g")
+    build_manifest(d, spec, "node-a", image_id=MID, parent=read_manifest(over).image_id)
+    return d
+
+
+def test_a_committed_increment_is_restored_tracked_and_adopted_before_its_staging_goes(
+    keeper: Node, target: TargetMigrations, fake_criu, tmp_path: Path
+) -> None:
+    adopted: list[tuple[Path, str, bool]] = []
+    target.restorer.tracks = lambda: True
+    target.restorer.adopt = lambda inc, rec: adopted.append(
+        (inc.image_dir, rec.name, verify(inc.image_dir).parent != "")
+    )
+    target.prepare(chain_req(keeper))
+    target.push(iter(increment_chunks(move_image(keeper, tmp_path))))
+    image = target.staging_root / f"in-{MID}" / "3" / "r0"
+    target.commit(pb.CommitRequest(migration_id=MID))
+    (restore,) = fake_criu.restores
+    assert restore["images_dir"] == image and restore["track_mem"] is True
+    assert adopted == [(image, "r0", True)], "adopted while its chain was still in staging"
+    assert not (target.staging_root / f"in-{MID}").exists()
+
+
+def test_the_node_that_took_the_move_dumps_the_member_next_as_an_increment_over_its_image(
+    keeper: Node, target: TargetMigrations, tmp_path: Path
+) -> None:
+    """MemberSnapshots.adopt as the target's agent calls it: under a number etcd gave the move's
+    image (9 here), the image and the chain it lies over linked among the node's own images."""
+    target.prepare(chain_req(keeper))
+    target.push(iter(increment_chunks(move_image(keeper, tmp_path))))
+    here = Node(tmp_path / "target")
+    here.m.adopt("g", 9, "r0", target._incoming[MID].image_dir, here.rec)
+    assert here.round(10) == 9
+    assert [p for _, _, p in here.save.dumps] == [here.root / "g" / "9" / "r0"]
+    assert verify(here.root / "g" / "9" / "r0").parent == read_manifest(here.root / "g" / "2" / "r0").image_id
+
+
+# -- numbering a moved member's image -----------------------------------------------------------
+
+
+class Etcd:
+    """etcd's get and compare-and-swap on one key, as documented: a swap succeeds only if the key
+    was last changed at the revision given (0: it does not exist). `race` changes the key once
+    between a taker's read and its swap, as a protector numbering a round meanwhile would."""
+
+    def __init__(self) -> None:
+        self.value: bytes | None = None
+        self.rev = 0
+        self.race: int | None = None
+
+    def get(self, key: str) -> SimpleNamespace | None:
+        return None if self.value is None else SimpleNamespace(value=self.value, mod_revision=self.rev)
+
+    def compare_and_swap(self, key: str, value: str, mod_revision: int) -> bool:
+        if self.race is not None:
+            self._put(str(self.race).encode())
+            self.race = None
+        if mod_revision != self.rev:
+            return False
+        self._put(value.encode())
+        return True
+
+    def _put(self, value: bytes) -> None:
+        self.value, self.rev = value, self.rev + 1
+
+
+def test_image_numbers_are_taken_in_etcd_above_every_one_taken_and_never_twice() -> None:
+    etcd = Etcd()
+    live = SimpleNamespace(client=etcd, node="node-b", key=lambda *parts: "/".join(parts))
+    claims = ProtectorClaims(live)  # type: ignore[arg-type]
+    assert claims.number("g", 4) == 5, "above the move's base round"
+    assert claims.number("g", 2) == 6, "above every number taken, whatever the floor"
+    etcd.race = 7  # a protector took 7 between this read and its swap
+    assert claims.number("g", 0) == 8 and etcd.value == b"8"
 
 
 # -- self-healing's choice ---------------------------------------------------------------------

@@ -403,8 +403,10 @@ class Claims:
     def claim(self, group: str) -> Claim:
         return Claim(self.holder, self.last, self.tried_at)
 
-    def tried(self, group: str, epoch: int) -> None:
-        self.put.append(epoch)
+    def number(self, group: str, floor: int) -> int:
+        self.tried_at = max(self.tried_at, floor) + 1
+        self.put.append(self.tried_at)
+        return self.tried_at
 
     def release(self, group: str) -> None:
         self.released.append(group)
