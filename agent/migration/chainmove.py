@@ -9,8 +9,9 @@ and no page is left to follow the restore (a post-copy's faults slowed the job's
 its new node by about a second on the bed: docs/performance.md).
 
 Prepare names the image (ChainBase: group, round, image id). The target grants it (Lease.chain)
-only where its store holds that very image with its whole chain, on its staging's filesystem;
-otherwise the move goes as any other. The rest is a staged pre-copy move's protocol: the same
+only where its store holds that very image with its whole chain, dumped on the source node (no
+node makes it restore a member that node does not run), on its staging's filesystem; otherwise
+the move goes as any other. The rest is a staged pre-copy move's protocol: the same
 lease, journal, commit and abort. A move that ends in an abort leaves the member's next round
 to dump it whole (the move's dump cleared its dirty bits against an image that is gone).
 

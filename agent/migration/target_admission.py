@@ -24,6 +24,7 @@ from agent.cuda.jobs import CudaJobs
 from agent.errors import FerryError, InvalidArgumentError, NotFoundError, PermissionDeniedError, RefusedError
 from agent.gpus.inventory import GpuNeed
 from agent.gpus.ledger import GpuLedger
+from agent.image import read_manifest
 from agent.jobs.network import carrying
 from agent.jobs.registry import JobRegistry
 from agent.migration.chainmove import ChainLoan, same_filesystem
@@ -145,6 +146,10 @@ class Admission:
         c = req.chain
         try:
             kept = self.kept(c.group, c.epoch, req.job, c.image_id)
+            # Its last dump, taken on its own node: no other node makes this one restore a copy of
+            # a member it does not run (the member's image, kept here for its node, is not theirs).
+            if (dumped_on := read_manifest(kept).source_node) != req.source_node:
+                raise RefusedError(f"that image was dumped on node {dumped_on}, not on {req.source_node}")
             self.staging_root.mkdir(parents=True, exist_ok=True, mode=0o700)
             if not same_filesystem(kept, self.staging_root):
                 raise RefusedError(f"its snapshot store and staging {self.staging_root} are two filesystems")

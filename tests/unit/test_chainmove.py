@@ -122,7 +122,7 @@ def increment_chunks(image: Path, mid: str = MID) -> list[pb.ImageChunk]:
 def chain_req(n: Node, **kw: object) -> pb.PrepareRequest:
     """A default move's Prepare (post-copy asked for), offering round 2's image as the base."""
     base = pb.ChainBase(group="g", epoch=2, image_id=read_manifest(n.root / "g" / "2" / "r0").image_id)
-    return prepare_req(MID, "r0", chain=base, lazy=True, **kw)
+    return prepare_req(MID, "r0", chain=base, lazy=True, **{"source_node": "node-a", **kw})
 
 
 def test_a_granted_increment_is_received_over_the_kept_chain_and_verified_whole(
@@ -148,6 +148,13 @@ def test_an_image_the_store_does_not_keep_comes_whole(keeper: Node, target: Targ
     req.chain.image_id = "another"
     lease = target.prepare(req)
     assert not lease.chain and lease.lazy, "post-copy, as the source asked"
+
+
+def test_an_image_dumped_on_another_node_than_the_source_comes_whole(
+    keeper: Node, target: TargetMigrations
+) -> None:
+    lease = target.prepare(chain_req(keeper, source_node="node-x"))  # r0's image is node-a's
+    assert not lease.chain
 
 
 def test_a_chain_gone_between_the_lease_and_the_image_fails_the_intake(
