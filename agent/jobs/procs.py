@@ -6,7 +6,9 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -86,21 +88,21 @@ def end_within(pid: int, started: float, timeout_s: float) -> None:
 
 
 def tree_rss(root: int) -> int:
-    total = 0
-    for pid in tree_pids(root):
-        with contextlib.suppress(psutil.Error):
-            total += psutil.Process(pid).memory_info().rss
-    return total
+    return _tree_memory(root, lambda m: m.rss)
 
 
 def tree_private(root: int) -> int:
     """The tree's resident memory of its own (anonymous: neither file pages nor shared memory),
     about what a whole dump of it writes."""
+    return _tree_memory(root, lambda m: max(0, m.rss - m.shared))
+
+
+def _tree_memory(root: int, of: Callable[[Any], int]) -> int:
+    """`of` each process's psutil memory_info, summed over the tree (one gone meanwhile counts 0)."""
     total = 0
     for pid in tree_pids(root):
         with contextlib.suppress(psutil.Error):
-            m = psutil.Process(pid).memory_info()
-            total += max(0, m.rss - m.shared)
+            total += of(psutil.Process(pid).memory_info())
     return total
 
 
