@@ -24,7 +24,6 @@ from agent.cuda.jobs import CudaJobs
 from agent.errors import FerryError, InvalidArgumentError, NotFoundError, PermissionDeniedError, RefusedError
 from agent.gpus.inventory import GpuNeed
 from agent.gpus.ledger import GpuLedger
-from agent.image import read_manifest
 from agent.jobs.network import carrying
 from agent.jobs.registry import JobRegistry
 from agent.migration.chainmove import ChainLoan, same_filesystem
@@ -67,9 +66,10 @@ class Admission:
         self.ledger = ledger
         self.staging_root = staging_root
         self.node = node
-        #: kept(group, round, job, image id) → the image this node's snapshot store keeps, or a
-        #: NotFoundError saying why not (agent.snapshots.store.SnapshotStore.kept); the agent sets it.
-        self.kept: Callable[[str, int, str, str], Path] = _keeps_nothing
+        #: kept(group, round, job, image id, source node) → the image this node's snapshot store
+        #: keeps, dumped on that node, or a NotFoundError saying why not
+        #: (agent.snapshots.store.SnapshotStore.kept); the agent sets it.
+        self.kept: Callable[[str, int, str, str, str], Path] = _keeps_nothing
 
     def lease(self, req: pb.PrepareRequest, caller: str) -> Incoming:
         """Check the request against this node; the migration it would be, its GPUs claimed in
@@ -145,11 +145,7 @@ class Admission:
             return None
         c = req.chain
         try:
-            kept = self.kept(c.group, c.epoch, req.job, c.image_id)
-            # Its last dump, taken on its own node: no other node makes this one restore a copy of
-            # a member it does not run (the member's image, kept here for its node, is not theirs).
-            if (dumped_on := read_manifest(kept).source_node) != req.source_node:
-                raise RefusedError(f"that image was dumped on node {dumped_on}, not on {req.source_node}")
+            kept = self.kept(c.group, c.epoch, req.job, c.image_id, req.source_node)
             self.staging_root.mkdir(parents=True, exist_ok=True, mode=0o700)
             if not same_filesystem(kept, self.staging_root):
                 raise RefusedError(f"its snapshot store and staging {self.staging_root} are two filesystems")
@@ -233,7 +229,7 @@ class Admission:
         return RefusedError(cause, step="prepare", node=self.node, hint=hint)
 
 
-def _keeps_nothing(group: str, epoch: int, job: str, image_id: str) -> Path:
+def _keeps_nothing(group: str, epoch: int, job: str, image_id: str, dumped_on: str) -> Path:
     raise NotFoundError("this agent keeps no snapshots")
 
 

@@ -114,23 +114,33 @@ class SnapshotStore:
         )
         return pb.StoredSnapshot(node_name=self.node, dir=str(final), bytes=intake.bytes)
 
-    def kept(self, group: str, epoch: int, job: str, image_id: str) -> Path:
+    def kept(self, group: str, epoch: int, job: str, image_id: str, dumped_on: str) -> Path:
         """The image of `job` for round `epoch` that this node keeps, whole with its chain, if it is
-        image `image_id` (a move's increment is to go over it: agent.migration.chainmove); a
-        NotFoundError says why not. Its digests were checked as it came in: not hashed again."""
+        image `image_id` and was dumped on node `dumped_on` (a move's increment is to go over it:
+        agent.migration.chainmove; the member's own node alone may offer it, so that no other makes
+        this one restore a copy of a member that node does not run); a NotFoundError says why not.
+        Its digests were checked as it came in: not hashed again."""
         d = self.image_dir(group, epoch, job)
         with self._lock:
             if not (d / MANIFEST).is_file():
                 raise NotFoundError(
                     f"this node keeps no image of round {epoch} of job {job}", step="prepare", node=self.node
                 )
-            if (got := read_manifest(d).image_id) != image_id:
+            m = read_manifest(d)
+            if m.image_id != image_id:
                 raise NotFoundError(
-                    f"this node keeps image {got} of round {epoch} of job {job}, not {image_id}",
+                    f"this node keeps image {m.image_id} of round {epoch} of job {job}, not {image_id}",
                     step="prepare",
                     node=self.node,
                 )
-            verify(d, digests=False)
+            if m.source_node != dumped_on:
+                raise NotFoundError(
+                    f"the image of round {epoch} of job {job} kept here was dumped on node "
+                    f"{m.source_node}, not on {dumped_on}",
+                    step="prepare",
+                    node=self.node,
+                )
+            verify(d, m, digests=False)
         return d
 
     def _room(self) -> int:

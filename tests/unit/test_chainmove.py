@@ -87,14 +87,16 @@ def test_the_store_lends_only_the_very_image_named_with_its_whole_chain(tmp_path
     store = n.stores[B1]
     tip = n.m.move_tip(n.rec)
     assert tip is not None
-    assert store.kept("g", 3, "r0", tip.image_id) == store.image_dir("g", 3, "r0")
+    assert store.kept("g", 3, "r0", tip.image_id, "node-a") == store.image_dir("g", 3, "r0")
     with pytest.raises(NotFoundError, match=r"keeps image \S+ of round 3 of job r0, not other"):
-        store.kept("g", 3, "r0", "other")
+        store.kept("g", 3, "r0", "other", "node-a")
     with pytest.raises(NotFoundError, match="keeps no image of round 4"):
-        store.kept("g", 4, "r0", tip.image_id)
+        store.kept("g", 4, "r0", tip.image_id, "node-a")
+    with pytest.raises(NotFoundError, match="dumped on node node-a, not on node-x"):
+        store.kept("g", 3, "r0", tip.image_id, "node-x")
     shutil.rmtree(store.image_dir("g", 1, "r0"))  # a link of its chain
     with pytest.raises(FerryError):
-        store.kept("g", 3, "r0", tip.image_id)
+        store.kept("g", 3, "r0", tip.image_id, "node-a")
 
 
 # -- the target ------------------------------------------------------------------------------
