@@ -44,7 +44,7 @@ from agent.migration.staging import no_space
 from agent.migration.states import TargetState
 from agent.migration.target_admission import LEASE_S, Admission, safe_id
 from agent.migration.target_effects import TargetEffects
-from agent.migration.target_intake import receive
+from agent.migration.target_intake import open_intake, receive
 from agent.migration.target_recovery import recover_incoming
 from agent.migration.target_restore import Restorer
 from agent.migration.target_streams import StreamHost
@@ -182,12 +182,13 @@ class TargetMigrations:
         if lapsed is not None:
             self.effects.finish(inc, lapsed)
             raise lease_expired(inc, self.node)
-        opened: list[Intake] = []
+        intake: Intake | None = None
         try:
-            manifest, intake = receive(inc, first, chunks, self.node, opened)
+            intake = open_intake(inc, self.node)
+            manifest = receive(inc, intake, first, chunks, self.node)
         except BaseException as e:
-            for i in opened:
-                i.close()
+            if intake is not None:
+                intake.close()
             if isinstance(e, grpc.RpcError):  # the request stream itself broke: the source went away
                 e = TransferError(
                     "the source's stream broke off before the image was complete",

@@ -17,16 +17,20 @@ from agent.migration.transfer import Intake
 from agent.rpc import pb
 
 
-def receive(
-    inc: Incoming, first: pb.ImageChunk, chunks: Iterator[pb.ImageChunk], node: str, opened: list[Intake]
-) -> tuple[Manifest, Intake]:
-    """Take the whole image; its verified manifest. Raises what the intake met, the migration left
-    to its caller to drop; the intake, once open, is in `opened` (closed by the caller on failure)."""
-    streamed = inc.pages.bytes if inc.pages else 0
-    if inc.chain is not None:  # linked now: the store may drop its copy once the move runs
+def open_intake(inc: Incoming, node: str) -> Intake:
+    """The intake the pushed image is written through; a chain move's kept chain lent into
+    staging first (linked now: the store may drop its copy once the move runs)."""
+    if inc.chain is not None:
         inc.image = chainmove.lend(inc.chain, inc.job, inc.staging)
-    intake = Intake(inc.image_dir, inc.max_bytes - streamed, node)
-    opened.append(intake)
+    streamed = inc.pages.bytes if inc.pages else 0
+    return Intake(inc.image_dir, inc.max_bytes - streamed, node)
+
+
+def receive(
+    inc: Incoming, intake: Intake, first: pb.ImageChunk, chunks: Iterator[pb.ImageChunk], node: str
+) -> Manifest:
+    """Take the whole image through `intake`; its verified manifest. Raises what the intake met,
+    the migration (and the intake) left to its caller to drop."""
     intake.feed(first)
     listed = sum((intake.expected or {}).values())
     if listed > (free := shutil.disk_usage(inc.staging).free) + intake.bytes:
@@ -51,4 +55,4 @@ def receive(
         chainmove.attach(inc.image_dir, manifest, inc.chain, inc.job)
     elif manifest.parent:
         raise ImageError(f"the image is an increment over image {manifest.parent}, which no lease lent here")
-    return manifest, intake
+    return manifest
