@@ -49,6 +49,7 @@ class ChainTip:
     epoch: int
     image_id: str
     image: Path  # its copy on this node, which the dump reads the unwritten pages' places from
+    keeper: str  # the agent (HOST:PORT) that verified its copy of it
 
     def base(self) -> pb.ChainBase:
         return pb.ChainBase(group=self.group, epoch=self.epoch, image_id=self.image_id)

@@ -400,13 +400,12 @@ class MemberSnapshots:
             image_id = read_manifest(image).image_id
         except FerryError:
             return None
-        return ChainTip(rec.group, rec.name, c.epoch, image_id, image)
+        return ChainTip(rec.group, rec.name, c.epoch, image_id, image, shipped[0])
 
     def keeper_of(self, rec: JobRecord) -> str:
         """The agent (HOST:PORT) keeping the image a move of `rec` may be an increment over ("" none)."""
-        with self._lock:
-            shipped = self._shipped.get((rec.group, rec.name))
-        return shipped[0] if shipped is not None and self.move_tip(rec) is not None else ""
+        tip = self.move_tip(rec)
+        return tip.keeper if tip is not None else ""
 
     def take_move_tip(self, tip: ChainTip) -> bool:
         """A move's dump over `tip` begins: the member's chain is taken, as a round's dump takes it

@@ -46,7 +46,7 @@ def test_a_move_may_go_over_the_last_dump_its_keeper_verified(tmp_path: Path) ->
     rounds(n, shipped=2)
     tip = n.m.move_tip(n.rec)
     image = n.root / "g" / "2" / "r0"
-    assert tip == chainmove.ChainTip("g", "r0", 2, read_manifest(image).image_id, image)
+    assert tip == chainmove.ChainTip("g", "r0", 2, read_manifest(image).image_id, image, B1)
     assert tip.base() == pb.ChainBase(group="g", epoch=2, image_id=tip.image_id)
     assert n.m.keeper_of(n.rec) == B1
 
