@@ -100,6 +100,10 @@ WARM_FRESH_S = 1.0
 #: its private resident memory now, or its chain's largest image if that is larger: a job whose
 #: memory grew since its whole dump (its first steps allocate most of it) keeps its chain.
 CHAIN_MAX = 2.0
+#: How long a move waits for the member's last dump, released and not yet verified by its
+#: keeper, to be: the dump cleared its dirty bits, so a move asked meanwhile could go as an
+#: increment over nothing the keeper has, and would carry the member's whole memory.
+SHIP_WAIT_S = 15.0
 #: save(job, out_dir, hold, went_on, track_mem, parent, warm) → the checkpoint's result: `ferry
 #: checkpoint --leave-running` with a hold, and word of the job going on; an increment over
 #: `parent` (agent.migration.local.checkpoint); warm: touch the dump's memory first (no WARM
@@ -169,13 +173,17 @@ class MemberSnapshots:
         tracks: Callable[[], bool] = lambda: False,
         full_every: int = 32,
         warm: Callable[[Path, int], float] = warm_memory,
+        ship_wait_s: float = SHIP_WAIT_S,
     ) -> None:
         self.node, self.root = node, root
+        self.ship_wait_s = ship_wait_s
         self.members, self.save, self.push = members, save, push
         self.warm_memory = warm
         #: Whether dumps track dirty memory here (the kernel can, and [snapshots] incremental).
         self.tracks, self.full_every = tracks, full_every
         self._lock = threading.Lock()
+        #: Told of every member's change of state (under the lock): a move waits on its ship.
+        self._changed = threading.Condition(self._lock)
         self._held: dict[tuple[str, int], list[Held]] = {}
         #: (group, job) → its last tracked dump; gone while a dump runs, and after one that failed.
         self._chains: dict[tuple[str, str], Chain] = {}
@@ -188,6 +196,7 @@ class MemberSnapshots:
 
     def _to(self, h: Held, state: HeldState) -> None:
         h.state = HELD_TRANSITIONS.check(h.state, state, f"{h.job} (round {h.epoch} of group {h.group})")
+        self._changed.notify_all()
 
     def warm(self, group: str) -> float:
         """Touch as much memory as the dumps of `group`'s members here will write (the size of
@@ -384,9 +393,21 @@ class MemberSnapshots:
 
     def move_tip(self, rec: JobRecord) -> ChainTip | None:
         """The image a move of member `rec` may be an increment over (agent.migration.chainmove):
-        its last tracked dump, when its keeper verified that very image; None: it moves whole."""
+        its last tracked dump, when its keeper verified that very image; None: it moves whole.
+        A dump of it released and still shipping is waited for (at most ship_wait_s)."""
         key = (rec.group, rec.name)
+        deadline = time.monotonic() + self.ship_wait_s
+        said = False
         with self._lock:
+            while (shipping := self._shipping(key)) and (left := deadline - time.monotonic()) > 0:
+                if not said:
+                    log.info(
+                        "job %s: its move waits for its image of round %d to reach its keeper",
+                        rec.name,
+                        shipping,
+                    )
+                    said = True
+                self._changed.wait(left)
             c, shipped = self._chains.get(key), self._shipped.get(key)
         if (
             c is None
@@ -401,6 +422,23 @@ class MemberSnapshots:
         except FerryError:
             return None
         return ChainTip(rec.group, rec.name, c.epoch, image_id, image, shipped[0])
+
+    def _shipping(self, key: tuple[str, str]) -> int:
+        """The round of member `key` being dumped, or released within ship_wait_s and not yet
+        shipped or failed (0: none; one released before is a round whose ship never came). Under
+        the lock."""
+        since = time.monotonic() - self.ship_wait_s
+        rounds = [
+            h.epoch
+            for hs in self._held.values()
+            for h in hs
+            if (h.group, h.job) == key
+            and (
+                h.state in (HeldState.FREEZING, HeldState.HELD)
+                or (h.state is HeldState.RELEASED and h.released_at > since)
+            )
+        ]
+        return max(rounds, default=0)
 
     def keeper_of(self, rec: JobRecord) -> str:
         """The agent (HOST:PORT) keeping the image a move of `rec` may be an increment over ("" none)."""

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 STEPS = 160
+SHIP_PAUSE_S = 4.0
 
 
 @pytest.fixture
@@ -42,8 +43,11 @@ def test_a_member_moved_to_the_spare_keeping_its_image_moves_as_an_increment_and
     default (`ferry migrate`, as self-healing moves it), moves as an increment over its last
     image: a small part of its memory crosses, no post-copy follows, the spare's next round
     dumps it as an increment over the image it moved as, and every rank ends with every step
-    once, in order, bit-identical to an undisturbed run."""
-    (a, b, c), (spare,) = _cluster(bed)
+    once, in order, bit-identical to an undisturbed run. The move is asked while the member's
+    last dump ships: it waits for the spare to have that image, and goes over it."""
+    # node-c's agent pauses before it ships each image of its member: the move is asked there,
+    # after the round's dump cleared the member's dirty bits and before the spare has that image.
+    (a, b, c), (spare,) = _cluster(bed, env={"node-c": {"FERRY_PAUSE": f"snapshot-shipping={SHIP_PAUSE_S}"}})
     nodes = [a, b, c]
     ref = start_ranks(nodes, "ref", 29510, ["--steps", str(STEPS), "--step-time", "0", "--ballast-mb", "256"])
     # Rounds every 8 s: a move asked as one completes comes before the next (one that a round
@@ -71,6 +75,9 @@ def test_a_member_moved_to_the_spare_keeping_its_image_moves_as_an_increment_and
     # The first rounds' images may come before the job built its memory: the move goes over one after.
     wait_for("a round of the job's steady state kept on the spare", lambda: steady(kept_on_spare()), 90)
 
+    said = f"FERRY_PAUSE: pausing {SHIP_PAUSE_S:.1f} s at 'snapshot-shipping'"
+    before = c.log_path.read_text().count(said)
+    wait_for("node-c's next ship", lambda: c.log_path.read_text().count(said) > before, 30)
     moved: subprocess.CompletedProcess[str] | None = None
     busy = re.compile(r"migrating, not running|held for a group snapshot")
     for _ in range(10):  # a move asked while a round holds the member is refused: ask again
@@ -84,6 +91,8 @@ def test_a_member_moved_to_the_spare_keeping_its_image_moves_as_an_increment_and
         f"memory: {rss >> 20} MiB), frozen {result['frozen_s']:.2f} s"
     )
     assert "an increment over its snapshot image of round" in result["method"], result
+    waited = "its move waits for its image of round"
+    assert waited in c.log_path.read_text(), "the move was not asked while the dump shipped"
     assert "node-d" in result["method"], result
     assert 0 < result["image_bytes"] < rss // 4, result
 

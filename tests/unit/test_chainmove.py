@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -53,13 +55,40 @@ def test_a_move_may_go_over_the_last_dump_its_keeper_verified(tmp_path: Path) ->
 
 def test_no_tip_where_the_keeper_lacks_the_last_dump_or_the_process_is_another(tmp_path: Path) -> None:
     n = Node(tmp_path)
+    n.m.ship_wait_s = 0.2
     rounds(n, shipped=1, held=2)  # round 2 dumped, its ship still to come
+    began = time.monotonic()
     assert n.m.move_tip(n.rec) is None and n.m.keeper_of(n.rec) == ""
+    assert time.monotonic() - began >= 0.2, "the first waited out the ship that did not come"
     n.m.ship("g", 2, B1)
     assert n.m.move_tip(n.rec) is not None
     assert n.m.move_tip(replace(n.rec, pid=101)) is None, "restarted: its memory is not tracked since"
     shutil.rmtree(n.root / "g" / "2" / "r0")
     assert n.m.move_tip(n.rec) is None, "its own copy is gone: nothing to dump over"
+
+
+def test_a_move_asked_while_the_last_dump_ships_waits_for_its_keeper_to_verify_it(tmp_path: Path) -> None:
+    """The dump cleared the member's dirty bits: a move asked between its release and its ship
+    goes over it once its keeper verified it, not whole over nothing the keeper has."""
+    n = Node(tmp_path)
+    rounds(n, shipped=1, held=2)
+    shipper = threading.Timer(0.3, n.m.ship, ("g", 2, B1))
+    shipper.start()
+    try:
+        tip = n.m.move_tip(n.rec)
+    finally:
+        shipper.join()
+    assert tip is not None and tip.epoch == 2 and tip.keeper == B1
+
+
+def test_a_round_released_long_ago_and_never_shipped_is_not_waited_for(tmp_path: Path) -> None:
+    n = Node(tmp_path)
+    rounds(n, shipped=1, held=2)  # its coordinator went before the ship
+    n.m.ship_wait_s = 0.2
+    time.sleep(0.3)
+    began = time.monotonic()
+    assert n.m.move_tip(n.rec) is None
+    assert time.monotonic() - began < 0.1
 
 
 def test_no_tip_without_tracking(tmp_path: Path) -> None:
