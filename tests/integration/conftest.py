@@ -42,10 +42,13 @@ def _criu_present() -> None:
 
 
 @pytest.fixture
-def lazy_pipes() -> Iterator[None]:
+def lazy_pipes(request: pytest.FixtureRequest) -> Iterator[None]:
     """Root without CAP_SYS_RESOURCE (this test VM) needs fs.pipe-max-size raised for a lazy dump,
     as an operator would; the agent refuses `--post-copy` with that advice otherwise, and its
-    default then moves pre-copy (tests/unit)."""
+    default then moves pre-copy (tests/unit). Only in a serial test: one asked for it by
+    getfixturevalue is not marked by pytest_collection_modifyitems, and ran beside others."""
+    if request.node.get_closest_marker("serial") is None:
+        pytest.fail(f"{request.node.nodeid} raises fs.pipe-max-size: mark it serial (pytest.mark.serial)")
     old = PIPE_MAX.read_text()
     if lazy_dump_blocker():
         PIPE_MAX.write_text(str(LAZY_PIPE_BYTES))
