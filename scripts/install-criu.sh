@@ -11,11 +11,13 @@
 # task dumped while another node dumps a task with the same cwd on shared storage
 # no longer fails on the parasite's fixed mountpoint name), restore-reap.patch (a
 # restore of a tree with its own PID namespace that fails late, a lazy one whose
-# daemon died, answers instead of waiting forever on its killed init) and
+# daemon died, answers instead of waiting forever on its killed init),
 # uffd-track.patch (--track-mem where the kernel lacks soft-dirty: written memory
 # tracked with userfaultfd write-protect, its descriptors handed to the RPC client
 # with the dump's answer, and with a restore's, which tracks the restored tree from
-# then on; agent.criu.tracking). FERRY_SYSTEM_CRIU=1 uses a
+# then on; agent.criu.tracking) and netns-conntrack.patch (a job's netns that tracks no
+# connection is not asked for its conntrack table: each ask walked the host's whole
+# table, twice per dump, with the job frozen). FERRY_SYSTEM_CRIU=1 uses a
 # system CRIU instead (symlinked) when it is new enough and `criu check` passes;
 # it works, but moves memory over TLS at stock CRIU's speed.
 set -euo pipefail
