@@ -588,6 +588,12 @@ class MemberSnapshots:
             kept = chain_epochs(gdir, keep)  # the round kept, and those its increments read
             for (g, _), hs in self._held.items():  # and those a dump in progress reads
                 kept.update(*(chain_epochs(gdir, h.parent) for h in hs if g == group and not h.done.is_set()))
+            # And an image adopted as a member's last dump (a move's, a restore's: no round of
+            # this node's dumped it), which its next dump goes over: a round that failed after
+            # the move dropped it, and the next was whole.
+            for (g, _), c in self._chains.items():
+                if g == group and (group, c.epoch) not in self._held:
+                    kept.update(chain_epochs(gdir, c.epoch))
             for key in [k for k in self._held if k[0] == group and k[1] not in kept]:
                 for h in self._held.pop(key):
                     h.dropped = True

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 STEPS = 160
-SHIP_PAUSE_S = 4.0
+SHIP_PAUSE_S = 8.0  # longer than a loaded node takes from the log line to the move's Prepare
 
 
 @pytest.fixture

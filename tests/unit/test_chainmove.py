@@ -266,6 +266,21 @@ def test_the_node_that_took_the_move_dumps_the_member_next_as_an_increment_over_
     assert verify(here.root / "g" / "9" / "r0").parent == read_manifest(here.root / "g" / "2" / "r0").image_id
 
 
+def test_a_round_dropped_after_the_move_keeps_the_adopted_image_the_next_round_goes_over(
+    keeper: Node, target: TargetMigrations, tmp_path: Path
+) -> None:
+    """A round that fails after the move (its coordinator still named the move's source) drops
+    every image here but the last complete round's: the moved member's adopted image and its
+    chain stay, so the round after is an increment, not the member's whole memory again."""
+    target.prepare(chain_req(keeper))
+    target.push(iter(increment_chunks(move_image(keeper, tmp_path))))
+    here = Node(tmp_path / "target")
+    here.m.adopt("g", 9, "r0", target._incoming[MID].image_dir, here.rec)
+    here.m.drop("g", 1)  # round 10 failed before it held anyone; round 1 the last complete
+    assert (here.root / "g" / "9" / "r0" / "manifest.json").is_file()
+    assert here.round(11) == 9
+
+
 # -- numbering a moved member's image -----------------------------------------------------------
 
 
