@@ -17,7 +17,7 @@ to dump it whole (the move's dump cleared its dirty bits against an image that i
 that commits is restored tracked, and the target adopts its image as the member's last dump
 under a number etcd gives it (agent.service.node, `_adopt_moved`): its next round is an
 increment too. The restore copies the member's whole memory out of the kept chain while the
-job is frozen (0.5-1.6 s for 500 MB on the bed); post-copy's freeze does not grow with memory,
+job is frozen (0.5-1.75 s for 500 MB on the bed); post-copy's freeze does not grow with memory,
 but its pages come from the source, which a warned node may not outlive.
 
 The target's staging:

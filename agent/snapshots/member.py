@@ -394,7 +394,8 @@ class MemberSnapshots:
     def move_tip(self, rec: JobRecord) -> ChainTip | None:
         """The image a move of member `rec` may be an increment over (agent.migration.chainmove):
         its last tracked dump, when its keeper verified that very image; None: it moves whole.
-        A dump of it released and still shipping is waited for (at most ship_wait_s)."""
+        A dump of it being taken, or released and still shipping, is waited for (at most
+        ship_wait_s)."""
         key = (rec.group, rec.name)
         deadline = time.monotonic() + self.ship_wait_s
         said = False

@@ -21,7 +21,16 @@ from test_snapshot_chains import B1, B2, Node
 from agent.agent_config import PeerSpec
 from agent.errors import FerryError, ImageError, NotFoundError
 from agent.health.placement import choose_target
-from agent.image import STDERR_LOG, STDOUT_LOG, JobSpec, Manifest, build_manifest, read_manifest, verify
+from agent.image import (
+    MANIFEST,
+    STDERR_LOG,
+    STDOUT_LOG,
+    JobSpec,
+    Manifest,
+    build_manifest,
+    read_manifest,
+    verify,
+)
 from agent.migration import chainmove
 from agent.migration.target import TargetMigrations
 from agent.migration.transfer import SendStats, send_image
@@ -252,15 +261,22 @@ def test_a_committed_increment_is_restored_tracked_and_adopted_before_its_stagin
     assert not (target.staging_root / f"in-{MID}").exists()
 
 
-def test_the_node_that_took_the_move_dumps_the_member_next_as_an_increment_over_its_image(
-    keeper: Node, target: TargetMigrations, tmp_path: Path
-) -> None:
-    """MemberSnapshots.adopt as the target's agent calls it: under a number etcd gave the move's
-    image (9 here), the image and the chain it lies over linked among the node's own images."""
+def adopted_here(keeper: Node, target: TargetMigrations, tmp_path: Path) -> Node:
+    """The move's node, its member adopted as the target's agent adopts it: the move's image under
+    a number etcd gave it (9 here)."""
     target.prepare(chain_req(keeper))
     target.push(iter(increment_chunks(move_image(keeper, tmp_path))))
     here = Node(tmp_path / "target")
     here.m.adopt("g", 9, "r0", target._incoming[MID].image_dir, here.rec)
+    return here
+
+
+def test_the_node_that_took_the_move_dumps_the_member_next_as_an_increment_over_its_image(
+    keeper: Node, target: TargetMigrations, tmp_path: Path
+) -> None:
+    """MemberSnapshots.adopt as the target's agent calls it: the image and the chain it lies over
+    linked among the node's own images."""
+    here = adopted_here(keeper, target, tmp_path)
     assert here.round(10) == 9
     assert [p for _, _, p in here.save.dumps] == [here.root / "g" / "9" / "r0"]
     assert verify(here.root / "g" / "9" / "r0").parent == read_manifest(here.root / "g" / "2" / "r0").image_id
@@ -272,12 +288,9 @@ def test_a_round_dropped_after_the_move_keeps_the_adopted_image_the_next_round_g
     """A round that fails after the move (its coordinator still named the move's source) drops
     every image here but the last complete round's: the moved member's adopted image and its
     chain stay, so the round after is an increment, not the member's whole memory again."""
-    target.prepare(chain_req(keeper))
-    target.push(iter(increment_chunks(move_image(keeper, tmp_path))))
-    here = Node(tmp_path / "target")
-    here.m.adopt("g", 9, "r0", target._incoming[MID].image_dir, here.rec)
+    here = adopted_here(keeper, target, tmp_path)
     here.m.drop("g", 1)  # round 10 failed before it held anyone; round 1 the last complete
-    assert (here.root / "g" / "9" / "r0" / "manifest.json").is_file()
+    assert (here.root / "g" / "9" / "r0" / MANIFEST).is_file()
     assert here.round(11) == 9
 
 
