@@ -19,7 +19,11 @@ LOOP = "import time\nwhile True: time.sleep(0.05)"
 
 
 def test_a_netns_that_tracks_nothing_is_dumped_without_asking_for_its_conntrack_table(tmp_path: Path) -> None:
-    ns = subprocess.Popen(["unshare", "--net", "--fork", "--kill-child", sys.executable, "-c", LOOP])
+    # A session of its own, as every job ferry runs has: the runner's session leader may lie
+    # outside this pid namespace (a container's), which CRIU refuses.
+    ns = subprocess.Popen(
+        ["unshare", "--net", "--fork", "--kill-child", sys.executable, "-c", LOOP], start_new_session=True
+    )
     try:
         end = time.monotonic() + 10
         while not (kids := [c.pid for c in psutil.Process(ns.pid).children()]) and time.monotonic() < end:
