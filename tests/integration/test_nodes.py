@@ -129,6 +129,15 @@ def test_a_server_in_a_job_keeps_its_outside_client_over_many_moves(bed: Bed) ->
     gap = float(re.search(r"largest gap ([\d.]+)", out)[1])  # type: ignore[index]
     print(f"echo server moved 3 times; the client's largest gap: {gap:.3f} s")
     assert b.job("echo")["state"] == "running" and b.job("echo")["address"] == address
+    # Its route to the job network kept the TCP tuning plumb gave it (docs/networking.md).
+    routes = subprocess.run(
+        [*b.enter(), "nsenter", f"--net=/proc/{b.job('echo')['pid']}/ns/net", "ip", "-4", "route"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    subnet = [r for r in routes if "dev eth0" in r and not r.startswith("default")]
+    assert len(subnet) == 1 and f"src {address} rto_min lock 10ms quickack 1" in subnet[0], routes
 
 
 def test_a_job_keeps_its_connection_to_an_outside_service(bed: Bed) -> None:

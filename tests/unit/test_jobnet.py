@@ -17,6 +17,7 @@ def test_the_network_table_is_read_and_checked() -> None:
     assert cfg.enabled and cfg.interface("10.77.1.5") == "10.77.1.5/16"
     assert cfg.covers("10.77.200.1") and not cfg.covers("10.78.0.1") and not cfg.covers("nonsense")
     assert not parse({}).network.enabled
+    assert cfg.rto_min_ms == 10 and parse({"network": {**CFG, "rto_min_ms": 0}}).network.rto_min_ms == 0
 
 
 @pytest.mark.parametrize(
@@ -28,6 +29,8 @@ def test_the_network_table_is_read_and_checked() -> None:
         ({"bridge": "a bridge"}, "is not an interface name"),
         ({"bridge": ""}, "[network] bridge is missing"),
         ({"pool": 7}, "expected a string"),
+        ({"rto_min_ms": 250}, "rto_min_ms = 250 is not within 0 to 200"),
+        ({"rto_min_ms": -1}, "rto_min_ms = -1 is not valid: expected a whole number"),
     ],
 )
 def test_a_bad_network_table_names_its_key(change: dict, said: str) -> None:
