@@ -8,7 +8,11 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import psutil
 
 from agent.testing.localcluster import LocalAgent
 
@@ -67,6 +71,32 @@ def start_adoptable(cmd: list[str], log: Path, stderr: int = subprocess.STDOUT) 
         return subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=stderr, start_new_session=True
         )
+
+
+#: A process that only waits: what the CRIU tests dump.
+IDLE_LOOP = "import time\nwhile True: time.sleep(0.05)"
+
+
+@contextmanager
+def unshared(namespaces: list[str], argv: list[str], timeout_s: float = 10) -> Iterator[int]:
+    """The pid of `argv` (a Python program, or a shell that execs one) run by `unshare` in new
+    `namespaces` (its options, "--net" ...), once it runs Python; killed at the end. A session
+    of its own, as every job ferry runs has: the runner's session leader may lie outside this
+    pid namespace (a container's), and CRIU refuses such a tree."""
+    ns = subprocess.Popen(["unshare", *namespaces, "--fork", "--kill-child", *argv], start_new_session=True)
+    try:
+        end, pid = time.monotonic() + timeout_s, 0
+        while time.monotonic() < end:
+            kids = psutil.Process(ns.pid).children()
+            if kids and kids[0].name().startswith("python"):
+                pid = kids[0].pid
+                break
+            time.sleep(0.05)
+        assert pid, f"`unshare {' '.join(namespaces)}` ran no Python within {timeout_s:g} s"
+        yield pid
+    finally:
+        ns.kill()
+        ns.wait(10)
 
 
 def run_training(agent: LocalAgent, name: str, steps: int, workers: int = 0) -> None:

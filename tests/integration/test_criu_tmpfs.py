@@ -7,18 +7,13 @@ with the job frozen, three or four of them per dump of a job started by `ferry r
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
-
-import psutil
 
 from agent.criu.runner import Criu
 from agent.jobs import procs
-
-LOOP = "import time\nwhile True: time.sleep(0.05)"
+from tests.integration.jobtools import IDLE_LOOP, unshared
 
 
 def archives(image: Path) -> dict[str, os.stat_result]:
@@ -28,28 +23,15 @@ def archives(image: Path) -> dict[str, os.stat_result]:
 def test_an_unchanged_tmpfs_is_linked_from_the_parent_image_and_a_changed_one_archived_again(
     tmp_path: Path,
 ) -> None:
-    # A session of its own (see test_criu_conntrack), a mount namespace with a tmpfs of its own
-    # at /tmp, /run and /dev/shm, what was mounted there first detached, as ferry-init does
-    # (CRIU cannot dump an `ip netns` mount, which other tests make under /run); its standard
-    # files opened there.
+    # A mount namespace with a tmpfs of its own at /tmp, /run and /dev/shm, what was mounted
+    # there first detached, as ferry-init does (CRIU cannot dump an `ip netns` mount, which other
+    # tests make under /run); its standard files opened there.
     mounts = "awk '{print $5}' /proc/self/mountinfo | grep -E '^/(run|tmp|dev/shm)(/|$)' | sort -r"
     detach = f'for m in $({mounts}); do umount -l "$m" 2>/dev/null; done; '
     fresh = " && ".join(f"mount -t tmpfs tmpfs {d}" for d in ("/tmp", "/run", "/dev/shm"))
-    script = f"{detach}{detach}{fresh} && echo first > /tmp/a && exec {sys.executable} -c '{LOOP}'"
+    script = f"{detach}{detach}{fresh} && echo first > /tmp/a && exec {sys.executable} -c '{IDLE_LOOP}'"
     script += " </dev/null >/dev/null 2>&1"
-    ns = subprocess.Popen(
-        ["unshare", "--mount", "--propagation", "private", "--fork", "--kill-child", "sh", "-c", script],
-        start_new_session=True,
-    )
-    try:
-        end = time.monotonic() + 10
-        while not (kids := [c.pid for c in psutil.Process(ns.pid).children()]) and time.monotonic() < end:
-            time.sleep(0.05)
-        assert kids, "unshare started no child"
-        pid = kids[0]
-        wait = time.monotonic() + 10
-        while "python" not in Path(f"/proc/{pid}/comm").read_text() and time.monotonic() < wait:
-            time.sleep(0.05)
+    with unshared(["--mount", "--propagation", "private"], ["sh", "-c", script]) as pid:
         criu = Criu()
         images = [tmp_path / f"img{i}" for i in range(3)]
 
@@ -85,6 +67,3 @@ def test_an_unchanged_tmpfs_is_linked_from_the_parent_image_and_a_changed_one_ar
             names = {m.name.removeprefix("./") for m in tar.getmembers()}
         assert {"a", "b"} <= names, names
         assert procs.alive(pid), "the dumps left it running"
-    finally:
-        ns.kill()
-        ns.wait(10)
