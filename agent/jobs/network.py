@@ -247,9 +247,10 @@ class JobNetwork:
         since a freeze (a snapshot's, a move's) cuts the link with bytes in flight, and the
         peers' retransmission timer, not the freeze, then says when the job talks again: with
         the kernel's 200 ms floor, the fault bench's step across a 0.3 s round took 0.55-0.59 s
-        in about half the rounds, 0.30-0.33 s in the others. Without delayed ACKs no receiver's ACK comes later than a 10 ms timer. CRIU saves
-        the namespace's addresses and routes with their flags and metrics, so a restored copy
-        keeps both (the address is `noprefixroute`: no second route without them)."""
+        in about half the rounds, 0.30-0.33 s in the others. Without delayed ACKs no receiver's
+        ACK comes later than a 10 ms timer. CRIU saves the namespace's addresses and routes with
+        their flags and metrics, so a restored copy keeps both (the address is `noprefixroute`:
+        no second route without them)."""
         self.require_bridge()
         net = f"--net=/proc/{pid}/ns/net"
         self._ip("link", "add", veth, "type", "veth", "peer", "name", INNER, "netns", str(pid))
