@@ -17,9 +17,10 @@
 # with the dump's answer, and with a restore's, which tracks the restored tree from
 # then on; agent.criu.tracking), netns-conntrack.patch (a job's netns that tracks no
 # connection is not asked for its conntrack table: each ask walked the host's whole
-# table, twice per dump, with the job frozen) and tmpfs-reuse.patch (an incremental dump
+# table, twice per dump, with the job frozen), tmpfs-reuse.patch (an incremental dump
 # links the parent's archive of a tmpfs that did not change instead of running tar
-# again). FERRY_SYSTEM_CRIU=1 uses a system CRIU instead (symlinked) when it is new
+# again) and restore-populate.patch (a restore faults in each range of private memory
+# it reads with one madvise, not a fault per page). FERRY_SYSTEM_CRIU=1 uses a system CRIU instead (symlinked) when it is new
 # enough and `criu check` passes; it works, but moves memory over TLS at stock CRIU's
 # speed.
 set -euo pipefail
