@@ -66,6 +66,19 @@ def estimated_bytes(rec: JobRecord, fp: Footprint) -> int:
 
 #: How much one step of a warm-up touches: a bound on it stops within about one step's time.
 WARM_STEP_BYTES = 64 << 20
+#: What a warm-up writes at a time: zeros, from one buffer.
+_ZEROS = bytes(4 << 20)
+
+
+def _touch(fd: int, offset: int, size: int) -> None:
+    """Write `size` bytes of zeros at `offset`: each page is written, so the VM's host backs it.
+    Not posix_fallocate, which on a tmpfs takes the pages without clearing them (a page is
+    cleared when first read or written): they went back untouched, and a restore after the
+    lease's warm-up still filled memory at the 0.39 GB/s of a first touch (1.4-1.5 s for a
+    575 MB member, against 0.4 s on a node whose memory was just freed)."""
+    end = offset + size
+    while offset < end:
+        offset += os.pwrite(fd, memoryview(_ZEROS)[: min(len(_ZEROS), end - offset)], offset)
 
 
 def warm_memory(where: Path, size: int, within_s: float | None = None) -> float:
@@ -83,7 +96,7 @@ def warm_memory(where: Path, size: int, within_s: float | None = None) -> float:
         done = 0
         while done < size and (within_s is None or time.monotonic() - t0 < within_s):
             n = min(step, size - done)
-            os.posix_fallocate(fd, done, n)
+            _touch(fd, done, n)
             done += n
     except OSError as e:  # no room: the dump itself says so, if it comes to that
         log.info("could not warm %d bytes in %s: %s", size, where, e)

@@ -513,7 +513,7 @@ def test_a_warm_up_touches_in_steps_and_stops_after_its_time(
     from agent.migration import capture
 
     calls: list[tuple[int, int]] = []
-    monkeypatch.setattr(capture.os, "posix_fallocate", lambda fd, off, n: calls.append((off, n)))
+    monkeypatch.setattr(capture, "_touch", lambda fd, off, n: calls.append((off, n)))
     capture.warm_memory(tmp_path, 150 << 20)
     assert calls == [(0, 150 << 20)]  # unbounded: at once
     calls.clear()
@@ -523,3 +523,22 @@ def test_a_warm_up_touches_in_steps_and_stops_after_its_time(
     capture.warm_memory(tmp_path, 150 << 20, within_s=0)
     assert calls == []
     assert list(tmp_path.iterdir()) == []  # its file never outlives it
+
+
+def test_a_warm_up_writes_every_byte_it_touches(tmp_path: Path) -> None:
+    """Written, not fallocated: a tmpfs gives fallocated pages without clearing them, so the
+    memory behind them was never touched."""
+    from agent.migration import capture
+
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        os.pwrite(fd, b"x" * 100, (9 << 20) - 50)
+        capture._touch(fd, 1 << 20, 8 << 20)
+        data = path.read_bytes()
+    finally:
+        os.close(fd)
+    assert len(data) == (9 << 20) + 50
+    assert data[: 1 << 20] == bytes(1 << 20)  # a hole before it reads as zeros
+    assert data[1 << 20 : 9 << 20] == bytes(8 << 20)  # written over
+    assert data[9 << 20 :] == b"x" * 50  # past it: untouched
