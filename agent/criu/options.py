@@ -293,6 +293,7 @@ def restore_options(
     root: str = "",
     external: list[str] | tuple[str, ...] | None = None,
     track_mem: bool = False,
+    log_level: int = LOG_LEVEL,
 ) -> CriuOptions:
     """A restore of a ferry job as a sibling of CRIU, i.e. a child of the agent."""
     return CriuOptions(
@@ -312,4 +313,5 @@ def restore_options(
         lazy_pages=lazy_pages,
         inherit_fd=tuple(inherit),
         track_mem=track_mem,
+        log_level=log_level,
     )

@@ -242,6 +242,7 @@ class Criu:
         external: list[str] | None = None,
         deadline_s: float | None = None,
         track_mem: bool = False,
+        log_level: int = LOG_LEVEL,
     ) -> RestoreResult:
         """Restore the tree as a sibling of CRIU, i.e. as a child of this process; with
         leave_stopped, every task waits for SIGCONT. With lazy_pages, the memory comes from
@@ -250,7 +251,8 @@ class Criu:
         external: its link's new outer end, `veth[eth0]:NAME@BRIDGE`. deadline_s: as dump's.
         track_mem: the restored tree's written memory is tracked from the restore on (ferry's
         CRIU, where it tracks with userfaultfds: their descriptors stay in `trackers`), so that
-        its first dump may be an increment over `images_dir`."""
+        its first dump may be an increment over `images_dir`. log_level: CRIU's -v (a restore
+        from a snapshot chain logs some 90,000 debug lines at 4)."""
         opts = restore_options(
             images_dir,
             RESTORE_LOG,
@@ -262,6 +264,7 @@ class Criu:
             root=root,
             external=external,
             track_mem=track_mem,
+            log_level=log_level,
         )
         resp = self._call(
             "restore",

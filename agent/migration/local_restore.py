@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import cast
 
 from agent import faults
+from agent.criu.options import LOG_LEVEL
 from agent.criu.runner import Criu
 from agent.cuda.jobs import CudaJobs
 from agent.errors import FerryError, NotFoundError
@@ -47,6 +48,7 @@ def restore_image(
     keep_logs: bool = False,
     verified: bool = False,
     track_mem: bool = False,
+    log_level: int = LOG_LEVEL,
 ) -> JobRecord:
     """Resume a saved image on this node, after checking every digest; a CUDA job onto suitable
     GPUs, claimed in the node's GPU ledger until the restored job holds them. Journaled as a
@@ -59,6 +61,7 @@ def restore_image(
     rollback's fetch): its manifest is read, and its files are not hashed a second time.
     `track_mem`: its written memory is tracked from the restore on (not a CUDA job's: a GPU's DMA
     writes no page table), so that its next dump may be an increment over this image.
+    `log_level`: CRIU's -v for the restore.
     """
     if not image_dir.is_dir():
         raise NotFoundError(f"no image directory {image_dir} on this node", node=node)
@@ -95,6 +98,7 @@ def restore_image(
                 hold=hold,
                 keep_logs=keep_logs,
                 track_mem=track_mem and m.cuda is None,
+                log_level=log_level,
             )
         finally:
             cuda_jobs.ledger.release(owner)
@@ -142,6 +146,7 @@ class LocalRestore:
         hold: Callable[[JobRecord], None] | None = None,
         keep_logs: bool = False,
         track_mem: bool = False,
+        log_level: int = LOG_LEVEL,
     ) -> JobRecord:
         """restore_tree, journaled: RUNNING at its commit point, ABORTED if it failed before."""
         job = self.op.record.job
@@ -166,6 +171,7 @@ class LocalRestore:
                 before_release=commit_then_hold,
                 keep_logs=keep_logs,
                 track_mem=track_mem,
+                log_level=log_level,
             )
         except BaseException as e:
             self.failed(f"{self.op.record.kind} failed: {e}")

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agent.criu.images import bound_socket_dirs
+from agent.criu.options import LOG_LEVEL
 from agent.criu.runner import Criu, InheritFd
 from agent.cuda.jobs import CudaJobs, restore_plan
 from agent.image import STDERR_LOG, STDOUT_LOG, JobSpec, Manifest
@@ -42,6 +43,7 @@ def restore_tree(
     log_dir: Path | None = None,
     keep_logs: bool = False,
     track_mem: bool = False,
+    log_level: int = LOG_LEVEL,
 ) -> JobRecord:
     """Restore a verified image as job `name` on this node, its logs re-pointed to our job dir.
     CRIU logs in log_dir (by default the job's dir); a lazy restore's daemon must listen there.
@@ -55,7 +57,7 @@ def restore_tree(
 
     keep_logs: a job rolled back in place appends to the logs it has here (what it printed
     since the snapshot stays), instead of taking the image's copy of them. track_mem: CRIU
-    tracks the tree's written memory from the restore on (Criu.restore).
+    tracks the tree's written memory from the restore on (Criu.restore). log_level: CRIU's -v.
     """
     times = {} if times is None else times
     spec = manifest.job
@@ -98,6 +100,7 @@ def restore_tree(
                 root="/" if spec.private else "",
                 external=external,
                 track_mem=track_mem,
+                log_level=log_level,
             )
         except BaseException:
             if net and registry.network is not None:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from agent import faults
 from agent.criu.logs import CriuLogs
+from agent.criu.options import LOG_LEVEL
 from agent.criu.runner import START_TIMEOUT_S, Criu
 from agent.cuda.jobs import CudaJobs
 from agent.errors import RefusedError, TransferError
@@ -60,6 +61,9 @@ class Restorer:
         self.peer_waits = peer_waits
         #: Whether this node's CRIU tracks a restored tree's written memory (the agent sets it).
         self.tracks: Callable[[], bool] = lambda: False
+        #: CRIU's -v for a chain move's restore, which reads a snapshot's chain as a rollback does
+        #: (the agent sets it to [snapshots] criu_log_level); any other restore logs at LOG_LEVEL.
+        self.chain_log_level = LOG_LEVEL
         #: adopt(migration, restored job): a chain move's image becomes the member's last dump
         #: here (its next round's dump an increment over it); runs before staging goes, never raises.
         self.adopt: Callable[[Incoming, JobRecord], None] = lambda inc, rec: None
@@ -119,6 +123,7 @@ class Restorer:
                 log_dir=work_dir,
                 # Over a kept chain: tracked from here, so that its next round is an increment.
                 track_mem=inc.chain is not None and self.tracks(),
+                log_level=self.chain_log_level if inc.chain is not None else LOG_LEVEL,
             )
         except BaseException as e:
             if not passed[0]:  # restore_tree killed whatever it restored

@@ -204,6 +204,7 @@ class AgentNode:
         # A move's increment over a chain this node keeps, and the member's next dump over that.
         self.targets.admission.kept = self.snapshot_store.kept
         self.targets.restorer.tracks = self._tracks_dirty
+        self.targets.restorer.chain_log_level = snap.criu_log_level
         self.targets.restorer.adopt = self._adopt_moved
         self.snapshot_members = MemberSnapshots(
             node,
@@ -339,8 +340,10 @@ class AgentNode:
             args = (self.registry, self.criu, image, job, self.node, self.cuda, self.journal)
             # MemberRestores checked the image as it fetched it, into memory only it writes.
             # Tracked from the restore on, the member's next dump may be an increment over it.
-            track = self._tracks_dirty()
-            return restore_image(*args, hold=hold, keep_logs=keep_logs, verified=True, track_mem=track)
+            track, level = self._tracks_dirty(), self.config.snapshots.criu_log_level
+            return restore_image(
+                *args, hold=hold, keep_logs=keep_logs, verified=True, track_mem=track, log_level=level
+            )
 
     def _snapshot_call(
         self, agent: str, req: pb.SnapshotMemberRequest, timeout_s: float

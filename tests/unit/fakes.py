@@ -25,6 +25,7 @@ import psutil
 from fake_cuda import CudaWorld, fake_cuda_jobs
 
 from agent.client import from_rpc_error
+from agent.criu.options import LOG_LEVEL
 from agent.criu.runner import DumpResult, InheritFd, RestoreResult
 from agent.errors import CriuError, FerryError, RefusedError
 from agent.image import StreamDigest
@@ -261,6 +262,7 @@ class FakeCriu:
         root: str = "",
         external: list[str] | None = None,
         track_mem: bool = False,
+        log_level: int = LOG_LEVEL,
     ) -> RestoreResult:
         assert not lazy_pages, "post-copy runs against real CRIU only (tests/integration)"
         self.restores.append(
@@ -271,6 +273,7 @@ class FakeCriu:
                 "shell_job": shell_job,
                 "log_dir": log_dir,
                 "track_mem": track_mem,
+                "log_level": log_level,
             }
         )
         if self.during_restore is not None:

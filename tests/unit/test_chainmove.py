@@ -248,6 +248,7 @@ def test_a_committed_increment_is_restored_tracked_and_adopted_before_its_stagin
 ) -> None:
     adopted: list[tuple[Path, str, bool]] = []
     target.restorer.tracks = lambda: True
+    target.restorer.chain_log_level = 2  # [snapshots] criu_log_level: it reads a snapshot's chain
     target.restorer.adopt = lambda inc, rec: adopted.append(
         (inc.image_dir, rec.name, verify(inc.image_dir).parent != "")
     )
@@ -256,7 +257,7 @@ def test_a_committed_increment_is_restored_tracked_and_adopted_before_its_stagin
     image = target.staging_root / f"in-{MID}" / "3" / "r0"
     target.commit(pb.CommitRequest(migration_id=MID))
     (restore,) = fake_criu.restores
-    assert restore["images_dir"] == image and restore["track_mem"] is True
+    assert restore["images_dir"] == image and restore["track_mem"] is True and restore["log_level"] == 2
     assert adopted == [(image, "r0", True)], "adopted while its chain was still in staging"
     assert not (target.staging_root / f"in-{MID}").exists()
 

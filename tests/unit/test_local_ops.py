@@ -122,6 +122,20 @@ def test_an_image_restored_once_is_refused_the_second_time(here: Here) -> None:
     assert len(here.criu.restores) == 1 and first.name == "train"
 
 
+def test_a_restore_logs_at_the_level_it_is_given_and_at_everything_by_default(here: Here) -> None:
+    """A rollback's restore reads a snapshot's chain at [snapshots] criu_log_level (the agent
+    passes it); `ferry restore` logs everything, to look into one that fails."""
+    image = here.tmp / "img"
+    here.save(image)
+    here.restore(image)
+    ended(here, "train")
+    copy = restore_image(
+        here.registry, here.criu, image, "second", "nodea", here.cj, here.journal, as_copy=True, log_level=2
+    )
+    assert copy.name == "second"
+    assert [r["log_level"] for r in here.criu.restores] == [4, 2]
+
+
 def test_an_image_that_cannot_keep_its_record_is_refused_by_the_journal(here: Here, monkeypatch) -> None:
     """A read-only image directory takes no record of its restores: this node's journal has them."""
     image = here.tmp / "img"

@@ -13,6 +13,7 @@ import pytest
 from fakes import FakeCriu, FakePageServer, dies
 from test_migrate_target import MID, broken_stream, delivered, prepare_req, running_record, staged, state
 
+from agent.criu.options import LOG_LEVEL
 from agent.errors import PermissionDeniedError, RefusedError
 from agent.jobs import procs
 from agent.jobs.record import JobKind, JobRecord, JobState
@@ -307,12 +308,15 @@ def test_an_aborted_migration_leaves_the_table_and_the_journal_still_answers(
 
 
 def test_a_committed_migration_leaves_the_table_and_still_reads_running(
-    target: TargetMigrations, tmp_path: Path
+    target: TargetMigrations, fake_criu: FakeCriu, tmp_path: Path
 ) -> None:
+    target.restorer.chain_log_level = 2
     delivered(target, tmp_path)
     target.commit(pb.CommitRequest(migration_id=MID))
     assert MID not in target._incoming
     assert state(target) == pb.TARGET_STATE_RUNNING
+    # A whole image, no snapshot's chain: CRIU logs everything, as for any other move.
+    assert [r["log_level"] for r in fake_criu.restores] == [LOG_LEVEL]
 
 
 def test_expired_leases_leave_the_table(target: TargetMigrations) -> None:
