@@ -73,9 +73,7 @@ _ZEROS = bytes(4 << 20)
 def _touch(fd: int, offset: int, size: int) -> None:
     """Write `size` bytes of zeros at `offset`: each page is written, so the VM's host backs it.
     Not posix_fallocate, which on a tmpfs takes the pages without clearing them (a page is
-    cleared when first read or written): they went back untouched, and a restore after the
-    lease's warm-up still filled memory at the 0.39 GB/s of a first touch (1.4-1.5 s for a
-    575 MB member, against 0.4 s on a node whose memory was just freed)."""
+    cleared when first read or written): the memory went back untouched."""
     end = offset + size
     while offset < end:
         offset += os.pwrite(fd, memoryview(_ZEROS)[: min(len(_ZEROS), end - offset)], offset)
