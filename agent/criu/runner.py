@@ -248,7 +248,8 @@ class Criu:
         leave_stopped, every task waits for SIGCONT. With lazy_pages, the memory comes from
         a `criu lazy-pages` daemon already listening in log_dir (criu_lazy.LazyPagesDaemon).
         root: "/" for a job in a mount namespace of its own (CRIU rebuilds it on this root);
-        external: its link's new outer end, `veth[eth0]:NAME@BRIDGE`. deadline_s: as dump's.
+        external: its link's new outer end, `veth[eth0]:NAME` (left down, off any bridge).
+        deadline_s: as dump's.
         track_mem: the restored tree's written memory is tracked from the restore on (ferry's
         CRIU, where it tracks with userfaultfds: their descriptors stay in `trackers`), so that
         its first dump may be an increment over `images_dir`. log_level: CRIU's -v (a restore

@@ -5,8 +5,10 @@ node by a bridge (`[network] bridge`). Every job `ferry run` starts gets its own
 namespace with one link, `eth0`, whose other end (`fj…` on the node) sits on that bridge, and
 an address from the node's pool (`[network] pool`, a part of the cluster's `subnet`: pools of
 different nodes must not overlap). CRIU dumps the namespace with the job, TCP connections
-included; on the target the agent gives CRIU a new outer end on its own bridge, with the
-job's link, MAC and address restored as they were. The cluster then learns where the address
+included; on the target CRIU restores the job's link, MAC and address as they were, with a new
+outer end that stays down and off the bridge until the copy is recorded as the job's one copy
+(restore_tree): nothing the copy's kernel says (a window probe, an ACK, an ARP) leaves the node
+before then. The cluster then learns where the address
 lives from a gratuitous ARP that the restored job sends from its namespace: switches move the
 MAC to the new port, peers keep their (unchanged) ARP entry.
 
@@ -319,7 +321,8 @@ class JobNetwork:
         )
 
     def reconnect(self, veth: str) -> None:
-        self._ip("link", "set", veth, "master", self.config.bridge)
+        """The link back on the bridge, and up (a restored copy's outer end comes down)."""
+        self._ip("link", "set", veth, "master", self.config.bridge, "up")
 
     def delete(self, veth: str) -> None:
         """Remove the node's end (the job's copy here is gone); missing is fine."""
@@ -340,7 +343,10 @@ class JobNetwork:
         return f"veth[{INNER}]:{veth}"
 
     def criu_restore_external(self, veth: str) -> str:
-        return f"veth[{INNER}]:{veth}@{self.config.bridge}"
+        """The restored link's outer end, left down and off the bridge: CRIU would otherwise put
+        it on the bridge before its sockets leave repair mode, and a copy that never runs would
+        answer the peers (an ACK for bytes that die with it) and teach the segment its port."""
+        return f"veth[{INNER}]:{veth}"
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -513,24 +519,26 @@ def garp(ifname: str, address: str, count: int = 2) -> None:
                 time.sleep(0.05)
 
 
-def in_netns(pid: int, fn: Callable[[], None]) -> None:
-    """Run fn in the network namespace of pid: on a thread of its own, since setns(2) moves only
-    the calling thread, which then ends (sockets keep the namespace they were made in)."""
+def in_netns(ns: int | str, fn: Callable[[], None]) -> None:
+    """Run fn in the network namespace of pid `ns` (or the one a path names: /run/netns/NAME):
+    on a thread of its own, since setns(2) moves only the calling thread, which then ends
+    (sockets keep the namespace they were made in)."""
     errors: list[BaseException] = []
+    path = f"/proc/{ns}/ns/net" if isinstance(ns, int) else ns
 
     def run() -> None:
         try:
-            fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 if _libc().setns(fd, _CLONE_NEWNET) != 0:
-                    raise OSError(ctypes.get_errno(), f"setns into the network namespace of pid {pid}")
+                    raise OSError(ctypes.get_errno(), f"setns into the network namespace {path}")
             finally:
                 os.close(fd)
             fn()
         except BaseException as e:  # handed to the caller
             errors.append(e)
 
-    t = threading.Thread(target=run, name=f"netns-{pid}", daemon=True)
+    t = threading.Thread(target=run, name=f"netns-{ns}", daemon=True)
     t.start()
     t.join(IP_TIMEOUT_S)
     if errors:

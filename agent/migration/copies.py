@@ -158,8 +158,8 @@ def copy_of(registry: JobRegistry, m: Manifest, name: str, node: str) -> tuple[M
 class CheckedRestore:
     """The Criu a `ferry restore` runs through (restore_tree takes it for the real one): once CRIU
     has restored the tree, still stopped and unregistered, it checks that the tree is the job the
-    manifest describes and, for a copy, moves its namespace to the copy's address (CRIU then
-    leaves its link off the bridge: `JobNetwork.readdress`). A tree that fails either is killed here."""
+    manifest describes and, for a copy, moves its namespace to the copy's address (its link
+    still down and off the bridge: `JobNetwork.readdress`). A tree that fails either is killed here."""
 
     def __init__(self, criu: Criu, spec: JobSpec, image_dir: Path, network: JobNetwork | None, old: str = ""):
         self.criu = criu
@@ -178,13 +178,9 @@ class CheckedRestore:
     def restore(self, images_dir: Path, **kw: Any) -> RestoreResult:
         veth = ""
         if self.old:
-            ext = []
             for item in kw.get("external") or []:
                 if item.startswith(f"veth[{INNER}]:"):
-                    item = item.split("@", 1)[0]  # its link restored off the bridge
                     veth = item.split(":", 1)[1]
-                ext.append(item)
-            kw["external"] = ext
         res = self.criu.restore(images_dir, **kw)
         try:
             check_restored(res.pid, self.spec, self.image_dir, self.node)

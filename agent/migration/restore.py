@@ -111,13 +111,13 @@ def restore_tree(
         for fd in fds:
             os.close(fd)
     # From here a restored tree exists: any failure must take it down, or two copies could run.
-    # Until the commit point it stays stopped and off the bridge (its sockets live in its
-    # namespace: a peer's bytes it acknowledged would die with a copy that never runs).
-    link = LinkLock(registry.network, net)
+    # Until the commit point it stays stopped and off the bridge, where CRIU left its link (its
+    # sockets live in its namespace: a peer's bytes it acknowledged would die with a copy that
+    # never runs).
+    link = LinkLock(registry.network, net, engaged=True)
     hold: ThreadHold | None = None
     pids: list[int] = []
     try:
-        link.engage()
         pids = procs.tree_pids(res.pid)
         if manifest.cuda is not None:
             plan = restore_plan(cuda_jobs.view, pids, manifest.cuda, gpu_map, criu.node)

@@ -108,10 +108,11 @@ def resume(
     undone = undo_cuda(driver, copy.cuda_pids, copy.cuda_left)
     continued_at = time.monotonic()  # a CUDA job's kernels wait for the undo's unlock
     if not problems and copy.rec.address and registry.network is not None:
-        # A target that restored the job held it on its own bridge with the job's MAC, and the
-        # segment may have learnt that port: without a word from here, the peers' frames would
-        # go there until the switch forgets it (minutes), if this copy only waits to receive.
-        # Said once the job runs: its two requests, 50 ms apart, are no part of its pause.
+        # A target keeps its restored copy off its bridge (restore_tree), but one of an older
+        # ferry put it there with the job's MAC, and the segment may have learnt that port:
+        # without a word from here, the peers' frames would go there until the switch forgets
+        # it (minutes), if this copy only waits to receive. Said once the job runs: its two
+        # requests, 50 ms apart, are no part of its pause.
         registry.network.announce(copy.rec.pid, copy.rec.address)
     if not undone:
         cuda_back()

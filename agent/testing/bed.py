@@ -28,13 +28,16 @@ import secrets
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from agent import certs
+from agent.jobs.network import in_netns
 from agent.jobs.registry import tmp_keeps
 from agent.testing.etcd import EtcdServer
 from agent.testing.localcluster import LocalAgent
@@ -314,6 +317,40 @@ class Bed:
             check=True, capture_output=True, text=True,
         )  # fmt: skip
 
+    @contextlib.contextmanager
+    def frames_from(self, agent: BedAgent, address: str) -> Iterator[list[str]]:
+        """What leaves the node onto the fabric with `address` as its sender (an IPv4 packet's
+        source, an ARP's sender), while the block runs: a line per frame."""
+        seen: list[str] = []
+        opened: list[socket.socket] = []
+
+        def open_tap() -> None:  # in the fabric's namespace; the socket stays there
+            s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))  # ETH_P_ALL
+            s.bind((agent.fabric_link, 0))
+            opened.append(s)
+
+        in_netns(f"/run/netns/{self.fabric}", open_tap)
+        tap = opened[0]
+        tap.settimeout(0.05)
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    frame, where = tap.recvfrom(65536)
+                    if where[2] != socket.PACKET_OUTGOING:  # from the node, not to it
+                        seen.extend(_sent_by(frame, address))
+
+        t = threading.Thread(target=watch, name=f"frames-from-{agent.node}", daemon=True)
+        t.start()
+        try:
+            yield seen
+        finally:
+            time.sleep(0.2)  # what was on its way
+            stop.set()
+            t.join(5)
+            tap.close()
+
     def heal(self, agent: BedAgent) -> None:
         _ip("-n", agent.netns, "link", "set", "uplink", "up")
 
@@ -333,6 +370,17 @@ class Bed:
             _ip("netns", "del", f"{self.tag}-etcd", check=False)
         for ns in [a.netns for a in self.agents] + [self.outside_ns, self.fabric]:
             _ip("netns", "del", ns, check=False)
+
+
+def _sent_by(frame: bytes, address: str) -> list[str]:
+    """A line for an Ethernet frame whose IPv4 source or ARP sender is `address`, else none."""
+    kind = int.from_bytes(frame[12:14])
+    sender = frame[26:30] if kind == 0x0800 else frame[28:32] if kind == 0x0806 else b""
+    if sender != socket.inet_aton(address):
+        return []
+    protocol = {6: "TCP", 17: "UDP", 1: "ICMP"}.get(frame[23], f"IP protocol {frame[23]}")
+    what = "ARP" if kind == 0x0806 else protocol
+    return [f"{what} from {address} ({frame[6:12].hex(':')}), {len(frame)} bytes"]
 
 
 def coordination_config(ttl_s: int = 3, margin_s: float = 1.0) -> str:

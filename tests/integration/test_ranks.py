@@ -133,7 +133,11 @@ def test_a_rank_whose_move_fails_at_any_phase_goes_on_where_it_was(bed: Bed) -> 
     )
     assert c.job(job[2])["state"] == "running"
     for target, said in [(cut, "target-transfer"), (dies, "target-restored")]:
-        failed = b.cli("migrate", job[1], "--to", target.address, check=False)
+        # A target's copy that never runs must never speak for the job: a peer's bytes it
+        # acknowledged would die with it, and the job would wait for them forever.
+        with bed.frames_from(target, b.job_address(job[1])) as leaked:
+            failed = b.cli("migrate", job[1], "--to", target.address, check=False)
+        assert not leaked, f"{target.node}'s copy of {job[1]} reached the fabric: {leaked}"
         assert failed.returncode == 1 and said in failed.stderr, failed.stderr
         assert "migration aborted, the job keeps running on node-b" in failed.stderr, failed.stderr
         assert b.job(job[1])["state"] == "running"

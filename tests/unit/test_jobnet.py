@@ -65,7 +65,7 @@ def test_a_job_on_the_nodes_network_has_no_lock_and_no_external_link() -> None:
     assert not lock.engaged and lock.external() == []
     net = JobNetwork(NetworkConfig(**CFG))
     assert LinkLock(net, "fjabc").external() == ["veth[eth0]:fjabc"]
-    assert net.criu_restore_external("fjdef") == "veth[eth0]:fjdef@ferry0"
+    assert net.criu_restore_external("fjdef") == "veth[eth0]:fjdef"  # off the bridge until released
 
 
 def test_the_bridge_mac_is_pinned_once_so_job_links_cannot_change_it(tmp_path, monkeypatch) -> None:
