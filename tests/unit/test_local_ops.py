@@ -278,9 +278,15 @@ def test_a_manifest_forged_with_its_digests_is_refused_by_the_restored_job_itsel
 NET = {"bridge": "ferry0", "subnet": "10.77.0.0/16", "pool": "10.77.1.0/29", "gateway": "10.77.0.1"}
 
 
-def test_a_copy_on_a_job_network_gets_its_own_address_before_its_link_joins(
-    here: Here, pid1: Pid1Criu, tmp_path: Path, monkeypatch
-) -> None:
+@dataclass
+class OnNet:
+    calls: Path  # each `ip` call's arguments, a line each
+    announced: list[str]  # the addresses announced (gratuitous ARP)
+
+
+@pytest.fixture
+def on_net(here: Here, tmp_path: Path, monkeypatch) -> OnNet:
+    """nodea has a job network (its `ip` a recorder), and "train" is on it at 10.77.1.1."""
     calls = tmp_path / "ip.calls"
     fake_ip = tmp_path / "ip"
     fake_ip.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
@@ -294,6 +300,38 @@ def test_a_copy_on_a_job_network_gets_its_own_address_before_its_link_joins(
     monkeypatch.setattr(JobNetwork, "announce", lambda self, pid, address: announced.append(address))
     here.registry.network = JobNetwork(NetworkConfig(**NET), "nodea", ip=str(fake_ip))
     here.registry.update("train", address="10.77.1.1", veth="fjoriginal")
+    return OnNet(calls, announced)
+
+
+def test_a_restored_job_reaches_its_network_only_once_recorded_as_running(
+    here: Here, pid1: Pid1Criu, on_net: OnNet, monkeypatch
+) -> None:
+    """CRIU restores the link down and off the bridge; it joins (up) only after the commit
+    point: a copy that never runs says nothing to the job's peers."""
+    image = here.tmp / "img"
+    here.save(image)
+    on_net.calls.write_text("")
+    joined: list[JobState] = []
+    reconnect = JobNetwork.reconnect
+
+    def recorded(self: JobNetwork, veth: str) -> None:
+        joined.append(here.registry.get("train").state)
+        reconnect(self, veth)
+
+    monkeypatch.setattr(JobNetwork, "reconnect", recorded)
+
+    rec = here.restore(image)
+
+    assert pid1.externals[0] == [f"veth[eth0]:{rec.veth}"]  # no @ferry0: CRIU leaves it off
+    assert joined == [JobState.RUNNING]
+    assert on_net.calls.read_text().splitlines() == [f"link set {rec.veth} master ferry0 up"]
+    assert on_net.announced == ["10.77.1.1"]
+
+
+def test_a_copy_on_a_job_network_gets_its_own_address_before_its_link_joins(
+    here: Here, pid1: Pid1Criu, on_net: OnNet
+) -> None:
+    calls, announced = on_net.calls, on_net.announced
     image = here.tmp / "img"
     here.save(image, leave_running=True)
     assert announced == ["10.77.1.1"]  # the original went on: it says where it is
