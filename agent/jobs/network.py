@@ -6,11 +6,11 @@ namespace with one link, `eth0`, whose other end (`fj…` on the node) sits on t
 an address from the node's pool (`[network] pool`, a part of the cluster's `subnet`: pools of
 different nodes must not overlap). CRIU dumps the namespace with the job, TCP connections
 included; on the target CRIU restores the job's link, MAC and address as they were, with a new
-outer end that stays down and off the bridge until the copy is recorded as the job's one copy
-(restore_tree): nothing the copy's kernel says (a window probe, an ACK, an ARP) leaves the node
-before then. The cluster then learns where the address
-lives from a gratuitous ARP that the restored job sends from its namespace: switches move the
-MAC to the new port, peers keep their (unchanged) ARP entry.
+outer end left down and off the bridge; restore_tree brings it up once CRIU is done, and puts
+it on the bridge only once the copy is recorded as the job's one copy: nothing the copy's
+kernel says (a window probe, an ACK, an ARP) leaves the node before then. The cluster then
+learns where the address lives from a gratuitous ARP that the restored job sends from its
+namespace: switches move the MAC to the new port, peers keep their (unchanged) ARP entry.
 
 The network lock: from the moment CRIU reads the job's TCP state until its source copy is gone
 (or resumed, on abort), nothing may reach the source copy, whose kernel would still ACK bytes
@@ -271,11 +271,16 @@ class JobNetwork:
         """The lock: nothing reaches the job through its link (it stays up: see the module doc)."""
         self._ip("link", "set", veth, "nomaster")
 
-    def readdress(self, pid: int, veth: str, old: str, new: str) -> None:
-        """A copy's namespace, restored off the bridge, takes `new` and a MAC of its own in place
-        of the original's `old`; then its link's outer end `veth` comes up (restore_tree puts it
-        on the bridge once the copy is recorded). Its TCP connections keep the old address and go
-        silent."""
+    def up(self, veth: str) -> None:
+        """A restored copy's link up, still off the bridge: what the held copy's kernel sends ends
+        on this node, and its link has a carrier, as a dump of it needs (see the module doc)."""
+        self._ip("link", "set", veth, "up")
+
+    def readdress(self, pid: int, old: str, new: str) -> None:
+        """A copy's namespace, restored with its link down and off the bridge, takes `new` and a
+        MAC of its own in place of the original's `old`, before restore_tree brings that link up
+        (and onto the bridge once the copy is recorded). Its TCP connections keep the old address
+        and go silent."""
         net = f"--net=/proc/{pid}/ns/net"
         try:
             self._nsenter(net, "addr", "del", self.config.interface(old), "dev", INNER)
@@ -285,8 +290,6 @@ class JobNetwork:
             self.subnet_route(net, new)
             if self.config.gateway:
                 self._nsenter(net, "route", "replace", "default", "via", self.config.gateway)
-            if veth:
-                self._ip("link", "set", veth, "up")
         except FerryError as e:
             e.cause, e.step = f"giving the copy its address {new}: {e.cause}", "restore"
             raise
@@ -343,8 +346,8 @@ class JobNetwork:
         return f"veth[{INNER}]:{veth}"
 
     def criu_restore_external(self, veth: str) -> str:
-        """The restored link's outer end, left down and off the bridge: CRIU would otherwise put
-        it on the bridge before its sockets leave repair mode, and a copy that never runs would
+        """The restored link's outer end, left down and off the bridge: with `@bridge` CRIU would
+        put it there, up, before its sockets leave repair mode, and a copy that never runs would
         answer the peers (an ACK for bytes that die with it) and teach the segment its port."""
         return f"veth[{INNER}]:{veth}"
 
@@ -408,7 +411,9 @@ class LinkLock:
         self.network = network if veth else None
         self.veth = veth
         self.address = address
-        self.engaged = engaged  # recovery cannot know: it says True, and reconnecting is harmless
+        # True for a link already off the bridge (a restored copy's), or where the caller cannot
+        # know (recovery): reconnecting is harmless.
+        self.engaged = engaged
         self._standins: list[StandIn] = []
 
     def prepare(self) -> None:

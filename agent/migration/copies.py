@@ -27,7 +27,7 @@ from typing import Any
 from agent.criu.runner import Criu, RestoreResult
 from agent.errors import AlreadyExistsError, BusyError, FerryError, ImageError, InvalidArgumentError
 from agent.image import JobSpec, Manifest, Restored, describes, mark_restored, restored
-from agent.jobs.network import INNER, JobNetwork, carrying
+from agent.jobs.network import JobNetwork, carrying
 from agent.jobs.record import JobKind, JobState
 from agent.jobs.registry import JobRegistry
 from agent.migration.journal import TARGET, Journal
@@ -158,8 +158,9 @@ def copy_of(registry: JobRegistry, m: Manifest, name: str, node: str) -> tuple[M
 class CheckedRestore:
     """The Criu a `ferry restore` runs through (restore_tree takes it for the real one): once CRIU
     has restored the tree, still stopped and unregistered, it checks that the tree is the job the
-    manifest describes and, for a copy, moves its namespace to the copy's address (its link
-    still down and off the bridge: `JobNetwork.readdress`). A tree that fails either is killed here."""
+    manifest describes and, for a copy, moves its namespace to the copy's address while its link
+    is still down and off the bridge (`JobNetwork.readdress`). A tree that fails either is killed
+    here."""
 
     def __init__(self, criu: Criu, spec: JobSpec, image_dir: Path, network: JobNetwork | None, old: str = ""):
         self.criu = criu
@@ -176,16 +177,11 @@ class CheckedRestore:
         return getattr(self.criu, name)
 
     def restore(self, images_dir: Path, **kw: Any) -> RestoreResult:
-        veth = ""
-        if self.old:
-            for item in kw.get("external") or []:
-                if item.startswith(f"veth[{INNER}]:"):
-                    veth = item.split(":", 1)[1]
         res = self.criu.restore(images_dir, **kw)
         try:
             check_restored(res.pid, self.spec, self.image_dir, self.node)
             if self.old and self.network is not None:
-                self.network.readdress(res.pid, veth, self.old, self.spec.address)
+                self.network.readdress(res.pid, self.old, self.spec.address)
         except BaseException:
             kill_restored(res.pid)
             raise

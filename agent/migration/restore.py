@@ -113,11 +113,13 @@ def restore_tree(
     # From here a restored tree exists: any failure must take it down, or two copies could run.
     # Until the commit point it stays stopped and off the bridge, where CRIU left its link (its
     # sockets live in its namespace: a peer's bytes it acknowledged would die with a copy that
-    # never runs).
+    # never runs); the link comes up now, so that it has its carrier long before the release.
     link = LinkLock(registry.network, net, engaged=True)
     hold: ThreadHold | None = None
     pids: list[int] = []
     try:
+        if net and registry.network is not None:
+            registry.network.up(net)
         pids = procs.tree_pids(res.pid)
         if manifest.cuda is not None:
             plan = restore_plan(cuda_jobs.view, pids, manifest.cuda, gpu_map, criu.node)
@@ -144,12 +146,18 @@ def restore_tree(
             registry.network.delete(net)
         kill_restored(res.pid)
         raise
-    # Recorded as running: from now on this is the job's one copy, so it is never killed here.
+    # Recorded as running: from now on this is the job's one copy, so it is never killed here,
+    # and it goes on even unreachable: stopped, it would be stranded.
     try:
         link.release()
         if net and registry.network is not None:
             registry.network.announce(res.pid, spec.address)  # the segment learns the job's new port
-        procs.resume(pids)
+    except Exception as e:
+        log.error("job %s: restored, but its link could not join the bridge: %s", name, e)
+        note = f"{note}; its peers cannot reach it: its link could not join the bridge ({e})"
+        rec = registry.update(name, note=note)
+    procs.resume(pids)
+    try:
         if manifest.cuda is not None:
             cuda_jobs.unlock([pid for pid, _ in plan], times)
     except Exception as e:
@@ -164,7 +172,7 @@ def job_link(registry: JobRegistry, spec: JobSpec, name: str) -> str:
     if not spec.address:
         return ""
     net = carrying(registry.network, spec.address, registry.node, "restore")
-    net.require_bridge()  # CRIU puts the job's new link on it: its MAC must not follow its ports
+    net.require_bridge()  # the job's new link joins it at the release: its MAC must not follow its ports
     return veth_name(f"{registry.node}/{name}/{time.time_ns()}")
 
 

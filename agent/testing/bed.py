@@ -325,21 +325,27 @@ class Bed:
         opened: list[socket.socket] = []
 
         def open_tap() -> None:  # in the fabric's namespace; the socket stays there
-            s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))  # ETH_P_ALL
-            s.bind((agent.fabric_link, 0))
+            # Protocol 0 until bound: it queues nothing from the fabric's other ports meanwhile.
+            s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0)
+            s.bind((agent.fabric_link, _ETH_P_ALL))
             opened.append(s)
 
         in_netns(f"/run/netns/{self.fabric}", open_tap)
         tap = opened[0]
         tap.settimeout(0.05)
         stop = threading.Event()
+        failed: list[BaseException] = []
 
         def watch() -> None:
-            while not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    frame, where = tap.recvfrom(65536)
-                    if where[2] != socket.PACKET_OUTGOING:  # from the node, not to it
-                        seen.extend(_sent_by(frame, address))
+            try:
+                while not stop.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        frame, where = tap.recvfrom(65536)
+                        # From the node (not to it), on its link: the bind says so, this checks.
+                        if where[0] == agent.fabric_link and where[2] != socket.PACKET_OUTGOING:
+                            seen.extend(_sent_by(frame, address))
+            except BaseException as e:  # the caller's: an empty list must mean nothing was sent
+                failed.append(e)
 
         t = threading.Thread(target=watch, name=f"frames-from-{agent.node}", daemon=True)
         t.start()
@@ -350,6 +356,8 @@ class Bed:
             stop.set()
             t.join(5)
             tap.close()
+        if failed:
+            raise AssertionError(f"watching {agent.node}'s link failed: {failed[0]!r}") from failed[0]
 
     def heal(self, agent: BedAgent) -> None:
         _ip("-n", agent.netns, "link", "set", "uplink", "up")
@@ -372,9 +380,12 @@ class Bed:
             _ip("netns", "del", ns, check=False)
 
 
+_ETH_P_ALL = 0x0003
+
+
 def _sent_by(frame: bytes, address: str) -> list[str]:
     """A line for an Ethernet frame whose IPv4 source or ARP sender is `address`, else none."""
-    kind = int.from_bytes(frame[12:14])
+    kind = int.from_bytes(frame[12:14], "big")
     sender = frame[26:30] if kind == 0x0800 else frame[28:32] if kind == 0x0806 else b""
     if sender != socket.inet_aton(address):
         return []

@@ -306,8 +306,8 @@ def on_net(here: Here, tmp_path: Path, monkeypatch) -> OnNet:
 def test_a_restored_job_reaches_its_network_only_once_recorded_as_running(
     here: Here, pid1: Pid1Criu, on_net: OnNet, monkeypatch
 ) -> None:
-    """CRIU restores the link down and off the bridge; it joins (up) only after the commit
-    point: a copy that never runs says nothing to the job's peers."""
+    """CRIU restores the link down and off the bridge; it comes up there, and joins the bridge
+    only after the commit point: a copy that never runs says nothing to the job's peers."""
     image = here.tmp / "img"
     here.save(image)
     on_net.calls.write_text("")
@@ -324,7 +324,10 @@ def test_a_restored_job_reaches_its_network_only_once_recorded_as_running(
 
     assert pid1.externals[0] == [f"veth[eth0]:{rec.veth}"]  # no @ferry0: CRIU leaves it off
     assert joined == [JobState.RUNNING]
-    assert on_net.calls.read_text().splitlines() == [f"link set {rec.veth} master ferry0 up"]
+    assert on_net.calls.read_text().splitlines() == [
+        f"link set {rec.veth} up",  # off the bridge: its carrier, long before the release
+        f"link set {rec.veth} master ferry0 up",
+    ]
     assert on_net.announced == ["10.77.1.1"]
 
 
