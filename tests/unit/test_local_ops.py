@@ -331,6 +331,26 @@ def test_a_restored_job_reaches_its_network_only_once_recorded_as_running(
     assert on_net.announced == ["10.77.1.1"]
 
 
+def test_a_restored_job_whose_link_cannot_join_its_bridge_goes_on_and_says_so(
+    here: Here, pid1: Pid1Criu, on_net: OnNet
+) -> None:
+    """Past the commit point the copy is the job's only one: stopped, it would be stranded."""
+    image = here.tmp / "img"
+    here.save(image)
+    fake_ip = on_net.calls.parent / "ip"
+    fake_ip.write_text(
+        f'#!/bin/sh\necho "$*" >> {on_net.calls}\n'
+        'case "$*" in *master*) echo "RTNETLINK answers: No such device" >&2; exit 2;; esac\n'
+    )
+
+    rec = here.restore(image)
+
+    assert rec.state is JobState.RUNNING
+    assert "its peers cannot reach it: its link could not join the bridge" in rec.note, rec.note
+    assert "No such device" in rec.note
+    wait_for(lambda: not is_stopped(rec.pid), what="the restored job to go on")
+
+
 def test_a_copy_on_a_job_network_gets_its_own_address_before_its_link_joins(
     here: Here, pid1: Pid1Criu, on_net: OnNet
 ) -> None:
