@@ -23,7 +23,12 @@ def dup_fd(pid: int, fd: int) -> int | None:
     except OSError:
         return None
     try:
-        dup = _libc().syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
+        return getfd(pidfd, fd)
     finally:
         os.close(pidfd)
+
+
+def getfd(pidfd: int, fd: int) -> int | None:
+    """As dup_fd, through a pidfd the caller holds (one per process, however many fds)."""
+    dup = _libc().syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
     return dup if dup >= 0 else None

@@ -166,7 +166,7 @@ def checkpoint(
         # (its peers are cut at the same moment); the one suite run without it saw a group
         # rolled back while rounds went on make no step for a minute (docs/distributed.md).
         if link.network is not None:
-            phases.run("drain", lambda: peerwait.drain(rec.pid, rec.address))
+            phases.run("drain", lambda: peerwait.drain(tree, rec.address))
         phases.run("cut", link.engage)
         faults.check("checkpoint", node)
         dump = phases.run(

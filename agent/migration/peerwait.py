@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from agent.jobs.record import JobRecord
-from agent.migration import tcp_table
+from agent.migration import tcp_sockets
 from agent.migration.limits import is_distributed
 from agent.rpc import pb
 
@@ -219,19 +219,23 @@ def watched(rec: JobRecord) -> bool:
 
 
 def drain(
-    pid: int, own: str, timeout_s: float = DRAIN_S, look: Callable[[int], list[str]] = tcp_table.in_flight
+    pids: list[int],
+    own: str,
+    timeout_s: float = DRAIN_S,
+    look: Callable[[list[int]], list[str]] = tcp_sockets.in_flight,
 ) -> int:
     """Wait, at most timeout_s, until the stopped job's connections to its peers hold no sent and
     unacknowledged bytes; return how many still do. Its kernel still takes their ACKs: cut then,
     those bytes would wait on the restored socket's first retransmission timeout after the release
-    (1 s, since a restored socket has no round-trip time to go by). `look(pid)`: the peers of
-    its connections with bytes in flight (read from the kernel's tables: the job is frozen)."""
+    (1 s, since a restored socket has no round-trip time to go by). `pids`: the job's stopped
+    tree, root first; `look(pids)`: the peers of their connections with bytes in flight (read from
+    the job's own sockets: it is frozen)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            held = [peer for peer in look(pid) if not to_job_itself(peer, own)]
+            held = [peer for peer in look(pids) if not to_job_itself(peer, own)]
         except (OSError, ValueError) as e:
-            log.info("job pid %d: its connections could not be read before the cut (%s)", pid, e)
+            log.info("job pid %d: its connections could not be read before the cut (%s)", pids[0], e)
             return -1
         if not held or time.monotonic() >= deadline:
             return len(held)

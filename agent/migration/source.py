@@ -300,7 +300,7 @@ class SourceMigration(PrepareStep, PostCopyStep, AbortPath):
         # Stopped, then its sent bytes acknowledged, then cut: bytes it sent into the cut link would
         # wait after the release for the restored socket's first retransmission (peerwait.drain).
         procs.stop(pids)
-        if self.link.network is not None and (held := peerwait.drain(root, self.link.address)) > 0:
+        if self.link.network is not None and (held := peerwait.drain(pids, self.link.address)) > 0:
             log.info(
                 "migration %s: %d connection(s) still held unacknowledged bytes at the cut",
                 self.spec.migration_id,

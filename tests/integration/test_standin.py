@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from agent.jobs.network import JobNetwork, LinkLock, NetworkConfig, in_netns
-from agent.migration import tcp_table
+from agent.migration import tcp_sockets
 from agent.testing.poll import wait_for
 
 CUT_S = 3.3  # past the back-off point at 3.0 s: the next try would come at about 6.2 s
@@ -160,7 +160,7 @@ def longest_gap_across_cut(
             t0 = time.monotonic()
             time.sleep(0.5)
             # What the drain before a cut reads: the sender's bytes into the cut link in flight.
-            in_flight.append(tcp_table.in_flight(send.pid))
+            in_flight.append(tcp_sockets.in_flight([send.pid]))
             time.sleep(cut_s - 0.5)
             lock.release()
             cut.append(time.monotonic() - t0)

@@ -401,26 +401,26 @@ def test_getmigration_of_a_real_agent_waits_for_the_measure(agent) -> None:
 
 
 def in_flight(ss_text: str) -> list[str]:
-    """What tcp_table.in_flight would say of the connections `ss -ti` shows."""
+    """What tcp_sockets.in_flight would say of the connections `ss -ti` shows."""
     return [c.peer for c in peerwait.parse_ss(ss_text) if c.unacked]
 
 
 def test_the_drain_waits_until_the_held_bytes_are_acknowledged() -> None:
     looks = iter([HELD, HELD, AFTER])
-    assert peerwait.drain(4242, JOB, timeout_s=5.0, look=lambda pid: in_flight(next(looks))) == 0
+    assert peerwait.drain([4242], JOB, timeout_s=5.0, look=lambda pids: in_flight(next(looks))) == 0
     assert next(looks, None) is None  # it looked until nothing was held, not longer
 
 
 def test_the_drain_is_bounded_and_says_how_many_still_hold_bytes() -> None:
     t0 = time.monotonic()
     assert (
-        peerwait.drain(4242, JOB, timeout_s=0.05, look=lambda pid: in_flight(HELD)) == 1
+        peerwait.drain([4242], JOB, timeout_s=0.05, look=lambda pids: in_flight(HELD)) == 1
     )  # loopback not counted
     assert time.monotonic() - t0 < 1.0
 
 
 def test_a_drain_that_cannot_look_goes_on_at_once() -> None:
-    def fails(pid: int) -> list[str]:
-        raise OSError("[Errno 2] No such file or directory: '/proc/4242/net/tcp'")
+    def fails(pids: list[int]) -> list[str]:
+        raise OSError("[Errno 2] No such file or directory: '/proc/4242/fd'")
 
-    assert peerwait.drain(4242, JOB, timeout_s=5.0, look=fails) == -1
+    assert peerwait.drain([4242], JOB, timeout_s=5.0, look=fails) == -1
