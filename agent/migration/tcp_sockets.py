@@ -5,11 +5,12 @@ This is what the drain before a freeze's cut (agent.migration.peerwait.drain) lo
 over while the job is frozen, so a look must cost what the job's own sockets cost, not what the
 host's do. The namespace's tables (/proc/PID/net/tcp and tcp6) cost the host's: reading either
 walks every bucket of the kernel's established-connection hash, which a namespace shares with the
-host by default and which the kernel sizes by the host's memory (262,144 buckets on a 24 GiB VM:
-3.2 ms a table, 6.5 ms a look, idle; more on a GPU node's terabyte). A look here is a readlink
-per fd and a few calls per TCP socket. (A socket duplicated so takes the agent's net_cls and
-net_prio ids under cgroup v1, as the kernel's receive_fd does for any fd passed; the repair-mode
-exit of agent.criu.tcp_repair duplicates them the same way. Under cgroup v2 nothing changes.)
+host by default and which the kernel sizes by the host's memory (262,144 buckets on a 24 GiB VM,
+up to 524,288, its cap without `thash_entries`: 3.2 ms a table here, 6.5 ms a look, idle). A
+look here is a readlink per fd and a few calls per TCP socket. (A socket duplicated so takes the
+agent's net_cls and net_prio ids under cgroup v1, as the kernel's receive_fd does for any fd
+passed; the repair-mode exit of agent.criu.tcp_repair duplicates them the same way. Under cgroup
+v2 nothing changes.)
 """
 
 from __future__ import annotations
