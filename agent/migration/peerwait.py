@@ -38,7 +38,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from agent.jobs.record import JobRecord
 from agent.migration import tcp_sockets
@@ -68,6 +68,17 @@ KEEP = 64
 ASK_SLACK_S = 5.0
 
 Key = tuple[str, str]
+
+
+class Looks(Protocol):
+    """A stopped job's sockets, asked again and again (agent.migration.tcp_sockets.Sockets)."""
+
+    def in_flight(self) -> list[str]: ...
+
+    def __enter__(self) -> Looks: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
 
 _COUNTER = re.compile(r"(?<![\w])(bytes_received|bytes_acked|unacked):(\d+)")
 
@@ -222,24 +233,30 @@ def drain(
     pids: list[int],
     own: str,
     timeout_s: float = DRAIN_S,
-    look: Callable[[list[int]], list[str]] = tcp_sockets.in_flight,
+    sockets: Callable[[list[int]], Looks] = tcp_sockets.Sockets,
 ) -> int:
     """Wait, at most timeout_s, until the stopped job's connections to its peers hold no sent and
     unacknowledged bytes; return how many still do. Its kernel still takes their ACKs: cut then,
     those bytes would wait on the restored socket's first retransmission timeout after the release
     (1 s, since a restored socket has no round-trip time to go by). `pids`: the job's stopped
-    tree, root first; `look(pids)`: the peers of their connections with bytes in flight (read from
-    the job's own sockets: it is frozen)."""
+    tree, root first; `sockets(pids)`: its TCP sockets, found once (the tree is stopped: its fds
+    stay), whose `in_flight()` names the peers of those with bytes in flight now."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            held = [peer for peer in look(pids) if not to_job_itself(peer, own)]
-        except (OSError, ValueError) as e:
-            log.info("job pid %d: its connections could not be read before the cut (%s)", pids[0], e)
-            return -1
-        if not held or time.monotonic() >= deadline:
-            return len(held)
-        time.sleep(0.005)
+    try:
+        socks = sockets(pids)
+    except (OSError, ValueError) as e:
+        log.info("job pid %d: its connections could not be read before the cut (%s)", pids[0], e)
+        return -1
+    with socks:
+        while True:
+            try:
+                held = [peer for peer in socks.in_flight() if not to_job_itself(peer, own)]
+            except (OSError, ValueError) as e:
+                log.info("job pid %d: its connections could not be read before the cut (%s)", pids[0], e)
+                return -1
+            if not held or time.monotonic() >= deadline:
+                return len(held)
+            time.sleep(0.005)
 
 
 def look_ss(pid: int) -> str:

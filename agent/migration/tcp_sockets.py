@@ -59,50 +59,90 @@ def _socket_fds(pid: int) -> list[tuple[int, str]]:
     return out
 
 
-def _conn(fd: int) -> Conn | None:
-    """The connection behind our duplicate `fd` (closed here), if it is an established TCP one."""
-    with socket.socket(fileno=fd) as s:  # its family, type and protocol read from the socket
-        if s.family not in _FAMILIES or s.type != socket.SOCK_STREAM or s.proto != socket.IPPROTO_TCP:
-            return None
-        info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO.size)
-        state, _rto, _ato, _snd_mss, _rcv_mss, unacked = _TCP_INFO.unpack(info)
-        if state != _TCP_ESTABLISHED:
-            return None
+def _tcp(fd: int) -> socket.socket | None:
+    """Our duplicate `fd` as a socket object if it is a TCP one (else closed here)."""
+    s = socket.socket(fileno=fd)  # its family, type and protocol read from the socket
+    if s.family in _FAMILIES and s.type == socket.SOCK_STREAM and s.proto == socket.IPPROTO_TCP:
+        return s
+    s.close()
+    return None
+
+
+def _conn(s: socket.socket) -> Conn | None:
+    """The connection behind `s` as the kernel has it now, if it is established."""
+    info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO.size)
+    state, _rto, _ato, _snd_mss, _rcv_mss, unacked = _TCP_INFO.unpack(info)
+    if state != _TCP_ESTABLISHED:
+        return None
+    try:
+        peer = s.getpeername()
+    except OSError:  # reset since: not established any more
+        return None
+    return Conn(_address(s.getsockname()), _address(peer), unacked > 0)
+
+
+class Sockets:
+    """The TCP sockets that the processes `pids` hold, each once (a socket shared by several fds
+    or processes is one), duplicated when this is made: a stopped tree's fds do not change, so a
+    drain that looks again and again asks the same sockets and lists no fd twice. Raises OSError
+    if the first process cannot be read (it is gone); later ones that went are skipped (a tree's
+    child). Close it (or use it as a context manager): it holds a duplicate of each."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self._socks: list[socket.socket] = []
+        seen: set[str] = set()
         try:
-            peer = s.getpeername()
-        except OSError:  # reset since: not established any more
-            return None
-        return Conn(_address(s.getsockname()), _address(peer), unacked > 0)
+            for i, pid in enumerate(pids):
+                try:
+                    fds = _socket_fds(pid)
+                    pidfd = os.pidfd_open(pid)
+                except OSError:
+                    if i == 0:
+                        raise
+                    continue
+                try:
+                    for fd, name in fds:
+                        if name in seen:
+                            continue
+                        seen.add(name)
+                        if (dup := getfd(pidfd, fd)) is None:  # closed since the listing
+                            continue
+                        if (s := _tcp(dup)) is not None:
+                            self._socks.append(s)
+                finally:
+                    os.close(pidfd)
+        except BaseException:
+            self.close()
+            raise
+
+    def connections(self) -> list[Conn]:
+        """The established ones, as they are now."""
+        return [c for s in self._socks if (c := _conn(s)) is not None]
+
+    def in_flight(self) -> list[str]:
+        """The peers of the established ones with sent bytes not yet acknowledged, now."""
+        return [c.peer for c in self.connections() if c.in_flight]
+
+    def close(self) -> None:
+        for s in self._socks:
+            s.close()
+        self._socks = []
+
+    def __enter__(self) -> Sockets:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def connections(pids: list[int]) -> list[Conn]:
-    """The established TCP connections (IPv4 and IPv6) that the processes `pids` hold, each once
-    (a socket shared by several fds or processes is one connection). Raises OSError if the first
-    process cannot be read (it is gone); later ones that went are skipped (a tree's child)."""
-    out: list[Conn] = []
-    seen: set[str] = set()
-    for i, pid in enumerate(pids):
-        try:
-            fds = _socket_fds(pid)
-            pidfd = os.pidfd_open(pid)
-        except OSError:
-            if i == 0:
-                raise
-            continue
-        try:
-            for fd, name in fds:
-                if name in seen:
-                    continue
-                seen.add(name)
-                if (dup := getfd(pidfd, fd)) is None:  # closed since the listing
-                    continue
-                if (c := _conn(dup)) is not None:
-                    out.append(c)
-        finally:
-            os.close(pidfd)
-    return out
+    """The established TCP connections (IPv4 and IPv6) that the processes `pids` hold now (see
+    Sockets)."""
+    with Sockets(pids) as socks:
+        return socks.connections()
 
 
 def in_flight(pids: list[int]) -> list[str]:
     """The peers of the connections `pids` hold with sent bytes not yet acknowledged."""
-    return [c.peer for c in connections(pids) if c.in_flight]
+    with Sockets(pids) as socks:
+        return socks.in_flight()

@@ -4,8 +4,11 @@ really prints, the tally over a watch's looks, the watch on its thread, and the 
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 
@@ -401,26 +404,57 @@ def test_getmigration_of_a_real_agent_waits_for_the_measure(agent) -> None:
 
 
 def in_flight(ss_text: str) -> list[str]:
-    """What tcp_sockets.in_flight would say of the connections `ss -ti` shows."""
+    """What tcp_sockets.Sockets.in_flight would say of the connections `ss -ti` shows."""
     return [c.peer for c in peerwait.parse_ss(ss_text) if c.unacked]
+
+
+@dataclass
+class Looked:
+    """A stopped job's sockets as the drain sees them: each look the next of `texts`."""
+
+    texts: Iterator[str]
+    opened: int = 0
+    closed: bool = False
+
+    def __call__(self, pids: list[int]) -> Looked:
+        assert pids == [4242]
+        self.opened += 1
+        return self
+
+    def in_flight(self) -> list[str]:
+        return in_flight(next(self.texts))
+
+    def __enter__(self) -> Looked:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.closed = True
 
 
 def test_the_drain_waits_until_the_held_bytes_are_acknowledged() -> None:
     looks = iter([HELD, HELD, AFTER])
-    assert peerwait.drain([4242], JOB, timeout_s=5.0, look=lambda pids: in_flight(next(looks))) == 0
+    looked = Looked(looks)
+    assert peerwait.drain([4242], JOB, timeout_s=5.0, sockets=looked) == 0
     assert next(looks, None) is None  # it looked until nothing was held, not longer
+    assert looked.opened == 1 and looked.closed  # the stopped tree's sockets found once, let go
 
 
 def test_the_drain_is_bounded_and_says_how_many_still_hold_bytes() -> None:
     t0 = time.monotonic()
-    assert (
-        peerwait.drain([4242], JOB, timeout_s=0.05, look=lambda pids: in_flight(HELD)) == 1
-    )  # loopback not counted
+    held = peerwait.drain([4242], JOB, timeout_s=0.05, sockets=Looked(itertools.repeat(HELD)))
+    assert held == 1  # loopback not counted
     assert time.monotonic() - t0 < 1.0
 
 
 def test_a_drain_that_cannot_look_goes_on_at_once() -> None:
-    def fails(pids: list[int]) -> list[str]:
+    def fails(pids: list[int]) -> Looked:
         raise OSError("[Errno 2] No such file or directory: '/proc/4242/fd'")
 
-    assert peerwait.drain([4242], JOB, timeout_s=5.0, look=fails) == -1
+    assert peerwait.drain([4242], JOB, timeout_s=5.0, sockets=fails) == -1
+
+    class Gone(Looked):
+        def in_flight(self) -> list[str]:
+            raise OSError("[Errno 9] Bad file descriptor")
+
+    gone = Gone(iter([]))
+    assert peerwait.drain([4242], JOB, timeout_s=5.0, sockets=gone) == -1 and gone.closed

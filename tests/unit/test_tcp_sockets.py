@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -97,3 +98,22 @@ def test_bytes_sent_and_not_acknowledged_are_in_flight() -> None:
     assert said["before"] == []
     # The client's bytes await the server's ACK; the server sent nothing, so it holds none.
     assert said["after"] == [said["server"]]
+
+
+def test_sockets_found_once_are_asked_again_as_they_are_now() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server, _ = listener.accept()
+    here = f"127.0.0.1:{client.getsockname()[1]}"
+    try:
+        with tcp_sockets.Sockets([os.getpid()]) as socks:
+            assert here in {c.local for c in socks.connections()}
+            late = socket.create_connection(listener.getsockname())  # after the look: not found
+            server.shutdown(socket.SHUT_RDWR)  # the peer's FIN: no longer established
+            time.sleep(0.05)
+            assert here not in {c.local for c in socks.connections()}
+            assert f"127.0.0.1:{late.getsockname()[1]}" not in {c.local for c in socks.connections()}
+            late.close()
+    finally:
+        for s in (client, server, listener):
+            s.close()
