@@ -1030,9 +1030,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--every",
         type=float,
         default=6.0,
-        help="ferry's snapshot interval (default 6 s: Young/Daly's for a round that costs the job about "
-        "0.3 s, between 4.4 s for every failure of the default schedule and 6.2 s for the hard ones "
-        "alone, which are all a round serves)",
+        help="ferry's snapshot interval (default 6 s: Young/Daly's for the hard failures alone, which are "
+        "all a round serves, with a round that pauses the group about 0.3 s; by a member's freeze, about "
+        "0.17 s, it would be 4.7 s, but runs at 3.5 and 5 s did no better: docs/performance.md)",
     )
     p.add_argument(
         "--detect-s",

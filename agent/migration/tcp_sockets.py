@@ -61,7 +61,11 @@ def _socket_fds(pid: int) -> list[tuple[int, str]]:
 
 def _tcp(fd: int) -> socket.socket | None:
     """Our duplicate `fd` as a socket object if it is a TCP one (else closed here)."""
-    s = socket.socket(fileno=fd)  # its family, type and protocol read from the socket
+    try:
+        s = socket.socket(fileno=fd)  # its family, type and protocol read from the socket
+    except OSError:  # one Python cannot take as a socket is no TCP one
+        os.close(fd)
+        return None
     if s.family in _FAMILIES and s.type == socket.SOCK_STREAM and s.proto == socket.IPPROTO_TCP:
         return s
     s.close()
