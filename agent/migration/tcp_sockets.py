@@ -61,8 +61,10 @@ def _socket_fds(pid: int) -> list[tuple[int, str]]:
 
 def _tcp(fd: int) -> socket.socket | None:
     """Our duplicate `fd` as a socket object if it is a TCP one (else closed here)."""
+    # Its family, type and protocol are read from the socket. Python leaves its flags alone, which
+    # the job's fd shares, as long as no default timeout is set (the agent sets none).
     try:
-        s = socket.socket(fileno=fd)  # its family, type and protocol read from the socket
+        s = socket.socket(fileno=fd)
     except OSError:  # one Python cannot take as a socket is no TCP one
         os.close(fd)
         return None
