@@ -24,11 +24,17 @@ def dup_fd(pid: int, fd: int) -> int | None:
         return None
     try:
         return getfd(pidfd, fd)
+    except OSError:
+        return None
     finally:
         os.close(pidfd)
 
 
-def getfd(pidfd: int, fd: int) -> int | None:
-    """As dup_fd, through a pidfd the caller holds (one per process, however many fds)."""
+def getfd(pidfd: int, fd: int) -> int:
+    """As dup_fd, through a pidfd the caller holds (one per process, however many fds); an
+    OSError with the kernel's errno says why not (EBADF: the fd is closed)."""
     dup = _libc().syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
-    return dup if dup >= 0 else None
+    if dup < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"pidfd_getfd of fd {fd}: {os.strerror(err)}")
+    return dup

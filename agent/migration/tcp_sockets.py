@@ -16,6 +16,7 @@ v2 nothing changes.)
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import struct
@@ -111,8 +112,12 @@ class Sockets:
                         if name in seen:
                             continue
                         seen.add(name)
-                        if (dup := getfd(pidfd, fd)) is None:  # closed since the listing
-                            continue
+                        try:
+                            dup = getfd(pidfd, fd)
+                        except OSError as e:
+                            if e.errno == errno.EBADF:  # closed since the listing
+                                continue
+                            raise  # no socket of this job can be read so (EPERM, ENOSYS): say so
                         if (s := _tcp(dup)) is not None:
                             self._socks.append(s)
                 finally:

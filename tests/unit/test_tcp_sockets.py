@@ -4,6 +4,7 @@ ones, in flight while segments they sent await their acknowledgement."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -117,3 +118,25 @@ def test_sockets_found_once_are_asked_again_as_they_are_now() -> None:
     finally:
         for s in (client, server, listener):
             s.close()
+
+
+def test_an_fd_closed_since_the_listing_is_skipped_and_a_refused_duplicate_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+
+        def closed(pidfd: int, fd: int) -> int:
+            raise OSError(errno.EBADF, "pidfd_getfd: Bad file descriptor")
+
+        monkeypatch.setattr(tcp_sockets, "getfd", closed)
+        assert tcp_sockets.connections([os.getpid()]) == []
+
+        def refused(pidfd: int, fd: int) -> int:
+            raise OSError(errno.EPERM, "pidfd_getfd: Operation not permitted")
+
+        monkeypatch.setattr(tcp_sockets, "getfd", refused)
+        with pytest.raises(OSError, match="not permitted"):  # the drain says so, not "nothing held"
+            tcp_sockets.connections([os.getpid()])
+    finally:
+        listener.close()
