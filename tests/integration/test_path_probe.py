@@ -17,6 +17,10 @@ from tests.integration.jobtools import WORKLOAD, final_digest, reference_digest,
 
 #: Every move is probed (above 0 MiB) with 8 MiB and must see 20 MB/s.
 VERIFY = "[verify]\nprobe_above_mib = 0\nprobe_mib = 8\npath_min_mbps = 20\n"
+#: Long enough to be running at the second move: the refused one's probe crosses the slow path
+#: first (about 2 s), and under the whole suite's load a 0.1 s step took 0.27 s (a job of 60
+#: steps once ended just before that move froze it, and the move found its link gone with it).
+STEPS = 150
 
 
 @pytest.fixture
@@ -29,7 +33,7 @@ def test_a_move_over_a_slow_path_is_refused_before_it_freezes_and_a_sound_path_t
     a = bed.node("node-a", config=VERIFY)
     slow, sound = bed.node("node-b"), bed.node("node-c")
     bed.throttle(slow, 40)  # 5 MB/s into node-b
-    a.cli("run", "--name", "train", "--", sys.executable, str(WORKLOAD), *train_args(60))
+    a.cli("run", "--name", "train", "--", sys.executable, str(WORKLOAD), *train_args(STEPS))
     a.wait_log("train", r"^step 5 ")
 
     refused = a.cli("migrate", "train", "--to", slow.address, check=False)
@@ -48,5 +52,5 @@ def test_a_move_over_a_slow_path_is_refused_before_it_freezes_and_a_sound_path_t
     print(f"path probe: node-b {rate:.1f} MB/s (refused), node-c {result['path_mbps']:.0f} MB/s (moved)")
     j = sound.wait_exited("train")
     out = sound.cli("logs", "train").stdout
-    assert j["exit_code"] == 0 and steps_in(out) == list(range(60))
-    assert final_digest(out) == reference_digest(60)
+    assert j["exit_code"] == 0 and steps_in(out) == list(range(STEPS))
+    assert final_digest(out) == reference_digest(STEPS)
