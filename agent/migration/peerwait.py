@@ -243,20 +243,15 @@ def drain(
     stay), whose `in_flight()` names the peers of those with bytes in flight now."""
     deadline = time.monotonic() + timeout_s
     try:
-        socks = sockets(pids)
+        with sockets(pids) as socks:
+            while True:
+                held = [peer for peer in socks.in_flight() if not to_job_itself(peer, own)]
+                if not held or time.monotonic() >= deadline:
+                    return len(held)
+                time.sleep(0.005)
     except (OSError, ValueError) as e:
         log.info("job pid %d: its connections could not be read before the cut (%s)", pids[0], e)
         return -1
-    with socks:
-        while True:
-            try:
-                held = [peer for peer in socks.in_flight() if not to_job_itself(peer, own)]
-            except (OSError, ValueError) as e:
-                log.info("job pid %d: its connections could not be read before the cut (%s)", pids[0], e)
-                return -1
-            if not held or time.monotonic() >= deadline:
-                return len(held)
-            time.sleep(0.005)
 
 
 def look_ss(pid: int) -> str:

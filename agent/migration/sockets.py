@@ -33,8 +33,8 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _socket_fds(pid: int) -> dict[str, int]:
-    """The process's socket fds, by their socket's inode."""
+def socket_fds(pid: int) -> dict[str, int]:
+    """The process's socket fds, by their socket's inode (none if it is gone)."""
     out = {}
     with contextlib.suppress(OSError):
         for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -58,9 +58,9 @@ def cut_connection(pid: int, port: int, spare: Iterable[int] = ()) -> int:
                 if port in ends:
                     ours.add(f[9])
     for other in spare:
-        ours -= _socket_fds(other).keys()
+        ours -= socket_fds(other).keys()
     cut = 0
-    for inode, fd in _socket_fds(pid).items():
+    for inode, fd in socket_fds(pid).items():
         if inode not in ours or (dup := dup_fd(pid, fd)) is None:
             continue
         with socket.socket(fileno=dup) as s, contextlib.suppress(OSError):

@@ -15,7 +15,6 @@ v2 nothing changes.)
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import socket
@@ -23,6 +22,7 @@ import struct
 from dataclasses import dataclass
 
 from agent.jobs.pidfd import getfd
+from agent.migration.sockets import socket_fds
 
 _TCP_ESTABLISHED = 1
 #: struct tcp_info up to tcpi_unacked: eight one-byte fields, then rto, ato, snd_mss, rcv_mss,
@@ -46,18 +46,6 @@ def _address(addr: tuple) -> str:  # type: ignore[type-arg]
     """(host, port[, flow, scope]) → `10.0.0.1:80` or `[::1]:80`, as /proc/net/tcp's readers say."""
     host, port = addr[0], addr[1]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _socket_fds(pid: int) -> list[tuple[int, str]]:
-    """pid's fds that are sockets, with their `socket:[INODE]` names. Raises OSError when the
-    process is gone."""
-    out = []
-    for name in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):  # closed since the listing
-            target = os.readlink(f"/proc/{pid}/fd/{name}")
-            if target.startswith("socket:["):
-                out.append((int(name), target))
-    return out
 
 
 def _tcp(fd: int) -> socket.socket | None:
@@ -101,17 +89,16 @@ class Sockets:
         try:
             for i, pid in enumerate(pids):
                 try:
-                    fds = _socket_fds(pid)
                     pidfd = os.pidfd_open(pid)
                 except OSError:
                     if i == 0:
                         raise
                     continue
                 try:
-                    for fd, name in fds:
-                        if name in seen:
+                    for inode, fd in socket_fds(pid).items():
+                        if inode in seen:
                             continue
-                        seen.add(name)
+                        seen.add(inode)
                         try:
                             dup = getfd(pidfd, fd)
                         except OSError as e:
