@@ -148,15 +148,19 @@ def restore_tree(
         raise
     # Recorded as running: from now on this is the job's one copy, so it is never killed here,
     # and it goes on even unreachable: stopped, it would be stranded.
+    joined = False
     try:
         link.release()
-        if net and registry.network is not None:
-            registry.network.announce(res.pid, spec.address)  # the segment learns the job's new port
+        joined = True
     except Exception as e:
         log.error("job %s: restored, but its link could not join the bridge: %s", name, e)
         note = f"{note}; its peers cannot reach it: its link could not join the bridge ({e})"
         rec = registry.update(name, note=note)
     procs.resume(pids)
+    if joined and net and registry.network is not None:
+        # Once it runs (two requests 50 ms apart, no part of its pause): the segment learns its
+        # new port, and what its kernel asked of its peers off the bridge is asked again.
+        registry.network.announce(res.pid, spec.address)
     try:
         if manifest.cuda is not None:
             cuda_jobs.unlock([pid for pid, _ in plan], times)

@@ -319,6 +319,14 @@ def test_a_restored_job_reaches_its_network_only_once_recorded_as_running(
         reconnect(self, veth)
 
     monkeypatch.setattr(JobNetwork, "reconnect", recorded)
+    going: list[bool] = []  # whether the job ran when it was announced
+    announce = JobNetwork.announce
+
+    def announced(self: JobNetwork, pid: int, address: str) -> None:
+        going.append(not is_stopped(pid))
+        announce(self, pid, address)
+
+    monkeypatch.setattr(JobNetwork, "announce", announced)
 
     rec = here.restore(image)
 
@@ -329,6 +337,7 @@ def test_a_restored_job_reaches_its_network_only_once_recorded_as_running(
         f"link set {rec.veth} master ferry0 up",
     ]
     assert on_net.announced == ["10.77.1.1"]
+    assert going == [True]  # said once it runs: its two requests, 50 ms apart, are not its pause
 
 
 def test_a_restored_job_whose_link_cannot_join_its_bridge_goes_on_and_says_so(
