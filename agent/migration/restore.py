@@ -157,16 +157,17 @@ def restore_tree(
         note = f"{note}; its peers cannot reach it: its link could not join the bridge ({e})"
         rec = registry.update(name, note=note)
     procs.resume(pids)
-    if joined and net and registry.network is not None:
-        # Once it runs (two requests 50 ms apart, no part of its pause): the segment learns its
-        # new port, and what its kernel asked of its peers off the bridge is asked again.
-        registry.network.announce(res.pid, spec.address)
     try:
         if manifest.cuda is not None:
             cuda_jobs.unlock([pid for pid, _ in plan], times)
     except Exception as e:
         log.error("job %s: restored, but could not be released: %s", name, e)
         rec = registry.update(name, note=f"{note}; its CUDA calls stay blocked: unlock failed: {e}")
+    if joined and net and registry.network is not None:
+        # Once it runs, CUDA calls too (two requests 50 ms apart, no part of its pause): the
+        # segment learns its new port, and what its kernel asked of its peers off the bridge is
+        # asked again.
+        registry.network.announce(res.pid, spec.address)
     return rec
 
 
