@@ -342,10 +342,15 @@ class JobNetwork:
         """Said from the job's own namespace once its link is on the bridge: an ARP request for
         each neighbour its kernel still waits to resolve (ask_unresolved), then a gratuitous ARP,
         so the segment learns its new port."""
+
+        def say() -> None:
+            ask_unresolved(INNER, address)
+            garp(INNER, address)
+
         try:
-            in_netns(pid, lambda: (ask_unresolved(INNER, address), garp(INNER, address)))
+            in_netns(pid, say)
         except Exception as e:  # the job runs here already: a missed announcement only delays its peers
-            log.warning("job network: gratuitous ARP for %s failed: %s", address, e)
+            log.warning("job network: announcing %s from the job's namespace failed: %s", address, e)
 
     def criu_dump_external(self, veth: str) -> str:
         return f"veth[{INNER}]:{veth}"
