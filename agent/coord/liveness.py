@@ -440,11 +440,14 @@ class NodeLiveness:
         """Of `spares` (agents' HOST:PORT), in order, those whose node holds a lease, that run
         none of `agents`' members and that no recovery claimed (a claimed spare is a group's
         node now, which a warned failure may empty and kill next): where a round's images may
-        be kept."""
+        be kept. None of them free, this agent's own node if it is free so: the agent that runs
+        a group's rounds may be a spare itself (it took them over from a member's node that
+        died), which its own configuration does not list, and a member whose images its
+        peers' nodes keep (the ring, rounds.take) can move nowhere as an increment over them."""
         live = self._live_agents()
         claims = self.client.get_prefix(self.key("spares", ""))
-        claimed = {kv.key.decode().rsplit("/", 1)[-1] for kv in claims}
-        return [a for a in dict.fromkeys(spares) if a in live - claimed and a not in agents]
+        free = live - {kv.key.decode().rsplit("/", 1)[-1] for kv in claims} - set(agents)
+        return [a for a in dict.fromkeys(spares) if a in free] or [a for a in (self.agent,) if a in free]
 
     def agents_without_lease(self, agents: list[str]) -> set[str]:
         """Of `agents` (HOST:PORT), those whose node etcd holds no lease for (this one never)."""

@@ -298,6 +298,11 @@ def test_the_spares_that_keep_a_rounds_images_are_those_with_a_lease_that_run_no
     assert live.keepers(["U", "T", "S", "C", "U"], agents=["C"]) == ["U", "S"]
     live.client.put(PREFIX + "spares/U", json.dumps({"group": "g", "job": "r1", "by": "c"}))
     assert live.keepers(["U", "T", "S", "C"], agents=["C"]) == ["S"], "a recovery took U for a member"
+    # No spare free: this agent's own node (C, whose own configuration never lists it), if it
+    # runs no member; else none, and the members' ring keeps the images.
+    assert live.keepers(["U", "T"], agents=["S"]) == ["C"]
+    assert live.keepers(["U", "T"], agents=["C"]) == []
+    assert live.keepers(["S"], agents=["X"]) == ["S"], "a free spare comes before this node"
 
 
 def test_a_member_killed_here_by_a_failed_post_copy_is_handed_back_to_its_dead_source_and_found_lost(
