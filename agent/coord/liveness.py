@@ -440,10 +440,10 @@ class NodeLiveness:
         """Of `spares` (agents' HOST:PORT), in order, those whose node holds a lease, that run
         none of `agents`' members and that no recovery claimed (a claimed spare is a group's
         node now, which a warned failure may empty and kill next): where a round's images may
-        be kept. None of them free, this agent's own node if it is free so: the agent that runs
-        a group's rounds may be a spare itself (it took them over from a member's node that
-        died), which its own configuration does not list, and a member whose images its
-        peers' nodes keep (the ring, rounds.take) can move nowhere as an increment over them."""
+        be kept. If none of them is, this agent's own node, on the same terms: the agent that
+        runs a group's rounds may be a spare itself (it took them over from a member's node that
+        died), which its own configuration does not list, and a member whose images its peers'
+        nodes keep (the ring, rounds.take) can move nowhere as an increment over them."""
         live = self._live_agents()
         claims = self.client.get_prefix(self.key("spares", ""))
         free = live - {kv.key.decode().rsplit("/", 1)[-1] for kv in claims} - set(agents)
