@@ -339,16 +339,11 @@ class JobNetwork:
                 log.warning("job network: %s", e)
 
     def announce(self, pid: int, address: str) -> None:
-        """Said from the job's own namespace once its link is on the bridge: an ARP request for
-        each neighbour its kernel still waits to resolve (ask_unresolved), then a gratuitous ARP,
-        so the segment learns its new port."""
-
-        def say() -> None:
-            ask_unresolved(INNER, address)
-            garp(INNER, address)
-
+        """Said from the job's own namespace once its link is on the bridge (say_where): an ARP
+        request for each neighbour its kernel still waits to resolve, then a gratuitous ARP, so
+        the segment learns its new port."""
         try:
-            in_netns(pid, say)
+            in_netns(pid, lambda: say_where(INNER, address))
         except Exception as e:  # the job runs here already: a missed announcement only delays its peers
             log.warning("job network: announcing %s from the job's namespace failed: %s", address, e)
 
@@ -535,28 +530,21 @@ def unresolved(ifname: str) -> list[str]:
     return [r[0] for r in rows if len(r) >= 6 and r[5] == ifname and not int(r[2], 16) & _ATF_COM]
 
 
-def ask_unresolved(ifname: str, address: str) -> list[str]:
-    """An ARP request from address, now, for each neighbour on ifname still unresolved; the
-    addresses asked. A restored copy's kernel asked for its peers when its sockets left repair
-    mode, with its link down or off the bridge (restore_tree): unanswered, such an entry waits
-    for ARP's next try (a second after the first, retrans_time_ms), and the job's packets to that
-    peer wait in it. Any answer resolves an entry that waits, whoever asked, and its packets go
-    at once: the warned failures' moves on the fault bench waited 0.9 s without this."""
+def say_where(ifname: str, address: str, count: int = 2) -> None:
+    """From address on ifname (this thread's namespace): first an ARP request for each neighbour
+    still unresolved, then `count` gratuitous ARP requests (sender = target = address) 50 ms apart,
+    so the segment learns the port. A restored copy's kernel asked for its peers when its sockets
+    left repair mode, with its link down or off the bridge (restore_tree): unanswered, such an
+    entry waits for ARP's next try (a second after the first, retrans_time_ms), and the job's
+    packets to that peer wait in it. Any answer resolves an entry that waits, whoever asked, and
+    its packets go at once: the warned failures' moves on the fault bench waited 0.9 s without
+    this."""
     peers = unresolved(ifname)
-    if peers:
-        mac, ip = _mac(ifname), socket.inet_aton(address)
-        with socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(_ETH_P_ARP)) as sk:
-            sk.bind((ifname, 0))
-            for peer in peers:
-                sk.send(_arp(1, mac, ip, b"\0" * 6, socket.inet_aton(peer)))
-    return peers
-
-
-def garp(ifname: str, address: str, count: int = 2) -> None:
-    """Announce address on ifname: gratuitous ARP requests (sender = target = address)."""
     mac, ip = _mac(ifname), socket.inet_aton(address)
     with socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(_ETH_P_ARP)) as sk:
         sk.bind((ifname, 0))
+        for peer in peers:
+            sk.send(_arp(1, mac, ip, b"\0" * 6, socket.inet_aton(peer)))
         for i in range(count):
             sk.send(_arp(1, mac, ip, b"\0" * 6, ip))
             if i + 1 < count:

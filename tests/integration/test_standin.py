@@ -103,12 +103,18 @@ def network(floor_ms: int = 0) -> JobNetwork:
     )
 
 
+def held_in(ns: str) -> subprocess.Popen[bytes]:
+    """A process in namespace ns, once it is there: what a pid-addressed call (in_netns) needs."""
+    holder = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "60"])
+    ours = os.readlink("/proc/self/ns/net")
+    wait_for(f"a process in {ns}", lambda: os.readlink(f"/proc/{holder.pid}/ns/net") != ours, 10)
+    return holder
+
+
 def route_as_plumbed(ns: str, address: str, floor_ms: int) -> None:
     """The namespace's route to the subnet as JobNetwork.plumb makes a job's."""
-    holder = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "60"])
+    holder = held_in(ns)
     try:
-        ours = os.readlink("/proc/self/ns/net")
-        wait_for("the holder in its namespace", lambda: os.readlink(f"/proc/{holder.pid}/ns/net") != ours, 10)
         network(floor_ms).subnet_route(f"--net=/proc/{holder.pid}/ns/net", address)
     finally:
         holder.kill()
@@ -154,7 +160,7 @@ def longest_gap_across_cut(
     argv = [sys.executable, "-c", SENDER, to_address, str(cut_s + 9), str(every_s)]
     send = subprocess.Popen(["ip", "netns", "exec", names[sender], *argv])
     # LinkLock runs where the node's agent would: in the node's namespace, which a process holds.
-    holder = subprocess.Popen(["ip", "netns", "exec", names["node"], "sleep", "60"])
+    holder = held_in(names["node"])
     cut: list[float] = []
     in_flight: list[list[str]] = []
     try:
@@ -178,8 +184,6 @@ def longest_gap_across_cut(
             lock.release()
             cut.append(time.monotonic() - t0)
 
-        ours = os.readlink("/proc/self/ns/net")
-        wait_for("the holder in the node", lambda: os.readlink(f"/proc/{holder.pid}/ns/net") != ours, 10)
         in_netns(holder.pid, hold)
         assert send.wait(30) == 0
         out, _ = recv.communicate(timeout=30)
@@ -247,14 +251,6 @@ def test_with_the_routes_a_job_gets_the_peers_reach_it_within_80_ms_of_each_rele
     # ss's rto: the floor plus the smoothed round trip (without the route: the kernel's 200 ms).
     assert control[0] >= 200 and all(r <= 30 for _, _, r in gaps), (control, gaps)
     assert all(cut - SLACK_S <= gap <= cut + 0.08 for gap, cut, _ in gaps), gaps
-
-
-def held_in(ns: str) -> subprocess.Popen[bytes]:
-    """A process in namespace ns, once it is there: what a pid-addressed call (in_netns) needs."""
-    holder = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "60"])
-    ours = os.readlink("/proc/self/ns/net")
-    wait_for(f"a process in {ns}", lambda: os.readlink(f"/proc/{holder.pid}/ns/net") != ours, 10)
-    return holder
 
 
 def datagram_after_rejoin_s(names: dict[str, str], announce: bool) -> float:
