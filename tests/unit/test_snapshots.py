@@ -46,9 +46,14 @@ def image(d: Path, job: str = "r0", parent: Path | None = None, increment: int =
     return build_manifest(d, spec, "node-a", image_id=f"snapshot-{os.urandom(6).hex()}", parent=over)
 
 
+#: No process's nor thread's id (above the kernel's PID_MAX_LIMIT): what a member record's
+#: memory reads (procs.tree_private) is then nothing, wherever the suite runs.
+NO_PID = (1 << 22) + 1
+
+
 def member_rec(name: str, rank: str) -> JobRecord:
     return JobRecord(
-        name, JobKind.LAUNCHED, JobState.RUNNING, 100, ["x"], "/", env=[f"RANK={rank}"], group="g"
+        name, JobKind.LAUNCHED, JobState.RUNNING, NO_PID, ["x"], "/", env=[f"RANK={rank}"], group="g"
     )
 
 
@@ -265,7 +270,7 @@ def test_a_round_releases_no_member_before_every_member_is_held(tmp_path: Path) 
     assert all(verify(Path(m.dir)).job.name == m.job for m in snap.members)
 
 
-def test_a_warm_touches_what_the_last_dump_wrote_and_only_the_hold_just_after_it_skips_its_own(
+def test_a_warm_touches_what_the_next_dump_writes_and_only_the_hold_just_after_it_skips_its_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     warmed: list[int] = []
@@ -277,24 +282,34 @@ def test_a_warm_touches_what_the_last_dump_wrote_and_only_the_hold_just_after_it
         lambda g: [rec] if g == "g" else [],
         save,
         lambda buddy, chunks: pb.StoredSnapshot(),
+        tracks=lambda: True,
+        full_every=2,
         warm=lambda where, size: warmed.append(size) or 0.01,
     )
     monkeypatch.setattr(member.procs, "tree_rss", lambda pid: 4096 if pid == rec.pid else 0)
+    monkeypatch.setattr(member.procs, "tree_private", lambda pid: 1 << 20 if pid == rec.pid else 0)
     m.warm("g")  # no dump yet: as much as the job holds, and the dump warms again (GPU memory)
     (h1,) = m.hold("g", 1, 5)
     m.release("g", 1)
-    m.warm("g")  # then as much as its last dump wrote, which stands for the dump's warm-up
-    m.hold("g", 2, 5)
+    m.warm("g")  # its chain goes on: as much as its last dump wrote, standing for the dump's warm-up
+    (h2,) = m.hold("g", 2, 5)
     m.release("g", 2)
-    m.hold("g", 3, 5)  # no WARM before it: the dump warms by itself
+    assert save.dumps[-1][2] is not None and h2.bytes < h1.bytes, "an increment"
+    # Its chain ends there (full_every): the next dump is whole, as large as its own memory,
+    # not as its last increment.
+    m.warm("g")
+    m.hold("g", 3, 5)
     m.release("g", 3)
-    assert warmed == [4096, h1.bytes] and h1.bytes > 4096
-    assert save.warms == [True, False, True]
+    assert save.dumps[-1][2] is None, "whole"
+    m.hold("g", 4, 5)  # no WARM before it: the dump warms by itself
+    m.release("g", 4)
+    assert warmed == [4096, h1.bytes, 1 << 20] and h1.bytes > 4096
+    assert save.warms == [True, False, False, True]
     monkeypatch.setattr(member, "WARM_FRESH_S", 0.0)
     m.warm("g")
     time.sleep(0.01)
-    m.hold("g", 4, 5)  # a WARM too long ago stands for nothing: the memory went cold since
-    m.release("g", 4)
+    m.hold("g", 5, 5)  # a WARM too long ago stands for nothing: the memory went cold since
+    m.release("g", 5)
     assert save.warms[-1] is True
     with pytest.raises(NotFoundError, match="no member of group other"):
         m.warm("other")
