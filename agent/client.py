@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -111,12 +112,23 @@ class Dial:
     insecure: bool = False
 
 
-def channel(address: str, dial: Dial) -> grpc.Channel:
+#: A channel kept for many calls (PeerClients): gRPC's documented wait between tries to reconnect
+#: grows from 1 s to 120 s; bounded here to a second, so that a peer agent that was down a while
+#: is tried again about as soon as a new channel per call would have.
+KEPT_CHANNEL_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+def channel(address: str, dial: Dial, options: list[tuple[str, int]] = CHANNEL_OPTIONS) -> grpc.Channel:
     if address.startswith("unix:"):
-        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return grpc.insecure_channel(address, options=options)
     host, _ = split_address(address)
     if dial.identity is not None:
-        return grpc.secure_channel(address, dial.identity.channel_credentials(), options=CHANNEL_OPTIONS)
+        return grpc.secure_channel(address, dial.identity.channel_credentials(), options=options)
     if not dial.insecure:
         raise UnauthenticatedError(
             f"no client certificate to reach {address} over TLS",
@@ -127,7 +139,7 @@ def channel(address: str, dial: Dial) -> grpc.Channel:
         raise InvalidArgumentError(
             f"{address} is not a loopback address; plaintext (--insecure) is allowed only on loopback"
         )
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.insecure_channel(address, options=options)
 
 
 def stub(address: str, dial: Dial) -> pb_grpc.AgentStub:
@@ -182,10 +194,10 @@ def from_rpc_error(e: grpc.RpcError, address: str, step: str, dial: Dial | None 
 class PeerClient:
     """The target agent, for a source agent's migration (agent.migration.source.Peer)."""
 
-    def __init__(self, address: str, dial: Dial) -> None:
+    def __init__(self, address: str, dial: Dial, over: grpc.Channel | None = None) -> None:
         self.address = address
         self.dial = dial
-        self._stub = stub(address, dial)
+        self._stub = pb_grpc.AgentStub(over if over is not None else channel(address, dial))
 
     def _call(self, step: str, fn: object, req: object, timeout: float | None = None) -> object:
         try:
@@ -275,3 +287,30 @@ class _PageCall:
 
     def cancel(self) -> None:
         self._call.cancel()
+
+
+class PeerClients:
+    """One client per peer agent, its channel kept, for an agent's small calls that come again and
+    again (pings, the straggler watch's pace, a snapshot round's steps). A channel per call paid a
+    TCP and a TLS handshake each time: 3.3 ms of CPU between the two agents against 0.7 ms over a
+    kept one, some ten times a second on a node of the multi-node bed. A kept channel reconnects
+    by itself (within KEPT_CHANNEL_OPTIONS' second); a dead peer's calls run out their deadline,
+    as a new channel's connect did. Moves and image transfers open their own."""
+
+    def __init__(self, dial: Dial) -> None:
+        self.dial = dial
+        self._lock = threading.Lock()
+        self._kept: dict[str, tuple[grpc.Channel, PeerClient]] = {}
+
+    def get(self, address: str) -> PeerClient:
+        with self._lock:
+            if (kept := self._kept.get(address)) is None:
+                ch = channel(address, self.dial, KEPT_CHANNEL_OPTIONS)
+                kept = self._kept[address] = (ch, PeerClient(address, self.dial, over=ch))
+            return kept[1]
+
+    def close(self) -> None:
+        with self._lock:
+            kept, self._kept = list(self._kept.values()), {}
+        for ch, _ in kept:
+            ch.close()

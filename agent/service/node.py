@@ -100,6 +100,7 @@ class AgentNode:
         self.node = node
         #: How this agent reaches peers: its node certificate, or plaintext on loopback (--insecure).
         self.dial = dial or client.Dial(insecure=True)
+        self.peers = client.PeerClients(self.dial)  # the small calls' kept channels
         #: Plaintext loopback callers are trusted only when the agent was started with --insecure.
         self.insecure = self.dial.identity is None
         self.agent_id = uuid.uuid4().hex
@@ -166,9 +167,7 @@ class AgentNode:
             config=self.config,
             healing=self.healing,
             events=self.events,
-            ask=lambda address, group, timeout_s: client.PeerClient(address, self.dial).pace(
-                group, timeout_s
-            ),
+            ask=lambda address, group, timeout_s: self.peers.get(address).pace(group, timeout_s),
             observe=self.metrics.pace,
             arriving=self.targets.arriving,
             gpus=lambda: gpu_pace(
@@ -348,7 +347,7 @@ class AgentNode:
     def _snapshot_call(
         self, agent: str, req: pb.SnapshotMemberRequest, timeout_s: float
     ) -> pb.SnapshotMemberResponse:
-        return client.PeerClient(agent, self.dial).snapshot_member(req, timeout_s)
+        return self.peers.get(agent).snapshot_member(req, timeout_s)
 
     def snapshot_member(self, req: pb.SnapshotMemberRequest) -> pb.SnapshotMemberResponse:
         """One step of a round on this node (agent.snapshots.member); DROP also drops, as a
@@ -408,7 +407,7 @@ class AgentNode:
     def _node_of(self, address: str) -> str:
         """The node name of the agent at address, if it answers within PROBE_S ("" if not)."""
         try:
-            return client.PeerClient(address, self.dial).info(timeout_s=PROBE_S).node_name
+            return self.peers.get(address).info(timeout_s=PROBE_S).node_name
         except FerryError:
             return ""
 
@@ -418,7 +417,7 @@ class AgentNode:
     def _answers(self, address: str) -> str:
         """ "" if the agent at address answers within PROBE_S; else why not, in words."""
         try:
-            client.PeerClient(address, self.dial).info(timeout_s=PROBE_S)
+            self.peers.get(address).info(timeout_s=PROBE_S)
             return ""
         except FerryError as e:
             return e.cause
@@ -477,6 +476,7 @@ class AgentNode:
 
     def stop_housekeeping(self) -> None:
         self.stopping.set()
+        self.peers.close()
 
     # -- bookkeeping for graceful stop -------------------------------------------------
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from agent import tls
+from agent.client import Dial, PeerClients
+from agent.errors import FerryError
 from tests.integration.jobtools import assert_completed_exactly_once, run_training, wait_steps
 
 
@@ -74,3 +78,32 @@ def test_remote_clients_need_a_certificate_with_the_right_role(agents, pki) -> N
 def test_an_agent_refuses_to_start_without_its_certificate(agents, pki, tmp_path) -> None:
     with pytest.raises(RuntimeError, match="ferry certs node node-c"):
         agents("node-c", tls_dir=pki["ours"])
+
+
+def test_a_kept_channel_reaches_a_peer_again_within_a_second_of_its_restart(agents, pki) -> None:
+    """An agent's small calls to a peer (pings, pace, a snapshot round's steps) go over one kept
+    channel (client.PeerClients): while the peer agent is down they fail, and once it serves again
+    on its address the same channel reaches it, without a new client."""
+    b = agents("node-b", tls_dir=pki["ours"])
+    peers = PeerClients(Dial(identity=tls.load(pki["ours"], "node-a")))
+    try:
+        kept = peers.get(b.address)
+        assert peers.get(b.address) is kept, "one client per peer"
+        assert kept.info(timeout_s=5).node_name == "node-b"
+        b.stop()
+        down = time.monotonic()
+        while time.monotonic() - down < 3:
+            with pytest.raises(FerryError):
+                kept.info(timeout_s=0.5)
+            time.sleep(0.2)
+        b.start()
+        t0 = time.monotonic()
+        while True:
+            try:
+                assert kept.info(timeout_s=0.5).node_name == "node-b"
+                break
+            except FerryError:
+                assert time.monotonic() - t0 < 2.5, "the kept channel stayed away from a restarted peer"
+                time.sleep(0.05)
+    finally:
+        peers.close()
