@@ -27,6 +27,7 @@ class Chain:
     length: int  # images in its chain, itself included
     chain_bytes: int = 0  # what the images of its chain hold, itself included
     largest_bytes: int = 0  # its chain's largest image's
+    private_bytes: int = 0  # the member's own memory at that dump (procs.tree_private)
 
 
 def links(image: Path) -> list[Path]:

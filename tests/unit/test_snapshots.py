@@ -287,11 +287,15 @@ def test_a_warm_touches_what_the_next_dump_writes_and_only_the_hold_just_after_i
         warm=lambda where, size: warmed.append(size) or 0.01,
     )
     monkeypatch.setattr(member.procs, "tree_rss", lambda pid: 4096 if pid == rec.pid else 0)
-    monkeypatch.setattr(member.procs, "tree_private", lambda pid: 1 << 20 if pid == rec.pid else 0)
+    private = {rec.pid: 1 << 20}
+    monkeypatch.setattr(member.procs, "tree_private", lambda pid: private.get(pid, 0))
     m.warm("g")  # no dump yet: as much as the job holds, and the dump warms again (GPU memory)
     (h1,) = m.hold("g", 1, 5)
     m.release("g", 1)
-    m.warm("g")  # its chain goes on: as much as its last dump wrote, standing for the dump's warm-up
+    private[rec.pid] = 3 << 20  # the job allocates its state after its first dump
+    # Its chain goes on: as much as its last dump wrote and its memory grew by since, standing
+    # for the dump's warm-up.
+    m.warm("g")
     (h2,) = m.hold("g", 2, 5)
     m.release("g", 2)
     assert save.dumps[-1][2] is not None and h2.bytes < h1.bytes, "an increment"
@@ -303,7 +307,7 @@ def test_a_warm_touches_what_the_next_dump_writes_and_only_the_hold_just_after_i
     assert save.dumps[-1][2] is None, "whole"
     m.hold("g", 4, 5)  # no WARM before it: the dump warms by itself
     m.release("g", 4)
-    assert warmed == [4096, h1.bytes, 1 << 20] and h1.bytes > 4096
+    assert warmed == [4096, h1.bytes + (2 << 20), 3 << 20] and h1.bytes > 4096
     assert save.warms == [True, False, False, True]
     monkeypatch.setattr(member, "WARM_FRESH_S", 0.0)
     m.warm("g")
