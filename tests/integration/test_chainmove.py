@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
     not have_etcd(), reason="no etcd binary: `make etcd` installs Debian's etcd-server"
 )
 
-STEPS = 160
+STEPS = 220
 SHIP_PAUSE_S = 8.0  # longer than a loaded node takes from the log line to the move's Prepare
 
 

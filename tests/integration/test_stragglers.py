@@ -25,7 +25,7 @@ from agent.testing.ranks import start_job as start_ranks
 from tests.integration.jobtools import final_digest, steps_in
 from tests.integration.test_nodes import wait_exited, wait_for
 
-STEPS = 1900
+STEPS = 2200
 WINDOW_S = 8.0
 #: An hidden layer this wide makes a step's compute a few tens of milliseconds: a quota shows.
 #: Steps compared with the undisturbed run after the moves: some 10 s of them.
