@@ -1031,7 +1031,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=3.0,
         help="ferry's snapshot interval (default 3 s, near Young/Daly's for the hard failures alone, which "
-        "are all a round serves: 2.3 s with what a round costs the job's steps, about 0.04 s, rather than "
+        "are all a round serves: 2.7 s with what a round costs the job's steps, about 0.056 s, rather than "
         "the group's pause; four ferry runs at 3 s had 3 s less excess on average than four at 6 s: "
         "docs/performance.md)",
     )
