@@ -80,7 +80,7 @@ def test_an_agent_refuses_to_start_without_its_certificate(agents, pki, tmp_path
         agents("node-c", tls_dir=pki["ours"])
 
 
-def test_a_kept_channel_reaches_a_peer_again_within_a_second_of_its_restart(agents, pki) -> None:
+def test_a_kept_channel_reaches_a_peer_agent_again_once_it_restarted(agents, pki) -> None:
     """An agent's small calls to a peer (pings, pace, a snapshot round's steps) go over one kept
     channel (client.PeerClients): while the peer agent is down they fail, and once it serves again
     on its address the same channel reaches it, without a new client."""
