@@ -243,10 +243,15 @@ class MemberSnapshots:
         """The bytes of `rec`'s last dump here (0: none), and the chain its next dump goes on (None:
         whole: its chain ended at full_every or CHAIN_MAX, a dump failed, it is another process
         now, or dumps are not tracked here). Under the lock."""
-        last = self._sizes.get((group, rec.name), 0)
         c = self._chains.get((group, rec.name))
-        goes_on = c is not None and c.incarnation == (rec.pid, rec.pid_started) and c.length < self.full_every
-        return last, c if goes_on else None
+        return self._sizes.get((group, rec.name), 0), c if self._goes_on(
+            c, (rec.pid, rec.pid_started)
+        ) else None
+
+    def _goes_on(self, c: Chain | None, incarnation: tuple[int, float]) -> bool:
+        """Whether a dump of process `incarnation` may be an increment over chain `c`: the same
+        process, and the chain shorter than full_every."""
+        return c is not None and c.incarnation == incarnation and c.length < self.full_every
 
     def hold(self, group: str, epoch: int, hold_s: float) -> list[Held]:
         """Save and hold every running member of `group` here; answer once each is dumped."""
@@ -485,7 +490,7 @@ class MemberSnapshots:
         """The chain h's dump may be an increment over (its last image, `_image`); None: whole.
         Taken, not read: should this dump fail, the next is whole. Called under the lock."""
         c = self._chains.pop((h.group, h.job), None)
-        if c is None or c.incarnation != h.incarnation or c.length >= self.full_every:
+        if c is None or not self._goes_on(c, h.incarnation):
             return None
         return c if (self._image(h, c.epoch) / MANIFEST).is_file() else None
 
